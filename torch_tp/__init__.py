@@ -1,0 +1,32 @@
+"""torch_tp: tensor parallelism for PyTorch, on DTensor.
+
+The public API is that of ``torch.distributed.tensor.parallel`` (same names, arguments and
+semantics), with plans that are checked whole before anything changes.
+"""
+
+from torch_tp import api, style
+from torch_tp.api import parallelize_module
+from torch_tp.style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "api",
+    "parallelize_module",
+    "style",
+]

@@ -1,0 +1,160 @@
+"""Plans as data: resolving a plan to ``(path, module, style)`` and checking it whole.
+
+A plan is one :class:`ParallelStyle` (applied to the module itself) or a dict from module
+paths to styles. A path is dotted; each segment is matched against the names of the
+children at that level with :mod:`fnmatch` wildcards (``layers.*.attention.wq``), and the
+empty path ``""`` names the module itself. Nothing here touches a module: resolution and
+validation only read, so a plan can be checked before anything changes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torch_tp.style import ParallelStyle
+
+__all__ = ["PlanEntry", "resolve_plan", "validate_plan"]
+
+# set on every module a style was applied to; a second style on it is refused
+_APPLIED_STYLE = "_torch_tp_style"
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One module a plan applies a style to.
+
+    Attributes:
+        key: the plan key that matched (may hold wildcards).
+        path: the module's dotted path from the root (``""`` for the root itself).
+        module: the module.
+        style: the style to apply.
+    """
+
+    key: str
+    path: str
+    module: nn.Module
+    style: ParallelStyle
+
+
+def _describe(path: str) -> str:
+    return f"'{path}'" if path else "the root module ('')"
+
+
+def _match(root: nn.Module, key: str) -> tuple[list[tuple[str, nn.Module]], str | None]:
+    """All ``(path, module)`` that ``key`` names, or why it names none."""
+    if key == "":
+        return [("", root)], None
+    frontier = [("", root)]
+    for segment in key.split("."):
+        found = [
+            (f"{path}.{name}" if path else name, child)
+            for path, module in frontier
+            for name, child in module.named_children()
+            if fnmatchcase(name, segment)
+        ]
+        if not found:
+            path, module = frontier[0]
+            children = [name for name, _ in module.named_children()]
+            shown = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "")
+            return [], (
+                f"segment {segment!r} matches no child of {_describe(path)} "
+                f"(children: {shown or 'none'})"
+            )
+        frontier = found
+    return frontier, None
+
+
+def resolve_plan(
+    module: nn.Module,
+    parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle],
+    *,
+    strict: bool = True,
+) -> list[PlanEntry]:
+    """Resolve a plan's keys to the modules they name, in plan order.
+
+    Args:
+        module: the root module the plan's paths are relative to.
+        parallelize_plan: a :class:`ParallelStyle` for ``module`` itself, or a dict from
+            module paths (with ``fnmatch`` wildcards per dotted segment) to styles.
+        strict: raise for a key that matches no submodule; when ``False``, warn and skip it.
+
+    Returns:
+        One :class:`PlanEntry` per matched module, in the order of the plan's keys and, for
+        a wildcard key, of :meth:`nn.Module.named_children`.
+
+    Raises:
+        TypeError: the plan is neither a style nor a dict, a key is not a string, or a value
+            is not a :class:`ParallelStyle`.
+        ValueError: a key matches no submodule (``strict=True``), or two keys name the same
+            module.
+    """
+    if isinstance(parallelize_plan, ParallelStyle):
+        return [PlanEntry("", "", module, parallelize_plan)]
+    if not isinstance(parallelize_plan, Mapping):
+        raise TypeError(
+            "Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for parallelize_plan, "
+            f"{type(parallelize_plan)} found!"
+        )
+    for key, style in parallelize_plan.items():
+        if not isinstance(key, str):
+            raise TypeError(f"plan key {key!r}: module paths must be str, found {type(key)}")
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"plan key {key!r}: expected a ParallelStyle (e.g. ColwiseParallel()), found "
+                f"{type(style).__name__} {style!r}"
+            )
+
+    entries: list[PlanEntry] = []
+    owner: dict[int, PlanEntry] = {}
+    for key, style in parallelize_plan.items():
+        matches, why = _match(module, key)
+        if not matches:
+            message = f"parallelize_plan key {key!r} matches no submodule: {why}"
+            if strict:
+                raise ValueError(message)
+            warnings.warn(message + "; skipping it (strict=False)", stacklevel=3)
+            continue
+        for path, submodule in matches:
+            if id(submodule) in owner:
+                first = owner[id(submodule)]
+                raise ValueError(
+                    f"module {_describe(path)} is matched by plan keys {first.key!r} "
+                    f"({first.style!r}) and {key!r} ({style!r}); a module takes one style"
+                )
+            entry = PlanEntry(key, path, submodule, style)
+            owner[id(submodule)] = entry
+            entries.append(entry)
+    return entries
+
+
+def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh) -> None:
+    """Check every entry before any is applied; raise on the first that cannot apply.
+
+    Each style's :meth:`ParallelStyle._validate` is asked about its module; its error is
+    re-raised with the same type and a message naming the module path and the style. A
+    module that already carries a style from an earlier :func:`parallelize_module` call is
+    refused.
+    """
+    for entry in entries:
+        where = f"{entry.style!r} on {_describe(entry.path)} ({type(entry.module).__name__})"
+        previous = getattr(entry.module, _APPLIED_STYLE, None)
+        if previous is not None:
+            raise ValueError(
+                f"cannot apply {where}: the module was already parallelized with "
+                f"{previous!r}; a module takes one style"
+            )
+        try:
+            entry.style._validate(entry.module, device_mesh)
+        except (NotImplementedError, ValueError, TypeError) as err:
+            raise type(err)(f"cannot apply {where}: {err}") from err
+
+
+def mark_applied(entry: PlanEntry) -> None:
+    """Record on the module that ``entry.style`` was applied to it."""
+    setattr(entry.module, _APPLIED_STYLE, entry.style)

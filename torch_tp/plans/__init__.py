@@ -1,0 +1,5 @@
+"""Ready tensor-parallel plans for model families, as plain dicts of module paths to styles."""
+
+from torch_tp.plans import llama
+
+__all__ = ["llama"]

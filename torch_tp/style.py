@@ -1,0 +1,798 @@
+"""Parallel styles: one class per way of parallelizing a module.
+
+A style is a contract with the module it is applied to. It owns the whole story: which
+module types it accepts (:meth:`ParallelStyle._validate`), how their parameters become
+DTensors, and how inputs and outputs are laid out around the module
+(:meth:`ParallelStyle._apply`). The semantics, arguments and defaults are those of
+``torch.distributed.tensor.parallel``.
+
+Linear and Embedding layers compute on their local shards: DTensor is used only at the
+boundaries, to annotate and move layouts, while the matmul or the lookup runs on plain
+tensors. Parameters stay DTensors, so optimizers, FSDP2 and checkpoints see one kind of
+parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+
+from torch_tp import _layouts
+
+__all__ = [
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+]
+
+
+class ParallelStyle(ABC):
+    """The contract between :func:`parallelize_module` and one way of parallelizing a module.
+
+    Subclasses implement :meth:`_apply`, which shards the parameters the style owns into
+    DTensors and installs the input and output layout transforms around the module. They may
+    also implement :meth:`_validate`, which :func:`parallelize_module` calls on every
+    ``(module, style)`` pair of a plan before the first :meth:`_apply`, so that a bad plan
+    fails before anything changes.
+
+    Styles are plain values: they compare equal when their arguments are equal and print as
+    the call that builds them.
+
+    Attributes:
+        src_data_rank (int, optional): the rank whose values are scattered or broadcast when
+            parameters are distributed; ``None`` means each rank keeps its local values.
+            :func:`parallelize_module` sets it from its own ``src_data_rank`` argument.
+    """
+
+    src_data_rank: int | None = 0
+
+    @abstractmethod
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        """Parallelize ``module`` in place on ``device_mesh`` and return it."""
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:  # noqa: B027
+        """Raise if this style cannot be applied to ``module``; never modify anything.
+
+        Raise ``NotImplementedError`` for an unsupported module type and ``ValueError`` or
+        ``TypeError`` for anything else. :func:`parallelize_module` adds the module's path
+        and the style to the message. The default accepts every module.
+        """
+
+    def __eq__(self, other: object) -> bool:
+        if type(self) is not type(other):
+            return NotImplemented
+        return _arguments(self) == _arguments(other)
+
+    __hash__ = None  # type: ignore[assignment]  # styles are mutable (src_data_rank)
+
+
+def _arguments(style: ParallelStyle) -> dict[str, Any]:
+    return {k: v for k, v in vars(style).items() if k != "src_data_rank"}
+
+
+def _repr(style: ParallelStyle, **arguments: Any) -> str:
+    args = ", ".join(f"{name}={value!r}" for name, value in arguments.items())
+    return f"{type(style).__name__}({args})"
+
+
+def _as_tuple(layouts: Placement | tuple[Placement | None, ...] | None, what: str):
+    """Normalize a layouts argument to a tuple (or ``None``), checking every element."""
+    if layouts is None:
+        return None
+    if isinstance(layouts, Placement):
+        return (layouts,)
+    if not isinstance(layouts, (tuple, list)):
+        raise TypeError(f"{what} must be a Placement or a tuple of them, found {layouts!r}")
+    for layout in layouts:
+        if layout is not None and not isinstance(layout, Placement):
+            raise TypeError(f"{what} must hold Placements or None, found {layout!r}")
+    return tuple(layouts)
+
+
+def _single(layout: Placement | None, default: Placement, what: str) -> tuple[Placement]:
+    """The single-element layout tuples of Colwise/Rowwise (upstream keeps them as tuples)."""
+    if layout is None:
+        return (default,)
+    if not isinstance(layout, Placement):
+        raise TypeError(f"{what} must be a Placement, found {layout!r}")
+    return (layout,)
+
+
+def _distribute_parameters(
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    placements: dict[str, Placement],
+    src_data_rank: int | None,
+) -> None:
+    """Replace each named direct parameter of ``module`` by a DTensor with that placement."""
+    for name, placement in placements.items():
+        param = getattr(module, name)
+        if param is None:
+            continue
+        # src_data_rank=None keeps each rank's local values (no scatter or broadcast)
+        dtensor = distribute_tensor(
+            param.detach(), device_mesh, (placement,), src_data_rank=src_data_rank
+        )
+        new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        if isinstance(placement, Replicate) and new.requires_grad:
+            # computing on shards (a sequence shard, a sharded output) leaves each rank with a
+            # partial sum of a replicated parameter's gradient: sum it, so every rank holds
+            # the full gradient, as on one device
+            new.register_hook(_sum_partial_gradient)
+        module.register_parameter(name, new)
+
+
+def _uses_stock_forward(module: nn.Module) -> bool:
+    """True when ``module`` runs the forward of torch's Linear/Embedding, unchanged.
+
+    Only then may a style replace the forward by an equivalent computation on local shards;
+    a subclass with its own forward keeps it and runs on DTensors instead.
+    """
+    for base in (nn.Linear, nn.Embedding):
+        if isinstance(module, base):
+            return type(module).forward is base.forward
+    return False
+
+
+class _ShardLinearEmbedding(ParallelStyle):
+    """What :class:`ColwiseParallel` and :class:`RowwiseParallel` share."""
+
+    _default_input: Placement
+    _default_output: Placement
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.input_layouts = _single(input_layouts, self._default_input, "input_layouts")
+        self.output_layouts = _single(output_layouts, self._default_output, "output_layouts")
+        self.use_local_output = use_local_output
+
+    def __repr__(self) -> str:
+        return _repr(
+            self,
+            input_layouts=self.input_layouts[0],
+            output_layouts=self.output_layouts[0],
+            use_local_output=self.use_local_output,
+        )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise NotImplementedError(
+                f"{type(self).__name__} supports nn.Linear and nn.Embedding (and their "
+                f"subclasses), found {type(module).__module__}.{type(module).__qualname__}"
+            )
+        _check_not_distributed(module)
+        if isinstance(module, nn.Embedding):
+            if module.sparse:
+                raise ValueError("sparse embedding gradients are not supported")
+            if module.max_norm is not None:
+                raise ValueError(
+                    "max_norm renormalizes whole rows in place, which a sharded weight "
+                    "cannot do locally; remove max_norm"
+                )
+
+    def _install(
+        self,
+        module: nn.Module,
+        device_mesh: DeviceMesh,
+        params: dict[str, Placement],
+        local_forward,
+        desired_input: Placement,
+    ) -> nn.Module:
+        _distribute_parameters(module, device_mesh, params, self.src_data_rank)
+        if _uses_stock_forward(module):
+            module.forward = functools.partial(local_forward, module, device_mesh)
+        else:
+            _hook_dtensor_forward(
+                module,
+                device_mesh,
+                self.input_layouts[0],
+                desired_input,
+                self.output_layouts[0],
+                self.use_local_output,
+            )
+        return module
+
+
+class ColwiseParallel(_ShardLinearEmbedding):
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` by output column.
+
+    ``nn.Linear``: ``weight`` and ``bias`` are sharded on the output features (``Shard(0)``).
+    ``nn.Embedding``: ``weight`` is sharded on the embedding dimension (``Shard(1)``).
+    The module computes with the whole (replicated) input and produces its output sharded on
+    the last dimension; that output is then moved to ``output_layouts``. Pair it with
+    :class:`RowwiseParallel` to shard an MLP or an attention block with one reduction.
+
+    Keyword Args:
+        input_layouts (Placement, optional): the layout of the module's input when it arrives
+            as a local :class:`torch.Tensor`, used to annotate it as a DTensor. A DTensor input
+            carries its own layout. Default: ``Replicate()``.
+        output_layouts (Placement, optional): the layout of the module's output.
+            Default: ``Shard(-1)``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that shards the module column-wise.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, ColwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with an "w1" nn.Linear submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # input of "w1" is taken as replicated; its output is a local shard of the last dim
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"w1": ColwiseParallel()})
+
+    .. note:: The default output is sharded on the last dimension: code between this module
+        and the paired :class:`RowwiseParallel` sees only the local columns (for attention,
+        the local heads), so shapes must be derived from tensors, not from the config.
+    """
+
+    _default_input = Replicate()
+    _default_output = Shard(-1)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Linear):
+            params = {"weight": Shard(0), "bias": Shard(0)}
+            return self._install(module, device_mesh, params, self._linear, Replicate())
+        if isinstance(module, nn.Embedding):
+            params = {"weight": Shard(1)}
+            return self._install(module, device_mesh, params, self._embedding, Replicate())
+        self._validate(module, device_mesh)  # raises the unsupported-type error
+        return module
+
+    def _linear(self, module: nn.Linear, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
+        x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+        bias = None if module.bias is None else module.bias.to_local()
+        y = F.linear(x, module.weight.to_local(), bias)
+        return self._leave(y, mesh, (*x.shape[:-1], module.out_features))
+
+    def _embedding(
+        self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
+    ) -> torch.Tensor:
+        ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+        y = F.embedding(
+            ids,
+            module.weight.to_local(),
+            module.padding_idx,
+            scale_grad_by_freq=module.scale_grad_by_freq,
+        )
+        return self._leave(y, mesh, (*ids.shape, module.embedding_dim))
+
+    def _leave(self, y: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...]) -> torch.Tensor:
+        computed = Shard(y.ndim - 1)
+        layout = _layouts.normalize(self.output_layouts[0], y.ndim)
+        return _layouts.leave(y, mesh, computed, layout, self.use_local_output, torch.Size(shape))
+
+
+class RowwiseParallel(_ShardLinearEmbedding):
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` by input row.
+
+    ``nn.Linear``: ``weight`` is sharded on the input features (``Shard(1)``) and ``bias`` is
+    replicated; the input must be sharded on its last dimension. ``nn.Embedding``: ``weight``
+    is sharded on the vocabulary (``Shard(0)``) and the input ids are replicated; each rank
+    looks up the ids it owns. Either way every rank holds a partial sum, which is reduced
+    to ``output_layouts`` (an all-reduce for ``Replicate()``, a reduce-scatter for
+    ``Shard(d)``). Sizes need not divide by the mesh size.
+
+    Keyword Args:
+        input_layouts (Placement, optional): the layout of the module's input when it arrives
+            as a local :class:`torch.Tensor`. Default: ``Shard(-1)``.
+        output_layouts (Placement, optional): the layout of the module's output.
+            Default: ``Replicate()``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that shards the module row-wise.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, RowwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with a "w2" nn.Linear submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # input of "w2" is a local shard of the last dim; its output is replicated
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"w2": RowwiseParallel()})
+    """
+
+    _default_input = Shard(-1)
+    _default_output = Replicate()
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
+            raise ValueError(
+                "scale_grad_by_freq counts ids over the whole vocabulary, which a "
+                "vocabulary shard cannot do locally; remove scale_grad_by_freq"
+            )
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            layout = self.output_layouts[0]
+            if not isinstance(layout, (Replicate, Shard)):
+                raise ValueError(
+                    f"a biased Linear needs output_layouts Replicate() or Shard(d), found "
+                    f"{layout}: the bias would be added once per rank to a partial sum"
+                )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Linear):
+            params = {"weight": Shard(1), "bias": Replicate()}
+            return self._install(module, device_mesh, params, self._linear, Shard(-1))
+        if isinstance(module, nn.Embedding):
+            params = {"weight": Shard(0)}
+            return self._install(module, device_mesh, params, self._embedding, Replicate())
+        self._validate(module, device_mesh)  # raises the unsupported-type error
+        return module
+
+    def _linear(self, module: nn.Linear, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
+        last = Shard(input.ndim - 1)
+        x = _layouts.enter_sharded(input, mesh, _layouts.normalize(self.input_layouts[0], input.ndim), last)
+        y = self._reduce(F.linear(x, module.weight.to_local()), mesh)
+        if module.bias is not None:
+            y = y + module.bias  # after the reduction, so that it is added once
+        return y.to_local() if self.use_local_output else y
+
+    def _embedding(
+        self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
+    ) -> torch.Tensor:
+        ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+        start, stop = _layouts.shard_range(module.num_embeddings, mesh)
+        weight = module.weight.to_local()
+        # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
+        # (the reduction below) then holds exactly one real row per id
+        foreign = (ids < start) | (ids >= stop)
+        if stop > start:
+            pad = module.padding_idx
+            local_pad = pad - start if pad is not None and start <= pad < stop else None
+            y = F.embedding((ids - start).masked_fill(foreign, 0), weight, local_pad)
+            y = y.masked_fill(foreign.unsqueeze(-1), 0.0)
+        else:  # an empty shard (tiny vocabulary): contribute zeros, keep the graph
+            y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
+        y = self._reduce(y, mesh)
+        return y.to_local() if self.use_local_output else y
+
+    def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        y = DTensor.from_local(
+            partial, mesh, (Partial(),), run_check=False, shape=partial.shape, stride=partial.stride()
+        )
+        return _layouts.redistribute(y, _layouts.normalize(self.output_layouts[0], partial.ndim))
+
+
+def _check_not_distributed(module: nn.Module) -> None:
+    for name, param in module.named_parameters(recurse=False):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name!r} is already a DTensor with placements "
+                f"{param.placements}: the module was parallelized before"
+            )
+
+
+_SEQUENCE_PARALLEL_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
+_NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
+
+
+class SequenceParallel(ParallelStyle):
+    """Run a normalization or dropout layer on a sequence shard of its input.
+
+    The module's parameters are replicated (broadcast from ``src_data_rank``, so they need
+    not be ones); its first input is taken as sharded on ``sequence_dim`` (a local tensor is
+    annotated so, a DTensor is moved there), and so is its output. Gradients of the
+    replicated parameters are summed over the sequence shards, so every rank holds the full
+    gradient. This is the sequence parallelism of `Reducing Activation Recomputation in Large
+    Transformer Models <https://arxiv.org/abs/2205.05198>`__.
+
+    Supported modules: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Dropout``, and hand-written norms
+    whose class name ends in ``RMSNorm`` or ``LayerNorm`` and whose parameters are 1-D (the
+    per-feature scale and shift of Llama-style models).
+
+    Keyword Args:
+        sequence_dim (int, optional): the sequence dimension of the input. Default: 1.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` that runs the module sequence-parallel.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, SequenceParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with a "norm" nn.LayerNorm submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # "norm" takes a sequence shard and returns a DTensor sharded on the sequence
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"norm": SequenceParallel()})
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        super().__init__()
+        self.sequence_sharding = (Shard(sequence_dim),)
+        self.use_local_output = use_local_output
+
+    def __repr__(self) -> str:
+        return _repr(
+            self,
+            sequence_dim=self.sequence_sharding[0].dim,
+            use_local_output=self.use_local_output,
+        )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        supported = isinstance(module, _SEQUENCE_PARALLEL_TYPES) or (
+            type(module).__name__.endswith(_NORM_SUFFIXES)
+            and all(p.ndim == 1 for p in module.parameters(recurse=False))
+        )
+        if not supported:
+            raise NotImplementedError(
+                "SequenceParallel supports nn.LayerNorm, nn.RMSNorm, nn.Dropout and "
+                "hand-written norms named *RMSNorm or *LayerNorm with 1-D parameters, found "
+                f"{type(module).__module__}.{type(module).__qualname__}"
+            )
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        params = {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+        _distribute_parameters(module, device_mesh, params, self.src_data_rank)
+        module.register_forward_pre_hook(functools.partial(self._enter, device_mesh))
+        module.register_forward_hook(self._leave)
+        return module
+
+    def _enter(self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...]):
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            raise ValueError(
+                f"SequenceParallel expects the first input of {type(module).__name__} to be a "
+                f"tensor, found {type(inputs[0]).__name__ if inputs else 'no input'}"
+            )
+        layout = _layouts.normalize(self.sequence_sharding[0], inputs[0].ndim)
+        x = _layouts.redistribute(_layouts.annotate(inputs[0], mesh, layout), layout)
+        return (x, *inputs[1:])
+
+    def _leave(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        if self.use_local_output and isinstance(output, DTensor):
+            return output.to_local()
+        return output
+
+
+def _sum_partial_gradient(grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+    return grad
+
+
+def _hook_dtensor_forward(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    input_layout: Placement,
+    desired_input: Placement,
+    output_layout: Placement,
+    use_local_output: bool,
+) -> None:
+    """Run ``module``'s own forward on DTensors: annotate and move the first input to
+    ``desired_input`` before it, move the output to ``output_layout`` after it."""
+
+    def enter(mod: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = _layouts.prepare(inputs[0], mesh, input_layout, desired_input, False, "input 0")
+        return (x, *inputs[1:])
+
+    def leave(mod: nn.Module, inputs: Any, output: Any) -> Any:
+        if not isinstance(output, DTensor):
+            return output
+        out = _layouts.redistribute(output, _layouts.normalize(output_layout, output.ndim))
+        return out.to_local() if use_local_output else out
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Lay out a module's inputs as DTensors before its forward runs.
+
+    Each positional input with a layout in ``input_layouts`` (and each keyword input named
+    in ``input_kwarg_layouts``) is annotated with that layout if it is a local tensor, then
+    moved to the matching desired layout. ``None`` leaves an input untouched.
+
+    Keyword Args:
+        input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            positional inputs; ``None`` is a placeholder for an input to leave alone.
+            Default: ``None`` (positional inputs are left alone).
+        desired_input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts the
+            module should receive; same length as ``input_layouts``. Default: ``None``.
+        input_kwarg_layouts (Dict[str, Placement]): the layouts of keyword inputs.
+            Default: ``None``.
+        desired_input_kwarg_layouts (Dict[str, Placement]): the layouts the module should
+            receive for keyword inputs. Default: ``None``.
+        use_local_output (bool, optional): give the module local :class:`torch.Tensor` inputs
+            instead of DTensors. Default: ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's inputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleInput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)  # a module with an "attn" submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # the first input of "attn" arrives sharded on dim 0 and is replicated
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     {"attn": PrepareModuleInput(
+        ...         input_layouts=(Shard(0), None),
+        ...         desired_input_layouts=(Replicate(), None),
+        ...     )},
+        ... )
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_output: bool = False,
+    ) -> None:
+        self.input_layouts = _as_tuple(input_layouts, "input_layouts")
+        self.desired_input_layouts = _as_tuple(desired_input_layouts, "desired_input_layouts")
+        self.use_local_output = use_local_output
+        if self.input_layouts is not None:
+            # AssertionError, as upstream raises: callers may catch it
+            if self.desired_input_layouts is None:
+                raise AssertionError("desired module inputs should not be None!")
+            if len(self.input_layouts) != len(self.desired_input_layouts):
+                raise AssertionError(
+                    "input_layouts and desired_input_layouts should have same length! "
+                    f"found {len(self.input_layouts)} and {len(self.desired_input_layouts)}"
+                )
+        self.with_kwargs = input_kwarg_layouts is not None
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        if self.with_kwargs and len(self.input_kwarg_layouts) != len(
+            self.desired_input_kwarg_layouts
+        ):
+            raise AssertionError(
+                "input_kwarg_layouts and desired_input_kwarg_layouts should have same length!"
+            )
+
+    def __repr__(self) -> str:
+        return _repr(
+            self,
+            input_layouts=self.input_layouts,
+            desired_input_layouts=self.desired_input_layouts,
+            input_kwarg_layouts=self.input_kwarg_layouts if self.with_kwargs else None,
+            desired_input_kwarg_layouts=self.desired_input_kwarg_layouts or None,
+            use_local_output=self.use_local_output,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.with_kwargs:
+            module.register_forward_pre_hook(
+                functools.partial(self._prepare_with_kwargs, device_mesh), with_kwargs=True
+            )
+        else:
+            module.register_forward_pre_hook(functools.partial(self._prepare_hook, device_mesh))
+        return module
+
+    def _prepare_hook(self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...]):
+        return self._prepare_args(mesh, inputs)
+
+    def _prepare_with_kwargs(
+        self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict
+    ):
+        prepared = {
+            key: _layouts.prepare(
+                value,
+                mesh,
+                self.input_kwarg_layouts.get(key),
+                self.desired_input_kwarg_layouts.get(key),
+                self.use_local_output,
+                f"keyword input {key!r}",
+            )
+            for key, value in kwargs.items()
+        }
+        return self._prepare_args(mesh, inputs), prepared
+
+    def _prepare_args(self, mesh: DeviceMesh, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        if self.input_layouts is None:
+            return inputs
+        if len(inputs) != len(self.input_layouts):
+            raise ValueError(
+                "module inputs and input_layouts should have same length! found "
+                f"{len(inputs)} inputs for input_layouts={self.input_layouts}"
+            )
+        return tuple(
+            _layouts.prepare(value, mesh, layout, desired, self.use_local_output, f"input {i}")
+            for i, (value, layout, desired) in enumerate(
+                zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
+            )
+        )
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Lay out a module's outputs as DTensors after its forward runs.
+
+    Each output with a layout in ``output_layouts`` is annotated with that layout if it is a
+    local tensor, then moved to the matching desired layout; ``None`` leaves an output
+    untouched. A module returning one tensor gets one tensor back.
+
+    Keyword Args:
+        output_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            outputs; ``None`` is a placeholder for an output to leave alone.
+        desired_output_layouts (Union[Placement, Tuple[Placement]]): the layouts to return;
+            same length as ``output_layouts``.
+        use_local_output (bool, optional): return local :class:`torch.Tensor` outputs instead
+            of DTensors. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's outputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleOutput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # the block's replicated output is returned sharded on dim 0
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+        ... )
+    """
+
+    def __init__(
+        self,
+        *,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement, ...],
+        use_local_output: bool = True,
+    ) -> None:
+        self.output_layouts = _as_tuple(output_layouts, "output_layouts")
+        self.desired_output_layouts = _as_tuple(desired_output_layouts, "desired_output_layouts")
+        self.use_local_output = use_local_output
+        if self.output_layouts is None or self.desired_output_layouts is None:
+            raise AssertionError("output_layouts and desired_output_layouts must be given!")
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise AssertionError(
+                "output_layouts and desired_output_layouts should have same length! found "
+                f"{len(self.output_layouts)} and {len(self.desired_output_layouts)}"
+            )
+
+    def __repr__(self) -> str:
+        return _repr(
+            self,
+            output_layouts=self.output_layouts,
+            desired_output_layouts=self.desired_output_layouts,
+            use_local_output=self.use_local_output,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(functools.partial(self._prepare_hook, device_mesh))
+        return module
+
+    def _prepare_hook(self, mesh: DeviceMesh, module: nn.Module, inputs: Any, outputs: Any):
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if len(outputs) != len(self.output_layouts):
+            raise ValueError(
+                "module outputs and output_layouts should have same length! found "
+                f"{len(outputs)} outputs for output_layouts={self.output_layouts}"
+            )
+        prepared = tuple(
+            _layouts.prepare(value, mesh, layout, desired, self.use_local_output, f"output {i}")
+            for i, (value, layout, desired) in enumerate(
+                zip(outputs, self.output_layouts, self.desired_output_layouts, strict=True)
+            )
+        )
+        return prepared[0] if len(prepared) == 1 else prepared
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """Lay out a module's inputs before and its outputs after its forward runs.
+
+    The combination of :class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one
+    module; see those for the meaning of each argument.
+
+    Keyword Args:
+        input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            positional inputs. Default: ``None``.
+        desired_input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts the
+            module should receive. Default: ``None``.
+        input_kwarg_layouts (Dict[str, Placement]): the layouts of keyword inputs.
+            Default: ``None``.
+        desired_input_kwarg_layouts (Dict[str, Placement]): the layouts the module should
+            receive for keyword inputs. Default: ``None``.
+        use_local_input (bool, optional): give the module local tensors instead of DTensors.
+            Default: ``False``.
+        output_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            outputs.
+        desired_output_layouts (Union[Placement, Tuple[Placement]]): the layouts to return.
+        use_local_output (bool, optional): return local tensors instead of DTensors.
+            Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's inputs and outputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleInputOutput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     {"attn": PrepareModuleInputOutput(
+        ...         input_layouts=(Shard(0), None),
+        ...         desired_input_layouts=(Replicate(), None),
+        ...         output_layouts=Replicate(),
+        ...         desired_output_layouts=Shard(0),
+        ...     )},
+        ... )
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_input: bool = False,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement, ...],
+        use_local_output: bool = True,
+    ) -> None:
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input,
+        )
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
+        )
+
+    def __repr__(self) -> str:
+        inp, out = self.prepare_module_input, self.prepare_module_output
+        return _repr(
+            self,
+            input_layouts=inp.input_layouts,
+            desired_input_layouts=inp.desired_input_layouts,
+            input_kwarg_layouts=inp.input_kwarg_layouts if inp.with_kwargs else None,
+            desired_input_kwarg_layouts=inp.desired_input_kwarg_layouts or None,
+            use_local_input=inp.use_local_output,
+            output_layouts=out.output_layouts,
+            desired_output_layouts=out.desired_output_layouts,
+            use_local_output=out.use_local_output,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.prepare_module_input._apply(module, device_mesh)
+        self.prepare_module_output._apply(module, device_mesh)
+        return module

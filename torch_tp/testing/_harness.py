@@ -1,0 +1,555 @@
+"""A pool of worker processes that runs a function on every rank of a process group.
+
+Spawning ranks and initialising a process group costs seconds, a test costs milliseconds. So
+the pool for a world size is spawned once per process (once per pytest session) and reused by
+every :func:`run_distributed` call of that size. A failure on one rank comes back as a
+:class:`RankError` carrying that rank's traceback; a hang is killed at a timeout and the pool is
+dropped, so the next call gets a fresh one.
+
+Messages between the parent and the workers are pickled explicitly (``pickle.dumps``) before
+they are queued: a value that cannot be pickled then fails where we can report it, instead of in
+a queue's feeder thread where the error would be lost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import pickle
+import queue
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankError", "RankTimeout", "device_type", "run_distributed", "shutdown"]
+
+T = TypeVar("T")
+
+_DEFAULT_TIMEOUT = 120.0
+# Spawning a pool (importing torch in every rank, rendezvous) is not charged to a call's timeout.
+_STARTUP_TIMEOUT = 300.0
+# After a rank fails, how long the others get to finish before the pool is replaced.
+_FAILURE_GRACE = 3.0
+_POLL_INTERVAL = 0.05
+
+# Tags of the messages a worker sends to the parent.
+_READY, _INIT_FAILED, _OK, _FAILED = "ready", "init_failed", "ok", "failed"
+
+
+class RankError(RuntimeError):
+    """A rank raised (or its worker process died) while running a function.
+
+    Attributes:
+        rank (int): the rank that failed first.
+        traceback (str): that rank's formatted traceback.
+        exception (BaseException | None): the exception raised on that rank, if it could be
+            sent back to the parent; it is also the ``__cause__`` of this error.
+    """
+
+    def __init__(
+        self, message: str, rank: int, traceback: str, exception: BaseException | None = None
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+        self.exception = exception
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.rank, self.traceback, self.exception))
+
+
+class RankTimeout(TimeoutError):
+    """Some ranks did not finish within the timeout.
+
+    Attributes:
+        ranks (list[int]): the ranks that did not finish.
+        timeout (float): the timeout in seconds.
+    """
+
+    def __init__(self, message: str, ranks: list[int], timeout: float) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.timeout = timeout
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.ranks, self.timeout))
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------
+
+# Set in a worker once its process group is up; read by device_type().
+_WORKER_DEVICE_TYPE: str | None = None
+
+
+def device_type() -> str:
+    """Return the device type the ranks of :func:`run_distributed` compute on.
+
+    ``"cuda"`` when the pool's process group uses NCCL (there is one GPU per rank), else
+    ``"cpu"`` (gloo). Outside a worker, returns ``"cuda"`` if CUDA is available, else ``"cpu"``.
+
+    Example::
+
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> def build_mesh() -> int:
+        ...     mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+        ...     return mesh.size()
+        >>> run_distributed(build_mesh, 2)  # doctest: +SKIP
+        [2, 2]
+    """
+    if _WORKER_DEVICE_TYPE is not None:
+        return _WORKER_DEVICE_TYPE
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    # A SIGKILLed parent runs no atexit handler; this thread makes sure the worker goes too.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _apply_sys_path(parent_path: list[str]) -> None:
+    # The parent's entries first, in its order, so that its modules (test files) are the ones
+    # the worker imports when it unpickles a function.
+    extra = [p for p in sys.path if p not in parent_path]
+    sys.path[:] = list(parent_path) + extra
+
+
+def _init_worker(rank: int, world_size: int, init_file: str) -> None:
+    global _WORKER_DEVICE_TYPE
+    torch.set_num_threads(1)
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        torch.cuda.set_device(rank)
+        # gloo next to NCCL so that CPU tensors can still be communicated.
+        backend, _WORKER_DEVICE_TYPE = "cpu:gloo,cuda:nccl", "cuda"
+    else:
+        backend, _WORKER_DEVICE_TYPE = "gloo", "cpu"
+        if sys.platform.startswith("linux"):
+            # All ranks run on this machine: keep gloo off interfaces that may not resolve.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+
+
+def _failure_message(exc: BaseException) -> tuple[bytes | None, str]:
+    tb = traceback.format_exc()
+    try:
+        return pickle.dumps(exc), tb
+    except Exception:
+        return None, tb
+
+
+def _run_task(rank: int, task_id: int, parent_path: list[str], payload: bytes) -> tuple:
+    _apply_sys_path(parent_path)
+    default_dtype, grad_enabled = torch.get_default_dtype(), torch.is_grad_enabled()
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - pytest's skip/fail derive from BaseException
+        return (_FAILED, task_id, rank, *_failure_message(exc))
+    finally:
+        # Cheap hygiene so that one test's global settings do not leak into the next.
+        torch.set_default_dtype(default_dtype)
+        torch.set_grad_enabled(grad_enabled)
+    try:
+        return (_OK, task_id, rank, pickle.dumps(result), None)
+    except Exception as exc:
+        text = (
+            f"the return value of rank {rank} could not be pickled "
+            f"({type(exc).__name__}: {exc}); its repr is:\n{_short_repr(result)}\n"
+        )
+        return (_FAILED, task_id, rank, None, text)
+
+
+def _short_repr(obj: object, limit: int = 2000) -> str:
+    try:
+        text = repr(obj)
+    except Exception as exc:
+        text = f"<repr failed: {type(exc).__name__}: {exc}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    tasks: multiprocessing.Queue,
+    results: multiprocessing.Queue,
+    parent_pid: int,
+) -> None:
+    global _IN_WORKER
+    _IN_WORKER = True
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    try:
+        _init_worker(rank, world_size, init_file)
+    except BaseException:  # noqa: BLE001 - report anything, the parent decides
+        results.put((_INIT_FAILED, -1, rank, None, traceback.format_exc()))
+        return
+    results.put((_READY, -1, rank, None, None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        results.put(_run_task(rank, *task))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side
+# --------------------------------------------------------------------------------------------
+
+_IN_WORKER = False
+_POOLS: dict[int, _Pool] = {}
+_LOCK = threading.RLock()
+_next_task_id = 0
+
+
+class _Pool:
+    """``world_size`` spawned workers sharing one process group, and the queues to reach them."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.world_size = world_size
+        self.tmpdir = tempfile.mkdtemp(prefix=f"torch_tp_pool{world_size}_")
+        self.results: multiprocessing.Queue = ctx.Queue()
+        self.tasks: list[multiprocessing.Queue] = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(
+                    rank,
+                    world_size,
+                    os.path.join(self.tmpdir, "store"),
+                    self.tasks[rank],
+                    self.results,
+                    os.getpid(),
+                ),
+                name=f"torch_tp-rank{rank}-of-{world_size}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for proc in self.procs:
+                proc.start()
+            self._wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [proc.pid for proc in self.procs]
+
+    def _wait_ready(self) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + _STARTUP_TIMEOUT
+        while len(ready) < self.world_size:
+            msg = self._get(deadline)
+            if msg is None:
+                dead = self._dead_ranks(ready)
+                if dead or time.monotonic() >= deadline:
+                    missing = sorted(set(range(self.world_size)) - ready)
+                    raise RuntimeError(
+                        f"could not start a pool of {self.world_size} ranks: ranks {missing} "
+                        f"did not initialise their process group within {_STARTUP_TIMEOUT} s"
+                        + (f" (exit codes {dead})" if dead else "")
+                    )
+                continue
+            tag, _, rank, _, text = msg
+            if tag == _INIT_FAILED:
+                raise RuntimeError(
+                    f"rank {rank} of a pool of {self.world_size} failed to initialise its "
+                    f"process group:\n{text}"
+                )
+            ready.add(rank)
+
+    def _get(self, deadline: float) -> tuple | None:
+        wait = min(_POLL_INTERVAL * 4, max(deadline - time.monotonic(), 0.0))
+        try:
+            return self.results.get(timeout=wait)
+        except queue.Empty:
+            return None
+
+    def _dead_ranks(self, done: set[int]) -> dict[int, int]:
+        return {
+            rank: proc.exitcode
+            for rank, proc in enumerate(self.procs)
+            if rank not in done and proc.exitcode is not None
+        }
+
+    def submit(self, task_id: int, payload: bytes) -> None:
+        parent_path = list(sys.path)
+        for tasks in self.tasks:
+            tasks.put((task_id, parent_path, payload))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask the workers to leave their process group and exit; kill those that do not."""
+        for tasks in self.tasks:
+            try:
+                tasks.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(deadline - time.monotonic(), 0.0))
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every worker now and release the queues and the store directory."""
+        for proc in self.procs:
+            if proc.pid is not None and proc.exitcode is None:
+                proc.kill()
+        for proc in self.procs:
+            if proc.pid is not None:
+                proc.join(5.0)
+        for q in [*self.tasks, self.results]:
+            q.cancel_join_thread()
+            q.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _get_pool(world_size: int) -> _Pool:
+    pool = _POOLS.get(world_size)
+    if pool is not None and any(proc.exitcode is not None for proc in pool.procs):
+        # A worker died between calls (killed from outside, say): its group is unusable.
+        _drop_pool(world_size)
+        pool = None
+    if pool is None:
+        pool = _POOLS[world_size] = _Pool(world_size)
+    return pool
+
+
+def _drop_pool(world_size: int) -> None:
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.kill()
+
+
+def _resolve_timeout(timeout: float | None) -> float:
+    if timeout is not None:
+        value, source = timeout, "timeout"
+    elif "TORCH_TP_TEST_TIMEOUT" in os.environ:
+        source = "TORCH_TP_TEST_TIMEOUT"
+        try:
+            value = float(os.environ[source])
+        except ValueError:
+            raise ValueError(
+                f"TORCH_TP_TEST_TIMEOUT must be a number of seconds, found "
+                f"{os.environ[source]!r}"
+            ) from None
+    else:
+        return _DEFAULT_TIMEOUT
+    if not value > 0:
+        raise ValueError(f"{source} must be a positive number of seconds, found {value!r}")
+    return float(value)
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def run_distributed(
+    fn: Callable[..., T],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> list[T]:
+    """Run ``fn(*args, **kwargs)`` on every rank of a ``world_size`` process group.
+
+    The ranks are worker processes spawned on the first call for a given ``world_size`` and
+    reused by every later call of that size, each with the default process group initialised
+    (gloo on CPU; NCCL, with ``torch.cuda.set_device(rank)``, when there is a GPU per rank; see
+    :func:`device_type`). Each worker runs with ``torch.set_num_threads(1)``.
+
+    ``fn``, ``args``, ``kwargs`` and the return values are pickled, so ``fn`` must be picklable
+    by reference: a function defined at module level (in a test file, say), not a lambda or a
+    nested function. The caller's ``sys.path`` is applied in the workers before ``fn`` is
+    unpickled, so the workers find the module ``fn`` lives in. A function defined in a script
+    run as ``__main__`` works as long as the script keeps its top-level code under
+    ``if __name__ == "__main__":`` (workers are spawned and import the main module). Workers
+    are daemonic processes, so ``fn`` cannot start processes of its own (e.g. a ``DataLoader``
+    with ``num_workers > 0``).
+
+    Args:
+        fn: the function to run on every rank.
+        world_size: the number of ranks.
+        *args: positional arguments for ``fn``.
+        timeout: seconds to wait for all ranks. Default: the ``TORCH_TP_TEST_TIMEOUT``
+            environment variable if set, else 120. Spawning a new pool is not counted.
+        **kwargs: keyword arguments for ``fn``.
+
+    Returns:
+        The return value of ``fn`` on each rank, indexed by rank.
+
+    Raises:
+        RankError: a rank raised, or its worker died. The message holds that rank's full
+            traceback. If other ranks do not finish within a few seconds (they are often
+            waiting in a collective for the failed rank), the pool is replaced.
+        RankTimeout: some ranks did not finish within ``timeout``; the pool is killed and the
+            next call spawns a fresh one.
+        TypeError: ``fn`` or its arguments cannot be pickled.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> def all_reduce_rank() -> float:  # at module level
+        ...     t = torch.tensor([float(dist.get_rank())])
+        ...     dist.all_reduce(t)
+        ...     return t.item()
+        >>> run_distributed(all_reduce_rank, 2)  # doctest: +SKIP
+        [1.0, 1.0]
+    """
+    global _next_task_id
+    if _IN_WORKER:
+        raise RuntimeError("run_distributed cannot be called from inside a rank of another call")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, found {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, found {world_size!r}")
+    timeout = _resolve_timeout(timeout)
+    name = _qualname(fn)
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(
+            f"run_distributed could not pickle {name} or its arguments ({exc}); fn must be "
+            "a module-level function and its arguments picklable"
+        ) from exc
+
+    with _LOCK:
+        pool = _get_pool(world_size)
+        _next_task_id += 1
+        try:
+            results, error, pool_ok = _collect(pool, _next_task_id, payload, name, timeout)
+        except BaseException:
+            # Interrupted in the middle of a call (Ctrl-C): the ranks' state is unknown.
+            _drop_pool(world_size)
+            raise
+        if not pool_ok:
+            _drop_pool(world_size)
+        if error is not None:
+            raise error
+        return results
+
+
+def _collect(
+    pool: _Pool, task_id: int, payload: bytes, name: str, timeout: float
+) -> tuple[list[Any], Exception | None, bool]:
+    """Run one task on the pool; return (results by rank, error to raise, pool still usable)."""
+    pool.submit(task_id, payload)
+    world_size = pool.world_size
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[bytes | None, str]] = {}  # rank -> (pickled exception, traceback)
+    died: set[int] = set()
+    deadline = time.monotonic() + timeout
+
+    def fail(rank: int, data: bytes | None, text: str) -> None:
+        nonlocal deadline
+        if not failures:
+            deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
+        failures[rank] = (data, text)
+
+    while len(results) + len(failures) < world_size and time.monotonic() < deadline:
+        msg = pool._get(deadline)
+        if msg is None:
+            for rank, code in pool._dead_ranks(set(results) | set(failures)).items():
+                died.add(rank)
+                fail(rank, None, f"the worker process of rank {rank} exited with code {code}\n")
+            continue
+        tag, msg_task, rank, data, text = msg
+        if msg_task != task_id:
+            continue  # cannot happen with a fresh or clean pool; be safe anyway
+        if tag != _OK:
+            fail(rank, data, text)
+            continue
+        try:
+            results[rank] = pickle.loads(data)
+        except Exception:
+            fail(rank, None, f"the return value of rank {rank} could not be unpickled:\n"
+                 + traceback.format_exc())
+
+    unfinished = sorted(set(range(world_size)) - set(results) - set(failures))
+    if failures:
+        # A failed rank whose peers all finished leaves the group usable; a dead worker or
+        # peers stuck in a collective do not.
+        error = _rank_error(pool, name, failures, unfinished)
+        return [], error, not unfinished and not died
+    if unfinished:
+        error = RankTimeout(
+            f"{name} timed out after {timeout:g} s on {world_size} ranks: ranks {unfinished} "
+            f"did not finish. The pool of {world_size} ranks was killed; the next call spawns "
+            "a new one.",
+            ranks=unfinished,
+            timeout=timeout,
+        )
+        return [], error, False
+    return [results[rank] for rank in range(world_size)], None, True
+
+
+def _rank_error(
+    pool: _Pool, name: str, failures: dict[int, tuple[bytes | None, str]], unfinished: list[int]
+) -> RankError:
+    # Dicts keep insertion order: the first failure reported is most likely the root cause.
+    rank = next(iter(failures))
+    data, tb = failures[rank]
+    exception = None
+    if data is not None:
+        try:
+            exception = pickle.loads(data)
+        except Exception:
+            pass
+    lines = [f"rank {rank} of {pool.world_size} failed in {name}:", tb.rstrip()]
+    others = sorted(set(failures) - {rank})
+    if others:
+        lines.append(f"ranks {others} failed too; their last lines:")
+        lines += [f"  rank {r}: {failures[r][1].strip().splitlines()[-1]}" for r in others]
+    if unfinished:
+        lines.append(
+            f"ranks {unfinished} did not finish within {_FAILURE_GRACE:g} s of the failure "
+            f"(probably waiting in a collective); the pool of {pool.world_size} was replaced."
+        )
+    error = RankError("\n".join(lines), rank=rank, traceback=tb, exception=exception)
+    if isinstance(exception, BaseException):
+        error.__cause__ = exception
+    return error
+
+
+def shutdown() -> None:
+    """Terminate every worker pool started by :func:`run_distributed`.
+
+    Called automatically at interpreter exit. A later :func:`run_distributed` call spawns a
+    new pool.
+
+    Example::
+
+        >>> run_distributed(all_reduce_rank, 2)  # doctest: +SKIP
+        [1.0, 1.0]
+        >>> shutdown()  # the two worker processes exit
+    """
+    with _LOCK:
+        while _POOLS:
+            _, pool = _POOLS.popitem()
+            pool.close()
+
+
+atexit.register(shutdown)
