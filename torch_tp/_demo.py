@@ -53,29 +53,41 @@ _LOSS_ATOL = 1e-6
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the ``demo`` options to ``parser`` and make :func:`main` its handler."""
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
+    parser.add_argument(
+        "--steps", type=int, default=30, help="training steps (default: %(default)s)"
+    )
     parser.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also shard norms and residuals along the sequence (default: on)",
+        help="also shard norms and residuals along the sequence",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed for weights and data (default: %(default)s)"
+    )
     parser.add_argument(
         "--world-size",
         type=int,
         default=2,
-        help="ranks to spawn when not launched by torchrun (default: 2)",
+        help="ranks to spawn when not launched by torchrun (default: %(default)s)",
     )
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default: 2)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument(
+        "--layers", type=int, default=2, help="transformer blocks (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per step (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=32, help="tokens per sequence (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)"
+    )
     parser.add_argument(
         "--rtol",
         type=float,
         default=1e-4,
-        help="largest relative loss difference accepted (default: 1e-4)",
+        help="largest relative loss difference accepted (default: %(default)s)",
     )
     parser.set_defaults(func=main)
 
@@ -277,7 +289,7 @@ class _History:
 
     @property
     def diffs(self) -> list[float]:
-        return [abs(a - b) for a, b in zip(self.tp, self.ref)]
+        return [abs(a - b) for a, b in zip(self.tp, self.ref, strict=True)]
 
 
 def _timed_step(
@@ -347,7 +359,7 @@ def _run(args: argparse.Namespace, device_type: str) -> bool:
 
     ok = all(
         math.isfinite(d) and d <= args.rtol * abs(ref) + _LOSS_ATOL
-        for d, ref in zip(history.diffs, history.ref)
+        for d, ref in zip(history.diffs, history.ref, strict=True)
     )
     param_diff = _max_param_diff(tp_model, ref_model)
     if reporter is not None:

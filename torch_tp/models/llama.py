@@ -100,9 +100,7 @@ class LlamaConfig:
                 "rotary embeddings"
             )
         if self.n_heads % self.kv_heads != 0:
-            raise ValueError(
-                f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})"
-            )
+            raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
         if self.norm not in _NORMS:
             raise ValueError(f"norm must be one of {_NORMS}, found {self.norm!r}")
         if not 0.0 <= self.dropout < 1.0:

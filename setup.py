@@ -1,0 +1,48 @@
+"""Packaging for torch_tp.
+
+All project metadata lives here; ``pyproject.toml`` only declares the build system and the
+tool configuration (ruff, pytest).
+
+``torch`` is a lower bound, never a bare name: CI and the README install ``torch==2.13.0``
+(the CPU build) first, and a requirement that this version already satisfies keeps pip from
+replacing it with another (possibly multi-GB CUDA) build.
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+README = Path(__file__).parent / "README.md"
+
+setup(
+    name="torch_tp",
+    version="0.1.0",
+    description=(
+        "PyTorch-native tensor parallelism on DTensor: a drop-in for "
+        "torch.distributed.tensor.parallel with strict plans and atomic application"
+    ),
+    long_description=README.read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["torch_tp", "torch_tp.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.13"],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "expecttest>=0.2",
+            "ruff==0.17.6",
+        ],
+        "docs": [
+            "mkdocs==1.6.1",
+            "mkdocstrings[python]==1.0.8",
+        ],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Operating System :: POSIX :: Linux",
+    ],
+)
