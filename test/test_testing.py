@@ -16,24 +16,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from torch_tp.testing import (
     RankError,
     RankTimeout,
+    _harness,
     check_parity,
     device_type,
     gather_full,
     run_distributed,
     shutdown,
 )
-from torch_tp.testing import _harness
 
 try:
-    from torch_tp import parallelize_module  # noqa: F401
+    from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: F401
 
     HAS_PARALLELIZE = True
-except ImportError:
+except ImportError:  # torch_tp's API is not there yet: the parity tests skip
     HAS_PARALLELIZE = False
 
 requires_parallelize = pytest.mark.skipif(
@@ -280,7 +279,9 @@ def test_parity_gathers_a_local_sharded_output() -> None:
 
 @requires_parallelize
 def test_parity_fails_on_a_wrong_output_placement() -> None:
-    with pytest.raises(RankError, match=r"step 0: output differs: The values for attribute 'shape'"):
+    with pytest.raises(
+        RankError, match=r"step 0: output differs: The values for attribute 'shape'"
+    ):
         run_distributed(_sharded_output_parity, 2, None)
 
 

@@ -9,7 +9,7 @@ Example::
     >>> import torch
     >>> from torch import nn
     >>> from torch.distributed.device_mesh import init_device_mesh
-    >>> from torch.distributed.tensor.parallel import ColwiseParallel
+    >>> from torch_tp import ColwiseParallel
     >>> from torch_tp.testing import check_parity, device_type, run_distributed
     >>> def linear_parity() -> None:  # at module level, e.g. in a test file
     ...     torch.manual_seed(0)

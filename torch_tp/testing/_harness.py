@@ -19,6 +19,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -39,7 +40,8 @@ _DEFAULT_TIMEOUT = 120.0
 _STARTUP_TIMEOUT = 300.0
 # After a rank fails, how long the others get to finish before the pool is replaced.
 _FAILURE_GRACE = 3.0
-_POLL_INTERVAL = 0.05
+# How often the parent checks for dead workers while it waits for results.
+_POLL_INTERVAL = 0.2
 
 # Tags of the messages a worker sends to the parent.
 _READY, _INIT_FAILED, _OK, _FAILED = "ready", "init_failed", "ok", "failed"
@@ -88,7 +90,9 @@ class RankTimeout(TimeoutError):
 # Worker side
 # --------------------------------------------------------------------------------------------
 
-# Set in a worker once its process group is up; read by device_type().
+# Set in a worker process: it may not start pools of its own, and device_type() reads the
+# device its process group was initialised for.
+_IN_WORKER = False
 _WORKER_DEVICE_TYPE: str | None = None
 
 
@@ -192,6 +196,9 @@ def _worker_main(
 ) -> None:
     global _IN_WORKER
     _IN_WORKER = True
+    # Ctrl-C reaches the whole process group; the parent handles it by killing the pool, so
+    # idle workers should not die noisily on their own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     try:
         _init_worker(rank, world_size, init_file)
@@ -220,7 +227,6 @@ def _worker_main(
 # Parent side
 # --------------------------------------------------------------------------------------------
 
-_IN_WORKER = False
 _POOLS: dict[int, _Pool] = {}
 _LOCK = threading.RLock()
 _next_task_id = 0
@@ -270,12 +276,16 @@ class _Pool:
             msg = self._get(deadline)
             if msg is None:
                 dead = self._dead_ranks(ready)
-                if dead or time.monotonic() >= deadline:
+                if dead:
+                    raise RuntimeError(
+                        f"could not start a pool of {self.world_size} ranks: the workers of "
+                        f"ranks {sorted(dead)} exited during startup (exit codes {dead})"
+                    )
+                if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - ready)
                     raise RuntimeError(
                         f"could not start a pool of {self.world_size} ranks: ranks {missing} "
-                        f"did not initialise their process group within {_STARTUP_TIMEOUT} s"
-                        + (f" (exit codes {dead})" if dead else "")
+                        f"did not initialise their process group within {_STARTUP_TIMEOUT:g} s"
                     )
                 continue
             tag, _, rank, _, text = msg
@@ -287,7 +297,7 @@ class _Pool:
             ready.add(rank)
 
     def _get(self, deadline: float) -> tuple | None:
-        wait = min(_POLL_INTERVAL * 4, max(deadline - time.monotonic(), 0.0))
+        wait = min(_POLL_INTERVAL, max(deadline - time.monotonic(), 0.0))
         try:
             return self.results.get(timeout=wait)
         except queue.Empty:
@@ -357,8 +367,7 @@ def _resolve_timeout(timeout: float | None) -> float:
             value = float(os.environ[source])
         except ValueError:
             raise ValueError(
-                f"TORCH_TP_TEST_TIMEOUT must be a number of seconds, found "
-                f"{os.environ[source]!r}"
+                f"TORCH_TP_TEST_TIMEOUT must be a number of seconds, found {os.environ[source]!r}"
             ) from None
     else:
         return _DEFAULT_TIMEOUT
@@ -491,8 +500,12 @@ def _collect(
         try:
             results[rank] = pickle.loads(data)
         except Exception:
-            fail(rank, None, f"the return value of rank {rank} could not be unpickled:\n"
-                 + traceback.format_exc())
+            fail(
+                rank,
+                None,
+                f"the return value of rank {rank} could not be unpickled:\n"
+                + traceback.format_exc(),
+            )
 
     unfinished = sorted(set(range(world_size)) - set(results) - set(failures))
     if failures:
@@ -527,8 +540,8 @@ def _rank_error(
     lines = [f"rank {rank} of {pool.world_size} failed in {name}:", tb.rstrip()]
     others = sorted(set(failures) - {rank})
     if others:
-        lines.append(f"ranks {others} failed too; their last lines:")
-        lines += [f"  rank {r}: {failures[r][1].strip().splitlines()[-1]}" for r in others]
+        lines.append(f"ranks {others} failed too:")
+        lines += [f"  rank {r}: {_exception_line(failures[r][1])}" for r in others]
     if unfinished:
         lines.append(
             f"ranks {unfinished} did not finish within {_FAILURE_GRACE:g} s of the failure "
@@ -538,6 +551,14 @@ def _rank_error(
     if isinstance(exception, BaseException):
         error.__cause__ = exception
     return error
+
+
+def _exception_line(tb: str) -> str:
+    """The first line of the exception at the end of a formatted traceback."""
+    lines = tb.rstrip().splitlines() or ["<no traceback>"]
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    after = lines[frames[-1] + 1 :] if frames else lines
+    return next((line for line in after if line and not line[0].isspace()), lines[-1])
 
 
 def shutdown() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn, Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
@@ -39,9 +39,7 @@ def _as_placements(
     placement: Placement | Sequence[Placement], device_mesh: DeviceMesh
 ) -> list[Placement]:
     placements = [placement] if isinstance(placement, Placement) else list(placement)
-    if len(placements) != device_mesh.ndim or not all(
-        isinstance(p, Placement) for p in placements
-    ):
+    if len(placements) != device_mesh.ndim or not all(isinstance(p, Placement) for p in placements):
         raise ValueError(
             f"expected one Placement per mesh dimension ({device_mesh.ndim}), found {placement!r}"
         )
@@ -123,7 +121,9 @@ def _gather_output(out: Any, placements: Any, device_mesh: DeviceMesh) -> Any:
                     f"output_placements has {len(placements)} entries but the output has "
                     f"{len(out)} elements"
                 )
-            items = [_gather_output(o, p, device_mesh) for o, p in zip(out, placements)]
+            items = [
+                _gather_output(o, p, device_mesh) for o, p in zip(out, placements, strict=True)
+            ]
         else:
             items = [_gather_output(o, placements, device_mesh) for o in out]
         if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple
@@ -307,17 +307,17 @@ def check_parity(
                 f"{[p or 'output' for p, _ in tp_leaves]}, the reference at "
                 f"{[p or 'output' for p, _ in ref_leaves]}"
             )
-        for (path, tp_t), (_, ref_t) in zip(tp_leaves, ref_leaves):
+        for (path, tp_t), (_, ref_t) in zip(tp_leaves, ref_leaves, strict=True):
             _compare(f"step {step}: output{path}", tp_t, ref_t, tol)
         _compare(f"step {step}: loss", tp_loss, ref_loss, tol)
-        for name, tp_g, ref_g in zip(ref_names, tp_grads, ref_grads):
+        for name, tp_g, ref_g in zip(ref_names, tp_grads, ref_grads, strict=True):
             _compare(f"step {step}: gradient of {name!r}", tp_g, ref_g, tol)
 
         if tp_optim is not None and ref_optim is not None:
             tp_optim.step()
             ref_optim.step()
             tp_params = [_full(p.detach()) for p in tp_model.parameters()]
-            for name, tp_p, ref_p in zip(ref_names, tp_params, reference.parameters()):
+            for name, tp_p, ref_p in zip(ref_names, tp_params, reference.parameters(), strict=True):
                 _compare(
                     f"step {step}: parameter {name!r} after the optimizer step",
                     tp_p,
