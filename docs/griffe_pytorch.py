@@ -13,7 +13,8 @@ reads most of that, but not all of it:
 This extension rewrites each docstring before it is parsed: roles become code spans (plain
 names inside a parameter type), wrapped parameter headers are joined, ``Example::`` becomes an
 ``Examples:`` section (a fenced block when it holds no ``>>>`` lines), ``.. note::`` and its
-kin become Google admonitions, and ``xdoctest`` directives are dropped.
+kin become Google admonitions, reST links become Markdown links, and ``xdoctest`` directives
+are dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ _PARAM_SECTION = re.compile(
     re.IGNORECASE,
 )
 _XDOCTEST = re.compile(r">>>\s*#\s*xdoctest:")
+# `text <https://...>`__ (an anonymous reST hyperlink)
+_LINK = re.compile(r"`([^`<]+?)\s*<([^`>]+)>`__?")
 _TITLES = {"seealso": "See also"}
 
 
@@ -69,6 +72,17 @@ def _block(lines: list[str], start: int, indent: int) -> int:
     return end
 
 
+def _plain_type(header: str) -> str:
+    """Unroll the roles inside the ``(type)`` of a parameter header, and only there."""
+    start = header.index("(")
+    depth = 0
+    for end in range(start, len(header)):
+        depth += {"(": 1, ")": -1}.get(header[end], 0)
+        if depth == 0:
+            return header[:start] + _plain_roles(header[start : end + 1]) + header[end + 1 :]
+    return header
+
+
 def _join_param_headers(lines: list[str]) -> list[str]:
     """Join parameter headers whose ``(type)`` wraps, and unroll roles in the type."""
     out: list[str] = []
@@ -92,11 +106,7 @@ def _join_param_headers(lines: list[str]) -> list[str]:
                     while line.count("(") > line.count(")") and i + 1 < len(lines):
                         i += 1
                         line = f"{line.rstrip()} {lines[i].strip()}"
-                    header = re.match(r"(\s*\*{0,2}\w+\s*)(\(.*?\))(\s*:.*)", _plain_roles(line))
-                    if header:
-                        # Roles are gone from the type; keep them as code in the description.
-                        name, kind, rest = header.groups()
-                        line = name + kind + _code_roles(rest)
+                    line = _plain_type(line)
         out.append(line)
         i += 1
     return out
@@ -140,7 +150,7 @@ def pytorch_to_google(text: str) -> str:
     """Rewrite one PyTorch-style docstring into the Google style griffe parses."""
     lines = _join_param_headers(text.split("\n"))
     lines = _rewrite_blocks(lines)
-    return _code_roles("\n".join(lines))
+    return _LINK.sub(r"[\1](\2)", _code_roles("\n".join(lines)))
 
 
 class PyTorchDocstrings(griffe.Extension):

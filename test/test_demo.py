@@ -45,8 +45,12 @@ def _demo_as_torchrun_rank(argv: list[str]) -> tuple[int, str]:
         "LOCAL_WORLD_SIZE": str(torch.distributed.get_world_size()),
     }
     out = io.StringIO()
-    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out):
-        status = cli.main(["demo", *argv])
+    threads = torch.get_num_threads()  # the demo sets its own; leave the pool's as it was
+    try:
+        with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out):
+            status = cli.main(["demo", *argv])
+    finally:
+        torch.set_num_threads(threads)
     return status, out.getvalue()
 
 

@@ -158,7 +158,7 @@ def _spawn_ranks(args: argparse.Namespace) -> int:
             )
         except mp.ProcessRaisedException as exc:
             # The message already holds the failing rank's traceback.
-            print(f"error: a rank failed:\n{exc}", file=sys.stderr)
+            print(f"error: a rank failed:\n{str(exc).strip()}", file=sys.stderr)
             return 1
         except mp.ProcessExitedException as exc:
             print(f"error: {exc}", file=sys.stderr)
