@@ -23,7 +23,10 @@ import re
 import textwrap
 from typing import Any
 
-import griffe
+try:
+    import griffe
+except ImportError:  # without the docs extra the converter still works (and is tested)
+    griffe = None
 
 # :class:`X`, :func:`~a.b.f`, :meth:`text <a.b.C.m>`, :py:class:`X`, ...
 _ROLE = re.compile(r":(?:py:)?(?:class|func|meth|attr|mod|exc|data|obj|const|ref):`([^`]+)`")
@@ -153,9 +156,11 @@ def pytorch_to_google(text: str) -> str:
     return _LINK.sub(r"[\1](\2)", _code_roles("\n".join(lines)))
 
 
-class PyTorchDocstrings(griffe.Extension):
-    """Apply :func:`pytorch_to_google` to every docstring griffe loads."""
+if griffe is not None:
 
-    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
-        if obj.docstring is not None:
-            obj.docstring.value = pytorch_to_google(obj.docstring.value)
+    class PyTorchDocstrings(griffe.Extension):
+        """Apply :func:`pytorch_to_google` to every docstring griffe loads."""
+
+        def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+            if obj.docstring is not None:
+                obj.docstring.value = pytorch_to_google(obj.docstring.value)

@@ -394,3 +394,26 @@ def test_no_warnings_on_import():
         import importlib
 
         importlib.reload(torch_tp)
+
+
+def _runtime_errors_name_path_and_style() -> None:
+    mesh = _mesh()
+    model = _llama()
+    # the attention takes (x, rope): one layout for two inputs fails at the first forward
+    plan = {
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=Replicate(), desired_input_layouts=Replicate()
+        )
+    }
+    parallelize_module(model, mesh, plan)
+    with pytest.raises(ValueError, match=r"PrepareModuleInput\(.*\) on 'layers\.0\.attention'"):
+        model(torch.randint(0, 64, (1, 4)))
+
+    style = PrepareModuleInput(input_layouts=(Shard(0), None), desired_input_layouts=(None, None))
+    block = parallelize_module(_llama(), mesh, {"layers.1.feed_forward": style})
+    with pytest.raises(AssertionError, match=r"'layers\.1\.feed_forward'.*input 0.*str"):
+        block.layers[1].feed_forward("not a tensor", None)
+
+
+def test_runtime_errors_name_path_and_style():
+    run_distributed(_runtime_errors_name_path_and_style, 2)

@@ -39,7 +39,7 @@ requires_parallelize = pytest.mark.skipif(
     not HAS_PARALLELIZE, reason="torch_tp.parallelize_module is not importable yet"
 )
 
-SHORT_TIMEOUT = 4.0
+SHORT_TIMEOUT = 3.0
 
 
 def _alive(pid: int) -> bool:
@@ -203,7 +203,8 @@ def test_rank_error_carries_the_traceback() -> None:
     assert run_distributed(_pid, 2) == pids
 
 
-def test_rank_error_while_other_ranks_wait() -> None:
+def test_rank_error_while_other_ranks_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_harness, "_FAILURE_GRACE", 1.0)
     pids = run_distributed(_pid, 2)
     start = time.monotonic()
     with pytest.raises(RankError, match="rank 1 left before the all_reduce") as info:

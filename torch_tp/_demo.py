@@ -123,7 +123,7 @@ def _device_type(local_world_size: int) -> str:
 def _init_rank(device_type: str, local_rank: int) -> None:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    else:
+    elif "OMP_NUM_THREADS" not in os.environ:  # an explicit setting (torchrun's too) wins
         # Ranks share the machine's cores; letting each use all of them only thrashes.
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))

@@ -50,7 +50,6 @@ def prepare(
     layout: Placement | None,
     desired: Placement | None,
     use_local: bool,
-    what: str,
 ) -> Any:
     """Annotate one input/output with ``layout``, move it to ``desired``, maybe unwrap.
 
@@ -60,11 +59,6 @@ def prepare(
     """
     if layout is None:
         return value
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"{what}: expected a torch.Tensor or DTensor for layout {layout}, "
-            f"found {type(value).__name__}"
-        )
     dt = annotate(value, mesh, layout)
     if desired is not None:
         dt = redistribute(dt, desired)

@@ -17,7 +17,7 @@ from fnmatch import fnmatchcase
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_tp.style import ParallelStyle
+from torch_tp.style import MODULE_PATH_ATTR, ParallelStyle
 
 __all__ = ["PlanEntry", "resolve_plan", "validate_plan"]
 
@@ -156,5 +156,6 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh) -> None:
 
 
 def mark_applied(entry: PlanEntry) -> None:
-    """Record on the module that ``entry.style`` was applied to it."""
+    """Record on the module that ``entry.style`` was applied to it, and by which path."""
     setattr(entry.module, _APPLIED_STYLE, entry.style)
+    setattr(entry.module, MODULE_PATH_ATTR, entry.path)

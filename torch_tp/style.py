@@ -84,6 +84,17 @@ class ParallelStyle(ABC):
     __hash__ = None  # type: ignore[assignment]  # styles are mutable (src_data_rank)
 
 
+# parallelize_module records on each module the path it was reached by, for runtime errors
+MODULE_PATH_ATTR = "_torch_tp_path"
+
+
+def _where(style: ParallelStyle, module: nn.Module) -> str:
+    """``ColwiseParallel(...) on 'layers.0.attention.wq' (Linear)``, for error messages."""
+    path = getattr(module, MODULE_PATH_ATTR, None)
+    place = f"'{path}'" if path else ("the root module" if path == "" else "a module")
+    return f"{style!r} on {place} ({type(module).__name__})"
+
+
 def _arguments(style: ParallelStyle) -> dict[str, Any]:
     return {k: v for k, v in vars(style).items() if k != "src_data_rank"}
 
@@ -349,8 +360,8 @@ class RowwiseParallel(_ShardLinearEmbedding):
         return module
 
     def _linear(self, module: nn.Linear, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
-        last = Shard(input.ndim - 1)
-        x = _layouts.enter_sharded(input, mesh, _layouts.normalize(self.input_layouts[0], input.ndim), last)
+        layout = _layouts.normalize(self.input_layouts[0], input.ndim)
+        x = _layouts.enter_sharded(input, mesh, layout, Shard(input.ndim - 1))
         y = self._reduce(F.linear(x, module.weight.to_local()), mesh)
         if module.bias is not None:
             y = y + module.bias  # after the reduction, so that it is added once
@@ -376,8 +387,9 @@ class RowwiseParallel(_ShardLinearEmbedding):
         return y.to_local() if self.use_local_output else y
 
     def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        # a partial sum has the global shape on every rank
         y = DTensor.from_local(
-            partial, mesh, (Partial(),), run_check=False, shape=partial.shape, stride=partial.stride()
+            partial, mesh, (Partial(),), shape=partial.shape, stride=partial.stride()
         )
         return _layouts.redistribute(y, _layouts.normalize(self.output_layouts[0], partial.ndim))
 
@@ -461,9 +473,10 @@ class SequenceParallel(ParallelStyle):
 
     def _enter(self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...]):
         if not inputs or not isinstance(inputs[0], torch.Tensor):
+            found = type(inputs[0]).__name__ if inputs else "no input"
             raise ValueError(
-                f"SequenceParallel expects the first input of {type(module).__name__} to be a "
-                f"tensor, found {type(inputs[0]).__name__ if inputs else 'no input'}"
+                f"{_where(self, module)}: expecting the first input to be a torch.Tensor or "
+                f"DTensor, found {found}"
             )
         layout = _layouts.normalize(self.sequence_sharding[0], inputs[0].ndim)
         x = _layouts.redistribute(_layouts.annotate(inputs[0], mesh, layout), layout)
@@ -493,7 +506,7 @@ def _hook_dtensor_forward(
     ``desired_input`` before it, move the output to ``output_layout`` after it."""
 
     def enter(mod: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = _layouts.prepare(inputs[0], mesh, input_layout, desired_input, False, "input 0")
+        x = _layouts.prepare(inputs[0], mesh, input_layout, desired_input, False)
         return (x, *inputs[1:])
 
     def leave(mod: nn.Module, inputs: Any, output: Any) -> Any:
@@ -597,38 +610,49 @@ class PrepareModuleInput(ParallelStyle):
         return module
 
     def _prepare_hook(self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...]):
-        return self._prepare_args(mesh, inputs)
+        return self._prepare_args(mesh, module, inputs)
 
     def _prepare_with_kwargs(
         self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict
     ):
         prepared = {
-            key: _layouts.prepare(
+            key: self._prepare_one(
+                module,
+                f"keyword input {key!r}",
                 value,
                 mesh,
                 self.input_kwarg_layouts.get(key),
                 self.desired_input_kwarg_layouts.get(key),
-                self.use_local_output,
-                f"keyword input {key!r}",
             )
             for key, value in kwargs.items()
         }
-        return self._prepare_args(mesh, inputs), prepared
+        return self._prepare_args(mesh, module, inputs), prepared
 
-    def _prepare_args(self, mesh: DeviceMesh, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _prepare_args(
+        self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
         if self.input_layouts is None:
             return inputs
         if len(inputs) != len(self.input_layouts):
             raise ValueError(
-                "module inputs and input_layouts should have same length! found "
-                f"{len(inputs)} inputs for input_layouts={self.input_layouts}"
+                f"{_where(self, module)}: module inputs and input_layouts should have same "
+                f"length! found {len(inputs)} inputs for {len(self.input_layouts)} layouts"
             )
         return tuple(
-            _layouts.prepare(value, mesh, layout, desired, self.use_local_output, f"input {i}")
+            self._prepare_one(module, f"input {i}", value, mesh, layout, desired)
             for i, (value, layout, desired) in enumerate(
                 zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
             )
         )
+
+    def _prepare_one(self, module: nn.Module, what: str, value: Any, mesh: DeviceMesh, *layouts):
+        if layouts[0] is not None and not isinstance(value, torch.Tensor):
+            # AssertionError, as upstream raises
+            raise AssertionError(
+                f"{_where(self, module)}: expecting {what} to be a torch.Tensor for layout "
+                f"{layouts[0]}, found {type(value).__name__}"
+            )
+        return _layouts.prepare(value, mesh, *layouts, self.use_local_output)
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -697,16 +721,20 @@ class PrepareModuleOutput(ParallelStyle):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outputs) != len(self.output_layouts):
             raise ValueError(
-                "module outputs and output_layouts should have same length! found "
-                f"{len(outputs)} outputs for output_layouts={self.output_layouts}"
+                f"{_where(self, module)}: module outputs and output_layouts should have same "
+                f"length! found {len(outputs)} outputs for {len(self.output_layouts)} layouts"
             )
-        prepared = tuple(
-            _layouts.prepare(value, mesh, layout, desired, self.use_local_output, f"output {i}")
-            for i, (value, layout, desired) in enumerate(
-                zip(outputs, self.output_layouts, self.desired_output_layouts, strict=True)
-            )
-        )
-        return prepared[0] if len(prepared) == 1 else prepared
+        prepared = []
+        for i, (value, layout, desired) in enumerate(
+            zip(outputs, self.output_layouts, self.desired_output_layouts, strict=True)
+        ):
+            if layout is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{_where(self, module)}: expecting output {i} to be a torch.Tensor for "
+                    f"layout {layout}, found {type(value).__name__}"
+                )
+            prepared.append(_layouts.prepare(value, mesh, layout, desired, self.use_local_output))
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
 class PrepareModuleInputOutput(ParallelStyle):

@@ -43,6 +43,10 @@ _FAILURE_GRACE = 3.0
 # How often the parent checks for dead workers while it waits for results.
 _POLL_INTERVAL = 0.2
 
+# Workers are started fresh ("spawn"): nothing of the parent's state (CUDA, threads) is
+# inherited, at the cost of every rank importing torch (seconds per pool).
+_START_METHOD = "spawn"
+
 # Tags of the messages a worker sends to the parent.
 _READY, _INIT_FAILED, _OK, _FAILED = "ready", "init_failed", "ok", "failed"
 
@@ -236,7 +240,7 @@ class _Pool:
     """``world_size`` spawned workers sharing one process group, and the queues to reach them."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context(_START_METHOD)
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix=f"torch_tp_pool{world_size}_")
         self.results: multiprocessing.Queue = ctx.Queue()

@@ -160,7 +160,7 @@ def _default_loss(out: Any) -> Tensor:
         terms.append((t * weight.to(device=t.device, dtype=t.dtype)).sum())
     if not terms:
         raise ValueError("the output has no floating-point tensor; pass a loss_fn")
-    return torch.stack(terms).sum()
+    return sum(terms[1:], terms[0])
 
 
 def _full(t: Tensor | None) -> Tensor | None:
