@@ -112,7 +112,9 @@ def _same_as_upstream(case: str) -> None:
     upstream.parallelize_module(theirs, mesh, up_plan)
     torch_tp.parallelize_module(ours, mesh, tp_plan)
 
-    for (name, p_up), (_, p_tp) in zip(theirs.named_parameters(), ours.named_parameters()):
+    for (name, p_up), (_, p_tp) in zip(
+        theirs.named_parameters(), ours.named_parameters(), strict=True
+    ):
         assert type(p_up) is type(p_tp), name
         if isinstance(p_up, DTensor):
             assert p_up.placements == p_tp.placements, name
@@ -127,7 +129,9 @@ def _same_as_upstream(case: str) -> None:
     weights = torch.randn(_full(out_up).shape, generator=torch.Generator().manual_seed(1))
     (_full(out_up) * weights).sum().backward()
     (_full(out_tp) * weights).sum().backward()
-    for (name, p_up), (_, p_tp) in zip(theirs.named_parameters(), ours.named_parameters()):
+    for (name, p_up), (_, p_tp) in zip(
+        theirs.named_parameters(), ours.named_parameters(), strict=True
+    ):
         # upstream leaves some gradients partial or replicated; the values must agree
         assert_close(_full(p_tp.grad), _full(p_up.grad), msg=name)
 
