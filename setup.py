@@ -35,6 +35,8 @@ setup(
         "docs": [
             "mkdocs==1.6.1",
             "mkdocstrings[python]==1.0.8",
+            # the handler decides how docstrings render and what warns (--strict fails on it)
+            "mkdocstrings-python==2.0.11",
         ],
     },
     classifiers=[

@@ -417,3 +417,24 @@ def _runtime_errors_name_path_and_style() -> None:
 
 def test_runtime_errors_name_path_and_style():
     run_distributed(_runtime_errors_name_path_and_style, 2)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _tied_weights() -> None:
+    _expect_error(
+        _Tied(),
+        {"embed": RowwiseParallel(input_layouts=Replicate())},
+        ValueError,
+        r"'embed'.*'weight' is shared with \['head.weight'\] \(tied weights\)",
+    )
+
+
+def test_tied_weights_are_refused():
+    run_distributed(_tied_weights, 2)

@@ -81,7 +81,7 @@ def parallelize_module(
         return module
 
     entries = resolve_plan(module, parallelize_plan, strict=strict)
-    validate_plan(entries, device_mesh)
+    validate_plan(entries, device_mesh, module)
 
     result = module
     for entry in entries:

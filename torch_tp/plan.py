@@ -17,7 +17,13 @@ from fnmatch import fnmatchcase
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_tp.style import MODULE_PATH_ATTR, ParallelStyle
+from torch_tp.style import (
+    MODULE_PATH_ATTR,
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 __all__ = ["PlanEntry", "resolve_plan", "validate_plan"]
 
@@ -133,14 +139,16 @@ def resolve_plan(
     return entries
 
 
-def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh) -> None:
+def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Module) -> None:
     """Check every entry before any is applied; raise on the first that cannot apply.
 
     Each style's :meth:`ParallelStyle._validate` is asked about its module; its error is
     re-raised with the same type and a message naming the module path and the style. A
     module that already carries a style from an earlier :func:`parallelize_module` call is
-    refused.
+    refused, and so is a built-in style that would replace a parameter other modules share
+    (tied weights would silently come apart).
     """
+    owners = _parameter_owners(root) if entries else {}
     for entry in entries:
         where = f"{entry.style!r} on {_describe(entry.path)} ({type(entry.module).__name__})"
         previous = getattr(entry.module, _APPLIED_STYLE, None)
@@ -149,10 +157,35 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh) -> None:
                 f"cannot apply {where}: the module was already parallelized with "
                 f"{previous!r}; a module takes one style"
             )
+        if isinstance(entry.style, _PARAMETER_STYLES):
+            for name, param in entry.module.named_parameters(recurse=False):
+                others = [p for p in owners[id(param)] if p != _join(entry.path, name)]
+                if others:
+                    raise ValueError(
+                        f"cannot apply {where}: its parameter {name!r} is shared with "
+                        f"{others} (tied weights); sharding it here would untie them"
+                    )
         try:
             entry.style._validate(entry.module, device_mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
             raise type(err)(f"cannot apply {where}: {err}") from err
+
+
+# the built-in styles that replace their module's parameters by DTensors
+_PARAMETER_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _parameter_owners(root: nn.Module) -> dict[int, list[str]]:
+    """Every path each parameter object is reachable by (several for tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(_join(path, name))
+    return owners
 
 
 def mark_applied(entry: PlanEntry) -> None:
