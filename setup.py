@@ -31,6 +31,8 @@ setup(
             "pytest>=8",
             "expecttest>=0.2",
             "ruff==0.17.6",
+            # torch warns at import when NumPy is missing; keep test output clean
+            "numpy>=1.26,<3",
         ],
         "docs": [
             "mkdocs==1.6.1",

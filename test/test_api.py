@@ -438,3 +438,16 @@ def _tied_weights() -> None:
 
 def test_tied_weights_are_refused():
     run_distributed(_tied_weights, 2)
+
+
+def _uneven_sequence() -> None:
+    mesh = _mesh()
+    from torch_tp.plans.llama import llama_plan
+
+    model = parallelize_module(_llama(), mesh, llama_plan(sequence_parallel=True))
+    with pytest.raises(ValueError, match=r"'tok_embeddings'.*size 7, which does not divide by"):
+        model(torch.randint(0, 64, (2, 7)))
+
+
+def test_sequence_parallel_uneven_sequence_is_a_clear_error():
+    run_distributed(_uneven_sequence, 2)

@@ -362,7 +362,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
     def _linear(self, module: nn.Linear, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         layout = _layouts.normalize(self.input_layouts[0], input.ndim)
         x = _layouts.enter_sharded(input, mesh, layout, Shard(input.ndim - 1))
-        y = self._reduce(F.linear(x, module.weight.to_local()), mesh)
+        y = self._reduce(F.linear(x, module.weight.to_local()), mesh, module)
         if module.bias is not None:
             y = y + module.bias  # after the reduction, so that it is added once
         return y.to_local() if self.use_local_output else y
@@ -383,15 +383,29 @@ class RowwiseParallel(_ShardLinearEmbedding):
             y = y.masked_fill(foreign.unsqueeze(-1), 0.0)
         else:  # an empty shard (tiny vocabulary): contribute zeros, keep the graph
             y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
-        y = self._reduce(y, mesh)
+        y = self._reduce(y, mesh, module)
         return y.to_local() if self.use_local_output else y
 
-    def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh, module: nn.Module) -> DTensor:
+        layout = _layouts.normalize(self.output_layouts[0], partial.ndim)
+        if (
+            self.use_local_output
+            and isinstance(layout, Shard)
+            and partial.shape[layout.dim] % mesh.size()
+        ):
+            # uneven local shards cannot be annotated back into a DTensor downstream (from a
+            # local tensor alone the global size is unknown): fail here, clearly
+            raise ValueError(
+                f"{_where(self, module)}: the output is sharded on dim {layout.dim} of size "
+                f"{partial.shape[layout.dim]}, which does not divide by the {mesh.size()} "
+                "ranks; make it divisible (e.g. the sequence length, for sequence "
+                "parallelism) or pass use_local_output=False"
+            )
         # a partial sum has the global shape on every rank
         y = DTensor.from_local(
             partial, mesh, (Partial(),), shape=partial.shape, stride=partial.stride()
         )
-        return _layouts.redistribute(y, _layouts.normalize(self.output_layouts[0], partial.ndim))
+        return _layouts.redistribute(y, layout)
 
 
 def _check_not_distributed(module: nn.Module) -> None:
