@@ -178,3 +178,23 @@ def _same_exceptions() -> None:
 
 def test_same_exception_types_as_upstream():
     run_distributed(_same_exceptions, 2)
+
+
+def _upstream_styles_in_our_plans() -> None:
+    # a plan written with upstream's style objects (or a user style derived from upstream's
+    # ParallelStyle) is accepted as is: changing the import of parallelize_module suffices
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    theirs, inputs = _model("mlp")
+    ours = copy.deepcopy(theirs)
+    upstream.parallelize_module(theirs, mesh, _plan(upstream, "mlp"))
+    torch_tp.parallelize_module(ours, mesh, _plan(upstream, "mlp"))
+    assert_close(ours(*inputs), theirs(*inputs))
+    # modules and classes are still not styles
+    with pytest.raises(TypeError, match="plan key '0'"):
+        torch_tp.parallelize_module(ours, mesh, {"0": nn.Linear(2, 2)})
+    with pytest.raises(TypeError, match="plan key '0'"):
+        torch_tp.parallelize_module(ours, mesh, {"0": upstream.ColwiseParallel})
+
+
+def test_upstream_styles_are_accepted():
+    run_distributed(_upstream_styles_in_our_plans, 2)

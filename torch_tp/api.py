@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_tp.plan import mark_applied, resolve_plan, validate_plan
+from torch_tp.plan import is_style, mark_applied, resolve_plan, validate_plan
 from torch_tp.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -88,7 +88,7 @@ def parallelize_module(
         entry.style.src_data_rank = src_data_rank
         applied = entry.style._apply(entry.module, device_mesh)
         mark_applied(entry)
-        if isinstance(parallelize_plan, ParallelStyle):
+        if is_style(parallelize_plan):
             result = applied
     return result
 

@@ -48,6 +48,21 @@ class PlanEntry:
     style: ParallelStyle
 
 
+def is_style(value: object) -> bool:
+    """A :class:`ParallelStyle`, or an object honouring the same contract.
+
+    The duck-typed case (an ``_apply`` method and a ``src_data_rank`` attribute) admits styles
+    written against ``torch.distributed.tensor.parallel``'s own ``ParallelStyle`` base, so
+    that switching the import is the whole migration. Modules (which have an unrelated
+    ``_apply``) and classes are not styles.
+    """
+    if isinstance(value, ParallelStyle):
+        return True
+    if isinstance(value, (type, nn.Module)):
+        return False
+    return callable(getattr(value, "_apply", None)) and hasattr(value, "src_data_rank")
+
+
 def _describe(path: str) -> str:
     return f"'{path}'" if path else "the root module ('')"
 
@@ -100,7 +115,7 @@ def resolve_plan(
         ValueError: a key matches no submodule (``strict=True``), or two keys name the same
             module.
     """
-    if isinstance(parallelize_plan, ParallelStyle):
+    if is_style(parallelize_plan):
         return [PlanEntry("", "", module, parallelize_plan)]
     if not isinstance(parallelize_plan, Mapping):
         raise TypeError(
@@ -110,7 +125,7 @@ def resolve_plan(
     for key, style in parallelize_plan.items():
         if not isinstance(key, str):
             raise TypeError(f"plan key {key!r}: module paths must be str, found {type(key)}")
-        if not isinstance(style, ParallelStyle):
+        if not is_style(style):
             raise TypeError(
                 f"plan key {key!r}: expected a ParallelStyle (e.g. ColwiseParallel()), found "
                 f"{type(style).__name__} {style!r}"
@@ -165,8 +180,10 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
                         f"cannot apply {where}: its parameter {name!r} is shared with "
                         f"{others} (tied weights); sharding it here would untie them"
                     )
+        validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
         try:
-            entry.style._validate(entry.module, device_mesh)
+            if validate is not None:
+                validate(entry.module, device_mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
             raise type(err)(f"cannot apply {where}: {err}") from err
 
