@@ -8,6 +8,8 @@ optimizer step) on gathered full tensors.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ from torch_tp.models.llama import RMSNorm
 from torch_tp.testing import check_parity, device_type, run_distributed
 
 WORLD_SIZES = [2, 4]
+funcol_ops = torch.ops.c10d_functional
 
 
 def _mesh():
@@ -510,3 +513,44 @@ def _src_data_rank(src_data_rank) -> None:
 @pytest.mark.parametrize("src_data_rank", [0, 1, None])
 def test_src_data_rank(src_data_rank):
     run_distributed(_src_data_rank, 2, src_data_rank)
+
+
+def _gradient_accumulation() -> None:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    torch.manual_seed(0)
+    mesh = _mesh()
+    norm = nn.LayerNorm(16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    reference = _Residual(norm)
+    model = copy.deepcopy(reference)
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    parallelize_module(model, mesh, plan)
+    for micro_batch in range(3):  # gradients accumulate over micro-batches, no zero_grad
+        x = torch.randn(2, 8, 16)
+        reference(x).pow(2).sum().backward()
+        with CommDebugMode() as comm:
+            model(_local(x, mesh, Shard(1))).pow(2).sum().backward()
+        # the partial gradients of norm.weight, norm.bias and down.bias are summed in one
+        # all-reduce at the end of backward, not one per parameter
+        assert comm.get_comm_counts()[funcol_ops.all_reduce] == 1, comm.get_comm_counts()
+        for name, param in model.named_parameters():
+            want = dict(reference.named_parameters())[name].grad
+            assert param.grad.placements == param.placements, (micro_batch, name)
+            assert_close(param.grad.full_tensor(), want, msg=f"{micro_batch} {name}")
+    # torch.autograd.grad sees correct (if partial) gradients and leaves .grad alone
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(2, 8, 16)
+    (g,) = torch.autograd.grad(model(_local(x, mesh, Shard(1))).pow(2).sum(), model.norm.weight)
+    (want,) = torch.autograd.grad(reference(x).pow(2).sum(), reference.norm.weight)
+    assert_close(g.full_tensor(), want)
+    assert model.norm.weight.grad is None
+
+
+def test_gradient_accumulation_of_replicated_parameters():
+    run_distributed(_gradient_accumulation, 2)

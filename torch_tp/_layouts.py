@@ -9,10 +9,15 @@ layouts; they are the only place where styles touch DTensor's layout machinery, 
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
@@ -129,3 +134,68 @@ def _stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(acc)
         acc *= dim
     return tuple(reversed(stride))
+
+
+# ------------------------------------------------------------------------------------------
+# Gradients of replicated parameters
+#
+# A replicated parameter used on shards (a norm on a sequence shard, the bias of a row-wise
+# layer whose output is sharded) gets a *partial* gradient on each rank: each rank saw only
+# its part of the tokens. DTensor labels it Partial; the full gradient is the sum over ranks.
+# Reducing each one as it arrives costs a collective per parameter. Instead the gradients
+# stay Partial during backward and are summed at its end in one flat all-reduce per mesh:
+# Megatron's coalesced all-reduce of sequence-parallel norm gradients, done automatically.
+# ------------------------------------------------------------------------------------------
+
+_pending: dict[int, nn.Parameter] = {}  # params whose partial gradient awaits the reduction
+
+
+def sum_partial_gradient_at_end_of_backward(param: nn.Parameter) -> None:
+    """Make ``param``'s partial gradients full (Replicate) at the end of every backward.
+
+    The gradient still arrives on ``param.grad`` as on one device, and accumulates across
+    backward passes (micro-batches) without extra communication.
+    """
+    param.register_hook(functools.partial(_on_partial_gradient, weakref.ref(param)))
+
+
+def _on_partial_gradient(param_ref: weakref.ref, grad: torch.Tensor) -> torch.Tensor:
+    param = param_ref()
+    if param is None or not isinstance(grad, DTensor) or grad.placements != (Partial(),):
+        return grad
+    previous = param.grad
+    if isinstance(previous, DTensor) and previous.placements == (Replicate(),):
+        # accumulation onto a full gradient: express it as a partial sum (rank 0 holds it,
+        # the others zeros — exact, unlike dividing by the mesh size) so that the new partial
+        # adds locally and the single reduction at the end sums both
+        mesh = previous.device_mesh
+        local = previous.to_local() if mesh.get_local_rank() == 0 else previous.to_local() * 0
+        param.grad = DTensor.from_local(
+            local, mesh, (Partial(),), shape=grad.shape, stride=grad.stride()
+        )
+    if not _pending:
+        Variable._execution_engine.queue_callback(_reduce_pending)
+    _pending[id(param)] = param
+    return grad
+
+
+def _reduce_pending() -> None:
+    params = [p for p in _pending.values() if isinstance(p.grad, DTensor)]
+    _pending.clear()
+    by_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
+    for param in params:
+        if param.grad.placements == (Partial(),):
+            by_mesh.setdefault(param.grad.device_mesh, []).append(param)
+    for mesh, group in by_mesh.items():
+        locals_ = [p.grad.to_local() for p in group]
+        flat = funcol.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), "sum", mesh)
+        flat = funcol.wait_tensor(flat)
+        for param, piece in zip(group, flat.split([t.numel() for t in locals_]), strict=True):
+            grad = param.grad
+            param.grad = DTensor.from_local(
+                piece.view_as(grad.to_local()),
+                mesh,
+                (Replicate(),),
+                shape=grad.shape,
+                stride=grad.stride(),
+            )

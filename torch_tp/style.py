@@ -145,9 +145,9 @@ def _distribute_parameters(
         new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         if isinstance(placement, Replicate) and new.requires_grad:
             # computing on shards (a sequence shard, a sharded output) leaves each rank with a
-            # partial sum of a replicated parameter's gradient: sum it, so every rank holds
-            # the full gradient, as on one device
-            new.register_hook(_sum_partial_gradient)
+            # partial sum of a replicated parameter's gradient: sum it (once per backward for
+            # all such parameters), so every rank holds the full gradient, as on one device
+            _layouts.sum_partial_gradient_at_end_of_backward(new)
         module.register_parameter(name, new)
 
 
@@ -500,12 +500,6 @@ class SequenceParallel(ParallelStyle):
         if self.use_local_output and isinstance(output, DTensor):
             return output.to_local()
         return output
-
-
-def _sum_partial_gradient(grad: torch.Tensor) -> torch.Tensor:
-    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-        return grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
-    return grad
 
 
 def _hook_dtensor_forward(
