@@ -70,18 +70,113 @@ def prepare(
     return dt.to_local() if use_local else dt
 
 
+# ------------------------------------------------------------------------------------------
+# Regions (Megatron's names): each collective is an autograd Function whose backward is the
+# conjugate collective. They move local tensors of a known layout; DTensor is not involved,
+# so the hot path pays for no DTensor construction. Functional collectives keep them
+# traceable by torch.compile and visible to CommDebugMode.
+# ------------------------------------------------------------------------------------------
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Replicated input of a column-parallel computation: identity, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.mesh), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Partial sums leaving a row-parallel computation, replicated: all-reduce, identity
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return _all_reduce(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """Shards on ``dim`` entering a computation that needs them whole: all-gather,
+    reduce-scatter backward (each rank's gradient of the whole is a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim
+        return _all_gather(x, mesh, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.mesh, ctx.dim), None, None
+
+
+class _ReduceScatterToRegion(torch.autograd.Function):
+    """Partial sums leaving a row-parallel computation, sharded on ``dim``: reduce-scatter,
+    all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim
+        return _reduce_scatter(x, mesh, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.mesh, ctx.dim), None, None
+
+
+def _all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", mesh))
+
+
+def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, mesh))
+
+
+def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, mesh))
+
+
 def enter_replicated(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
     """Make the full input of a column-parallel computation, as a local tensor.
 
     Every rank computes with the whole input, so each rank's input gradient is only its own
     contribution: the backward sums them (all-reduce, or reduce-scatter when the input came
-    in sharded). Megatron calls the forward half "copy to tensor-parallel region".
+    in sharded).
     """
-    if not isinstance(value, DTensor):
-        if layout == Replicate() and not value.requires_grad:
+    if isinstance(value, DTensor):
+        return _partial_local(redistribute(value, Replicate()))
+    if isinstance(layout, Replicate):
+        if not value.requires_grad:
             return value  # nothing to gather now, no gradient to reduce later
-        value = annotate(value, mesh, layout)
-    return redistribute(value, Replicate()).to_local(grad_placements=(Partial(),))
+        return _CopyToRegion.apply(value, mesh)
+    if isinstance(layout, Shard):
+        return _GatherFromRegion.apply(value, mesh, layout.dim)
+    return _partial_local(redistribute(annotate(value, mesh, layout), Replicate()))
+
+
+def _partial_local(value: DTensor) -> torch.Tensor:
+    """The local tensor of a replicated DTensor, for a computation whose gradients are
+    partial sums; several column-parallel layers reading the same DTensor (q, k and v) share
+    it, so that their gradients add up locally and are reduced once."""
+    if torch.compiler.is_compiling():
+        # compiled graphs have no per-op overhead to save (and the cache is Python state)
+        return value.to_local(grad_placements=(Partial(),))
+    local = getattr(value, _PARTIAL_LOCAL, None)
+    if local is None:
+        local = value.to_local(grad_placements=(Partial(),))
+        setattr(value, _PARTIAL_LOCAL, local)
+    return local
+
+
+_PARTIAL_LOCAL = "_torch_tp_partial_local"
 
 
 def enter_sharded(value: torch.Tensor, mesh: DeviceMesh, layout: Placement, want: Shard):
@@ -91,6 +186,22 @@ def enter_sharded(value: torch.Tensor, mesh: DeviceMesh, layout: Placement, want
             return value  # already the local shard; its gradient is the local shard too
         value = annotate(value, mesh, layout)
     return redistribute(value, want).to_local()
+
+
+def reduce_partial(
+    partial: torch.Tensor, mesh: DeviceMesh, layout: Placement, use_local: bool
+) -> torch.Tensor:
+    """Sum the partial results of a row-parallel computation into ``layout``."""
+    if use_local and isinstance(layout, Replicate):
+        return _ReduceFromRegion.apply(partial, mesh)
+    if use_local and isinstance(layout, Shard):
+        return _ReduceScatterToRegion.apply(partial, mesh, layout.dim)
+    # a partial sum has the global shape on every rank
+    dt = DTensor.from_local(
+        partial, mesh, (Partial(),), shape=partial.shape, stride=partial.stride()
+    )
+    dt = redistribute(dt, layout)
+    return dt.to_local() if use_local else dt
 
 
 def leave(

@@ -363,9 +363,14 @@ class RowwiseParallel(_ShardLinearEmbedding):
         layout = _layouts.normalize(self.input_layouts[0], input.ndim)
         x = _layouts.enter_sharded(input, mesh, layout, Shard(input.ndim - 1))
         y = self._reduce(F.linear(x, module.weight.to_local()), mesh, module)
-        if module.bias is not None:
-            y = y + module.bias  # after the reduction, so that it is added once
-        return y.to_local() if self.use_local_output else y
+        if module.bias is None:
+            return y
+        # added after the reduction, so that it is added once
+        if isinstance(y, DTensor):
+            return y + module.bias
+        # on a sharded output each rank's bias gradient sums over its shard only: partial
+        partial = isinstance(self.output_layouts[0], Shard)
+        return y + module.bias.to_local(grad_placements=(Partial(),) if partial else None)
 
     def _embedding(
         self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
@@ -383,10 +388,9 @@ class RowwiseParallel(_ShardLinearEmbedding):
             y = y.masked_fill(foreign.unsqueeze(-1), 0.0)
         else:  # an empty shard (tiny vocabulary): contribute zeros, keep the graph
             y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
-        y = self._reduce(y, mesh, module)
-        return y.to_local() if self.use_local_output else y
+        return self._reduce(y, mesh, module)
 
-    def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh, module: nn.Module) -> DTensor:
+    def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh, module: nn.Module):
         layout = _layouts.normalize(self.output_layouts[0], partial.ndim)
         if (
             self.use_local_output
@@ -401,11 +405,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
                 "ranks; make it divisible (e.g. the sequence length, for sequence "
                 "parallelism) or pass use_local_output=False"
             )
-        # a partial sum has the global shape on every rank
-        y = DTensor.from_local(
-            partial, mesh, (Partial(),), shape=partial.shape, stride=partial.stride()
-        )
-        return _layouts.redistribute(y, layout)
+        return _layouts.reduce_partial(partial, mesh, layout, self.use_local_output)
 
 
 def _check_not_distributed(module: nn.Module) -> None:
