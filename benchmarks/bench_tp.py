@@ -336,14 +336,23 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[Record] = []
-        # modules whose forward, or whose backward, is running, in the order they started:
-        # the last one is where a collective happens (ModTracker's own set has no order)
-        self._active: list[str] = []
+        # (module, in backward) for each module whose forward, or whose backward, is running,
+        # in the order they started: the last one of the current pass is where a collective
+        # happens (ModTracker's own set of modules has no order)
+        self._active: list[tuple[str, bool]] = []
+        # backward exits seen before their entry: a module returning its input unchanged
+        # (dropout with p=0) has one tensor for both, and its exit hook fires first
+        self._early_exits: dict[str, int] = defaultdict(int)
+        self._seen_backward = False
         self._tracker = ModTracker()
-        self._tracker.register_user_hooks(self._push, self._pop, self._push, self._pop)
+        self._tracker.register_user_hooks(
+            self._enter_forward, self._exit_forward, self._enter_backward, self._exit_backward
+        )
 
     def __enter__(self) -> CollectiveCounter:
         self._active.clear()
+        self._early_exits.clear()
+        self._seen_backward = False
         self._tracker.__enter__()
         super().__enter__()
         return self
@@ -352,21 +361,41 @@ class CollectiveCounter(TorchDispatchMode):
         super().__exit__(*exc)
         self._tracker.__exit__(*exc)
 
-    def _push(self, module: nn.Module, *args: Any) -> None:
-        self._active.append(self._tracker.get_known_fqn(module) or type(module).__name__)
+    def _name(self, module: nn.Module) -> str:
+        return self._tracker.get_known_fqn(module) or type(module).__name__
 
-    def _pop(self, module: nn.Module, *args: Any) -> None:
-        name = self._tracker.get_known_fqn(module) or type(module).__name__
+    def _enter_forward(self, module: nn.Module, *args: Any) -> None:
+        self._active.append((self._name(module), False))
+
+    def _exit_forward(self, module: nn.Module, *args: Any) -> None:
+        self._remove((self._name(module), False))
+
+    def _enter_backward(self, module: nn.Module, *args: Any) -> None:
+        name = self._name(module)
+        self._seen_backward = True
+        if self._early_exits[name]:
+            self._early_exits[name] -= 1
+        else:
+            self._active.append((name, True))
+
+    def _exit_backward(self, module: nn.Module, *args: Any) -> None:
+        entry = (self._name(module), True)
+        if not self._remove(entry):
+            self._early_exits[entry[0]] += 1
+
+    def _remove(self, entry: tuple[str, bool]) -> bool:
         for i in range(len(self._active) - 1, -1, -1):
-            if self._active[i] == name:
+            if self._active[i] == entry:
                 del self._active[i]
-                break
+                return True
+        return False
 
-    def _module(self) -> str:
-        if not self._active:
-            return "-"
-        # drop the root's class name: "Llama.layers.0.attention" -> "layers.0.attention"
-        return self._active[-1].partition(".")[2] or "(root)"
+    def _module(self, backward: bool) -> str:
+        for name, in_backward in reversed(self._active):
+            if in_backward == backward:
+                # drop the root's class name: "Llama.layers.0.attention" -> "layers.0.attention"
+                return name.partition(".")[2] or "(root)"
+        return "(after backward)" if self._seen_backward else "-"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -375,7 +404,7 @@ class CollectiveCounter(TorchDispatchMode):
         if kind is not None:
             sizes = [_tensor_bytes(a) for a in (*args, *kwargs.values(), out)]
             backward = torch._C._current_graph_task_id() != -1
-            self.records.append(Record(kind, max(sizes), backward, self._module()))
+            self.records.append(Record(kind, max(sizes), backward, self._module(backward)))
         return out
 
     def summary(self) -> dict[str, tuple[int, int]]:
@@ -953,6 +982,8 @@ def _torchrun_rank(args: argparse.Namespace) -> None:
 
 
 def _sizes(text: str) -> list[str]:
+    if text.strip() == "none":
+        return []
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [n for n in names if n not in SIZES]
     if unknown or not names:
@@ -980,7 +1011,12 @@ def build_parser() -> argparse.ArgumentParser:
         "upstream torch.distributed.tensor.parallel and a hand-written Megatron-style "
         "baseline, with and without sequence parallelism.",
     )
-    p.add_argument("--sizes", type=_sizes, default=list(SIZES), help="default: tiny,small")
+    p.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=list(SIZES),
+        help="comma-separated model sizes to time steps at, or none (default: tiny,small)",
+    )
     p.add_argument("--steps", type=int, default=20, help="timed steps (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="warm-up steps (default: %(default)s)")
     p.add_argument(

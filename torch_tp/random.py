@@ -518,8 +518,8 @@ def _dropout_shard(
     return local.mul_(noise) if inplace else local * noise
 
 
-def _ensure_tracker(device_mesh: DeviceMesh) -> TensorParallelRNGTracker:
-    """Install a tracker for ``device_mesh`` unless a fitting one is active; return it.
+def _ensure_tracker(device_mesh: DeviceMesh) -> TensorParallelRNGTracker | None:
+    """Install a tracker for ``device_mesh`` unless a fitting one is active; return the active one.
 
     :func:`torch_tp.parallelize_module` calls it. A tracker the user installed
     (:func:`manual_seed`, :func:`set_rng_tracker`) is always kept. Otherwise the
@@ -528,9 +528,11 @@ def _ensure_tracker(device_mesh: DeviceMesh) -> TensorParallelRNGTracker:
     tensor-parallel stream as ``torch_tp.random.manual_seed(s, mesh)``. The default generator
     itself is never reseeded: single-device parity depends on the user's seed. An installed
     tracker is kept while it fits (same group, same seed), so parallelizing a second model
-    continues the stream rather than restarting it.
+    continues the stream rather than restarting it. A rank outside the mesh gets nothing.
     """
     global _tracker
+    if device_mesh.get_coordinate() is None:
+        return _tracker
     tp_mesh = _tp_mesh(device_mesh)
     seed = _default_generator(tp_mesh.device_type).initial_seed()
     tracker = _tracker

@@ -14,8 +14,10 @@ parameter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -481,25 +483,46 @@ class SequenceParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         params = {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
         _distribute_parameters(module, device_mesh, params, self.src_data_rank)
-        module.register_forward_pre_hook(functools.partial(self._enter, device_mesh))
-        module.register_forward_hook(self._leave)
+        own_forward = type(module).forward
+        module.forward = functools.partial(self._forward, module, device_mesh, own_forward)
         return module
 
-    def _enter(self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...]):
+    def _forward(self, module: nn.Module, mesh: DeviceMesh, own_forward, *inputs, **kwargs):
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             found = type(inputs[0]).__name__ if inputs else "no input"
             raise ValueError(
                 f"{_where(self, module)}: expecting the first input to be a torch.Tensor or "
                 f"DTensor, found {found}"
             )
-        layout = _layouts.normalize(self.sequence_sharding[0], inputs[0].ndim)
-        x = _layouts.redistribute(_layouts.annotate(inputs[0], mesh, layout), layout)
-        return (x, *inputs[1:])
+        x = inputs[0]
+        layout = _layouts.normalize(self.sequence_sharding[0], x.ndim)
+        if isinstance(x, DTensor):
+            x = _layouts.redistribute(x, layout).to_local()
+        # the module's own forward, on the local sequence shard: a norm or a dropout treats
+        # every position alike, so the shard's result is the shard of the whole result
+        with _local_parameters(module):
+            out = own_forward(module, x, *inputs[1:], **kwargs)
+        if self.use_local_output or not isinstance(out, torch.Tensor):
+            return out
+        return DTensor.from_local(out, mesh, (layout,))
 
-    def _leave(self, module: nn.Module, inputs: Any, output: Any) -> Any:
-        if self.use_local_output and isinstance(output, DTensor):
-            return output.to_local()
-        return output
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module) -> Iterator[None]:
+    """Let ``module``'s own forward see its replicated DTensor parameters as local tensors.
+
+    The module computes on a shard of the tokens, so the gradient each rank gets for a
+    parameter is a partial sum: it is labelled so, and summed at the end of backward.
+    """
+    params = module._parameters
+    module.__dict__["_parameters"] = {
+        name: p.to_local(grad_placements=(Partial(),)) if isinstance(p, DTensor) else p
+        for name, p in params.items()
+    }
+    try:
+        yield
+    finally:
+        module.__dict__["_parameters"] = params
 
 
 def _hook_dtensor_forward(
