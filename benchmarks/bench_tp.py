@@ -464,24 +464,6 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _time_steps(
-    step: Callable[[], torch.Tensor], model: nn.Module, warmup: int, steps: int, sync: bool
-) -> list[float]:
-    for _ in range(warmup):
-        step()
-        model.zero_grad(set_to_none=True)
-    times = []
-    with _no_gc():
-        for _ in range(steps):
-            if sync:
-                dist.barrier()
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)  # outside the timed region
-    return times
-
-
 def _max_over_ranks(values: list[float]) -> list[float]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, values)
@@ -511,42 +493,82 @@ class Result:
     def median_ms(self) -> float:
         return 1000 * statistics.median(self.times)
 
+    @property
+    def min_ms(self) -> float:
+        return 1000 * min(self.times)
 
-def _bench_variant(
+
+@dataclass
+class _Bench:
+    """A variant's model, ready to step, and what it measured."""
+
+    model: nn.Module
+    step: Callable[[], torch.Tensor]
+    here: bool  # whether this rank runs it (the single-device model runs on rank 0 only)
+    result: Result
+
+
+def _prepare(
     variant: Variant,
     reference: Llama,
     mesh: DeviceMesh,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     ref_loss: torch.Tensor,
-    args: argparse.Namespace,
-) -> Result:
+    warmup: int,
+) -> _Bench:
+    """Build ``variant``, check its loss against the single-device one, warm it up."""
     result = Result(variant)
-    single = variant.library == "single"
-    if single and dist.get_rank() != 0:
-        dist.barrier()  # rank 0 runs the single-device model alone
-        return result
+    here = variant.library != "single" or dist.get_rank() == 0
+    if not here:
+        return _Bench(nn.Module(), lambda: torch.zeros(()), False, result)
     model, after_backward = build_variant(variant, reference, mesh)
     step = _make_step(model, inputs, targets, after_backward)
-
     loss = step()
     model.zero_grad(set_to_none=True)
     if variant.library == "megatron":  # the baseline must be right to be a fair baseline
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     result.loss_diff = (loss - ref_loss).abs().item()
-
-    times = _time_steps(step, model, args.warmup, args.steps, sync=not single)
-    # the collectives of one more step, untimed: counting adds overhead
-    with CollectiveCounter() as counter:
+    for _ in range(warmup):
         step()
-    result.records = counter.records
-    result.partial_grads = _partial_grads(model)
-    if single:
-        result.times = times
-        dist.barrier()
-    else:
-        result.times = _max_over_ranks(times)
-    return result
+        model.zero_grad(set_to_none=True)
+    return _Bench(model, step, True, result)
+
+
+def bench_size(
+    size: Size, variants: Sequence[Variant], mesh: DeviceMesh, args: argparse.Namespace
+) -> list[Result]:
+    """Run every variant at ``size`` on every rank; the results are complete on rank 0.
+
+    The timed steps are interleaved, one step of each variant per round, so that a change in
+    the machine's load during the run is shared by all variants instead of hitting one.
+    """
+    reference, inputs, targets = _reference(size, args.seed)
+    with torch.no_grad():
+        ref_loss = _lm_loss(reference(inputs), targets)
+    benches = [
+        _prepare(v, reference, mesh, inputs, targets, ref_loss, args.warmup) for v in variants
+    ]
+    times: list[list[float]] = [[] for _ in benches]
+    with _no_gc():
+        for _ in range(args.steps):
+            for bench, elapsed in zip(benches, times, strict=True):
+                dist.barrier()
+                if not bench.here:
+                    elapsed.append(0.0)  # the max over ranks is rank 0's time
+                    continue
+                start = time.perf_counter()
+                bench.step()
+                elapsed.append(time.perf_counter() - start)
+                bench.model.zero_grad(set_to_none=True)  # outside the timed region
+    for bench, elapsed in zip(benches, times, strict=True):
+        bench.result.times = _max_over_ranks(elapsed)
+        if bench.here:  # the collectives of one more step, untimed: counting adds overhead
+            with CollectiveCounter() as counter:
+                bench.step()
+            bench.result.records = counter.records
+            bench.result.partial_grads = _partial_grads(bench.model)
+    return [bench.result for bench in benches]
 
 
 def _reference(size: Size, seed: int) -> tuple[Llama, torch.Tensor, torch.Tensor]:
@@ -554,16 +576,6 @@ def _reference(size: Size, seed: int) -> tuple[Llama, torch.Tensor, torch.Tensor
     reference = Llama(size.config())
     tokens = torch.randint(0, size.vocab, (size.batch, size.seq + 1))
     return reference, tokens[:, :-1], tokens[:, 1:]
-
-
-def bench_size(
-    size: Size, variants: Sequence[Variant], mesh: DeviceMesh, args: argparse.Namespace
-) -> list[Result]:
-    """Run every variant at ``size`` on every rank; the results are complete on rank 0."""
-    reference, inputs, targets = _reference(size, args.seed)
-    with torch.no_grad():
-        ref_loss = _lm_loss(reference(inputs), targets)
-    return [_bench_variant(v, reference, mesh, inputs, targets, ref_loss, args) for v in variants]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -795,27 +807,35 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _load() -> str:
+    try:
+        return f"load average {os.getloadavg()[0]:.1f} at start"
+    except OSError:
+        return "load average unknown"
+
+
 def _header(args: argparse.Namespace, world_size: int) -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = torch.get_num_threads()
-    return "\n".join(
-        [
-            f"torch_tp {torch_tp.__version__} benchmark: tensor parallel over {world_size} ranks",
-            f"machine: {_cpu_model()}, {cores} cores; torch {torch.__version__}; backend "
-            f"{dist.get_backend()} (CPU); {threads} thread(s) per rank, and the single-device "
-            f"run uses {threads} too",
-            f"step = forward + cross-entropy loss + backward (no optimizer step); ms/step is "
-            f"the median of {args.steps} timed steps after {args.warmup} warm-up steps, each "
-            "step timed after a barrier, the max over ranks",
-            "vs megatron = ms/step over the Megatron-style baseline with the same sequence-"
-            "parallel setting (single: over megatron without SP); |Δloss| = |loss - single-"
-            "device loss| on the same batch",
-            "collectives per step: counted on one extra untimed step by a TorchDispatchMode "
-            "that sees both torch.distributed's c10d ops and DTensor's functional collectives; "
-            "bytes = full buffer per call (all-reduce: the tensor; all-gather: the gathered "
-            "output; reduce-scatter: the input), summed over the calls",
-        ]
-    )
+    lines = [
+        f"machine: {_cpu_model()}, {cores} cores ({_load()}); torch {torch.__version__}; "
+        f"backend {dist.get_backend()} (CPU), {world_size} ranks, {threads} thread(s) per rank; "
+        f"the single-device run is one process with {threads} thread(s)",
+        f"step = forward + cross-entropy loss + backward, no optimizer step; {args.warmup} "
+        f"warm-up steps, then {args.steps} rounds of one timed step per variant (interleaved), "
+        "each step started after a barrier and timed as the max over ranks",
+        "ms/step = median (min) over the rounds; vs megatron = median over the Megatron-style "
+        "baseline's with the same sequence-parallel setting (single: over megatron without SP)",
+        "|Δloss| = |loss - single-device loss| on the same batch",
+        "collectives per step: counted on one extra untimed step by a TorchDispatchMode that "
+        "sees both torch.distributed's c10d ops and DTensor's functional collectives; bytes = "
+        "full buffer per call (all-reduce: the tensor; all-gather: the gathered output; "
+        "reduce-scatter: the input), summed over the calls",
+    ]
+    title = f"torch_tp {torch_tp.__version__} benchmark: tensor parallel over {world_size} ranks"
+    if args.markdown:
+        return f"## {title}\n\n" + "\n".join(f"- {line}" for line in lines)
+    return title + "\n" + "\n".join(lines)
 
 
 def _size_report(size: Size, results: Sequence[Result], markdown: bool) -> str:
@@ -827,9 +847,8 @@ def _size_report(size: Size, results: Sequence[Result], markdown: bool) -> str:
         collectives = _fmt_collectives(r.records)
         if r.partial_grads:
             collectives += f"; {r.partial_grads} grads left Partial (reduced later, uncounted)"
-        rows.append(
-            [r.variant.name, f"{r.median_ms:.2f}", ratio, f"{r.loss_diff:.1e}", collectives]
-        )
+        timing = f"{r.median_ms:.2f} ({r.min_ms:.2f})"
+        rows.append([r.variant.name, timing, ratio, f"{r.loss_diff:.1e}", collectives])
     headers = ["variant", "ms/step", "vs megatron", "|Δloss|", "collectives per step"]
     title = f"{size.name}: {size.describe()}"
     title = f"### {title}" if markdown else title
@@ -1038,8 +1057,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--parallelize-repeats",
         type=int,
-        default=3,
-        help="timed parallelize_module calls per library and layer count (default: 3)",
+        default=5,
+        help="timed parallelize_module calls per library and layer count (default: 5)",
     )
     p.add_argument(
         "--memory-size",

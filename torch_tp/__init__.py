@@ -6,6 +6,7 @@ semantics), with plans that are checked whole before anything changes.
 
 from torch_tp import api, style
 from torch_tp.api import parallelize_module
+from torch_tp.loss import loss_parallel, vocab_parallel_cross_entropy
 from torch_tp.style import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,6 +28,8 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "api",
+    "loss_parallel",
     "parallelize_module",
     "style",
+    "vocab_parallel_cross_entropy",
 ]

@@ -137,11 +137,11 @@ def _all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, mesh))
+    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, mesh))
 
 
 def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, mesh))
+    return funcol.wait_tensor(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, mesh))
 
 
 def enter_replicated(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:

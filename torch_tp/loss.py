@@ -323,6 +323,8 @@ def vocab_parallel_cross_entropy(
         ValueError: ``device_mesh`` is not one-dimensional, ``target`` has the wrong shape,
             the local vocabulary size does not match ``vocab_size``, or ``reduction`` is
             unknown.
+        RuntimeError: ``label_smoothing`` is outside ``[0, 1]`` or ``weight`` is not of shape
+            ``(V,)`` (``F.cross_entropy``'s exception type for both).
         TypeError: ``local_logits`` is a DTensor.
         NotImplementedError: ``target`` holds class probabilities, or ``weight`` requires a
             gradient.
@@ -604,14 +606,17 @@ def loss_parallel() -> Iterator[None]:
     ``loss.backward()`` may be called inside the context or after it: the gradient is an
     autograd function of the forward, not an operator the context replaces.
 
-    Compared with upstream: ``label_smoothing`` is supported; ``reduction="mean"`` is
-    supported on multi-dimensional meshes; and nothing else changes inside the context
-    (upstream replaces DTensor's ``log_softmax`` and ``nll_loss`` operators for every
-    caller in the process while the context is open, so e.g. ``log_softmax`` on a DTensor
-    that is not sharded on its softmax dimension fails, and the backward of any DTensor
-    ``log_softmax`` is wrong). The context is per thread. Like upstream, only the fused
-    ``cross_entropy`` is parallelized: ``F.nll_loss(F.log_softmax(logits))`` on sharded
-    logits gives the right result but gathers them.
+    Compared with upstream: ``label_smoothing`` is supported, ``reduction="mean"`` is
+    supported on multi-dimensional meshes, and nothing else changes inside the context.
+    (Upstream replaces DTensor's ``log_softmax`` and ``nll_loss`` operators, for every caller
+    in the process, while the context is open: ``log_softmax`` on a DTensor that is not
+    sharded on its softmax dimension raises, and on one that is, its backward becomes the
+    identity.) The context is per thread. Like upstream, only the fused ``cross_entropy`` is
+    parallelized: ``F.nll_loss(F.log_softmax(logits))`` on sharded logits gives the right
+    result through DTensor's ordinary operators, which gather the logits.
+
+    Returns:
+        A context manager (it yields nothing).
 
     Example::
 

@@ -76,8 +76,9 @@ class TensorParallelRNGTracker:
         device_type (str): the mesh's device type (``"cpu"``, ``"cuda"``, ...).
         tp_rank (int): this rank's coordinate on the tensor-parallel dimension.
         seed (int): the base seed.
-        generator (:class:`torch.Generator`): the tensor-parallel stream; it may also be
-            passed to random ops directly (``torch.rand(..., generator=tracker.generator)``).
+        generator (:class:`torch.Generator`): the tensor-parallel stream; outside
+            :meth:`fork` it may also be passed to random ops directly
+            (``torch.rand(..., generator=tracker.generator)``).
 
     Raises:
         TypeError: ``device_mesh`` is not a :class:`DeviceMesh` or ``seed`` not an int.
