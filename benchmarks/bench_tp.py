@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -942,6 +943,8 @@ def _select(only: str | None) -> list[Variant]:
 
 def _run(args: argparse.Namespace) -> None:
     """The benchmark, on one rank of an initialized process group; rank 0 prints."""
+    # deprecation notices of torch APIs the libraries call would interleave with the tables
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*deprecated.*")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     variants = _select(args.only)

@@ -191,11 +191,12 @@ def _parallelize_module_installs() -> None:
     with _clean_tracker():
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         torch.manual_seed(5)
+        linear = nn.Linear(4, 4)
         state = torch.get_rng_state()
         with pytest.raises(ValueError):  # a bad plan changes nothing, installs nothing
-            parallelize_module(nn.Linear(4, 4), mesh, {"nothing": ColwiseParallel()})
+            parallelize_module(linear, mesh, {"nothing": ColwiseParallel()})
         assert tp_random.get_rng_tracker() is None
-        parallelize_module(nn.Linear(4, 4), mesh, ColwiseParallel())
+        parallelize_module(linear, mesh, ColwiseParallel())
         tracker = tp_random.get_rng_tracker()
         assert tracker is not None and tracker.seed == 5 and tracker.tp_rank == dist.get_rank()
         assert torch.equal(torch.get_rng_state(), state), "parallelize_module reseeded"

@@ -284,13 +284,17 @@ def _on_partial_gradient(param_ref: weakref.ref, grad: torch.Tensor) -> torch.Te
         param.grad = DTensor.from_local(
             local, mesh, (Partial(),), shape=grad.shape, stride=grad.stride()
         )
-    if not _pending:
-        Variable._execution_engine.queue_callback(_reduce_pending)
     _pending[id(param)] = param
+    # one callback per gradient, not per backward: the first to run reduces everything
+    # pending and the rest find nothing (a flag "already queued" would go stale if a
+    # backward raised before its callbacks ran)
+    Variable._execution_engine.queue_callback(_reduce_pending)
     return grad
 
 
 def _reduce_pending() -> None:
+    if not _pending:
+        return
     params = [p for p in _pending.values() if isinstance(p.grad, DTensor)]
     _pending.clear()
     by_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
