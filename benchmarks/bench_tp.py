@@ -399,6 +399,11 @@ class CollectiveCounter(TorchDispatchMode):
         return "(after backward)" if self._seen_backward else "-"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(t is not torch.Tensor and hasattr(t, "__tensor_flatten__") for t in types):
+            # a DTensor op: let DTensor run it first, so that the collectives of any
+            # redistribution it needs come back through this mode (running it here would
+            # run it with this mode switched off)
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         kind = _KINDS.get(getattr(func, "_overloadpacket", None))
@@ -847,7 +852,10 @@ def _size_report(size: Size, results: Sequence[Result], markdown: bool) -> str:
         ratio = f"{r.median_ms / base.median_ms:.2f}" if base is not None else "-"
         collectives = _fmt_collectives(r.records)
         if r.partial_grads:
-            collectives += f"; {r.partial_grads} grads left Partial (reduced later, uncounted)"
+            collectives += (
+                f"; {r.partial_grads} grads left Partial (DTensor all-reduces each one when "
+                "the optimizer reads it: not counted here)"
+            )
         timing = f"{r.median_ms:.2f} ({r.min_ms:.2f})"
         rows.append([r.variant.name, timing, ratio, f"{r.loss_diff:.1e}", collectives])
     headers = ["variant", "ms/step", "vs megatron", "|Δloss|", "collectives per step"]
@@ -1089,9 +1097,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, spawn the ranks (unless under torchrun) and run; return the status."""
     args = build_parser().parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.parallelize_repeats < 1:
-        print("error: --steps and --parallelize-repeats must be >= 1, --warmup >= 0")
+        print(
+            "error: --steps and --parallelize-repeats must be >= 1, --warmup >= 0",
+            file=sys.stderr,
+        )
         return 2
-    _select(args.only)  # fail on a bad filter before spawning anything
+    try:
+        _select(args.only)  # fail on a bad filter before spawning anything
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if _launched_by_torchrun():
         _torchrun_rank(args)
         return 0

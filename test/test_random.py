@@ -18,10 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
-import torch_tp.api
 import torch_tp.random as tp_random
-import torch_tp.style
-from torch_tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import check_parity, run_distributed
@@ -202,10 +200,6 @@ def _parallelize_module_installs() -> None:
         assert torch.equal(torch.get_rng_state(), state), "parallelize_module reseeded"
 
 
-@pytest.mark.skipif(
-    not hasattr(torch_tp.api, "_ensure_tracker"),
-    reason="until api.py calls torch_tp.random._ensure_tracker (then delete this mark)",
-)
 def test_parallelize_module_installs_a_tracker():
     run_distributed(_parallelize_module_installs, 2)
 
@@ -258,7 +252,7 @@ def _all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _checkpoint_replays_fork_masks() -> None:
-    with _clean_tracker(), _sequence_parallel_dropout_wired():
+    with _clean_tracker():
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         torch.manual_seed(0)
         base = _TPMLP()
@@ -305,42 +299,6 @@ def test_checkpoint_replays_fork_masks_and_gradients():
 
 
 # --------------------------------------------------------------------------- (e): SP dropout
-
-
-def _shim_forward(
-    style: SequenceParallel, mesh, module: nn.Dropout, input: torch.Tensor
-) -> torch.Tensor:
-    layout = Shard(style.sequence_sharding[0].dim % input.ndim)
-    x = input
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
-    if x.placements != (layout,):
-        x = x.redistribute(placements=(layout,))
-    out = tp_random.sequence_parallel_dropout(x, module.p, module.training)
-    return out.to_local() if style.use_local_output else out
-
-
-@contextlib.contextmanager
-def _sequence_parallel_dropout_wired() -> Iterator[None]:
-    """Until style.py imports ``sequence_parallel_dropout`` for SequenceParallel's
-    nn.Dropout, give the dropout modules it applies to that dropout here. Once style.py does,
-    this is a no-op and the real wiring is what the tests check (then delete this shim)."""
-    if getattr(torch_tp.style, "sequence_parallel_dropout", None) is not None:
-        yield
-        return
-    original = SequenceParallel._apply
-
-    def _apply(self, module, device_mesh):
-        module = original(self, module, device_mesh)
-        if type(module).forward is nn.Dropout.forward:
-            module.forward = functools.partial(_shim_forward, self, device_mesh, module)
-        return module
-
-    SequenceParallel._apply = _apply
-    try:
-        yield
-    finally:
-        SequenceParallel._apply = original
 
 
 _CASES = [
@@ -425,7 +383,7 @@ def _reseed_every_forward(module: nn.Module, args: tuple) -> None:
 
 
 def _llama_dropout_parity(sequence_parallel: bool) -> None:
-    with _clean_tracker(), _sequence_parallel_dropout_wired():
+    with _clean_tracker():
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         torch.manual_seed(0)
         config = LlamaConfig(

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch_tp.plan import is_style, mark_applied, resolve_plan, validate_plan
+from torch_tp.random import _ensure_tracker
 from torch_tp.style import ParallelStyle
 
 __all__ = ["parallelize_module"]
@@ -82,6 +83,8 @@ def parallelize_module(
 
     entries = resolve_plan(module, parallelize_plan, strict=strict)
     validate_plan(entries, device_mesh, module)
+    # dropout in a fork() region works out of the box; this never reseeds the default stream
+    _ensure_tracker(device_mesh)
 
     result = module
     for entry in entries:

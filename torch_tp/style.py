@@ -34,6 +34,7 @@ from torch.distributed.tensor import (
 )
 
 from torch_tp import _layouts
+from torch_tp.random import sequence_parallel_dropout
 
 __all__ = [
     "ParallelStyle",
@@ -435,7 +436,8 @@ class SequenceParallel(ParallelStyle):
 
     Supported modules: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Dropout``, and hand-written norms
     whose class name ends in ``RMSNorm`` or ``LayerNorm`` and whose parameters are 1-D (the
-    per-feature scale and shift of Llama-style models).
+    per-feature scale and shift of Llama-style models). ``nn.Dropout`` draws the mask the
+    single-device model would draw from the same seed and keeps this rank's slice of it.
 
     Keyword Args:
         sequence_dim (int, optional): the sequence dimension of the input. Default: 1.
@@ -496,12 +498,28 @@ class SequenceParallel(ParallelStyle):
             )
         x = inputs[0]
         layout = _layouts.normalize(self.sequence_sharding[0], x.ndim)
+        global_shape = None  # a local input: even shards, as everywhere
         if isinstance(x, DTensor):
-            x = _layouts.redistribute(x, layout).to_local()
-        # the module's own forward, on the local sequence shard: a norm or a dropout treats
-        # every position alike, so the shard's result is the shard of the whole result
-        with _local_parameters(module):
-            out = own_forward(module, x, *inputs[1:], **kwargs)
+            x = _layouts.redistribute(x, layout)
+            global_shape = x.shape
+            x = x.to_local()
+        if own_forward is nn.Dropout.forward:
+            # a mask of the local shape would be the same on every rank, and not the
+            # single-device one: draw the full mask and keep this rank's slice
+            out = sequence_parallel_dropout(
+                x,
+                module.p,
+                module.training,
+                module.inplace,
+                device_mesh=mesh,
+                sequence_dim=layout.dim,
+                global_shape=global_shape,
+            )
+        else:
+            # the module's own forward, on the local sequence shard: a norm treats every
+            # position alike, so the shard's result is the shard of the whole result
+            with _local_parameters(module):
+                out = own_forward(module, x, *inputs[1:], **kwargs)
         if self.use_local_output or not isinstance(out, torch.Tensor):
             return out
         return DTensor.from_local(out, mesh, (layout,))

@@ -1,0 +1,248 @@
+"""Smoke tests of ``benchmarks/``: they prove the pieces work at a minimal size, never timings.
+
+What is asserted: the hand-written Megatron-style baseline computes the single-device loss
+and gradients (it must be right to be a fair baseline) with exactly the minimum collectives
+(deterministic counts and bytes); the collective counter agrees with ``CommDebugMode``; the
+upstream "comm-optimal" plan mirrors torch_tp's Llama plan; the script runs end to end on
+the shared test ranks and as its own command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+
+from torch_tp import __main__ as cli
+from torch_tp.models import Llama, LlamaConfig
+from torch_tp.plans.llama import llama_plan
+from torch_tp.testing import run_distributed
+
+# The benchmark scripts are not a package: import them from their directory (the test ranks
+# import this module too, so they get the same path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_tp  # noqa: E402
+import megatron  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+_CONFIG = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64}
+_BATCH, _SEQ = 2, 8
+_F32 = 4  # bytes
+
+
+def _reference() -> tuple[Llama, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    reference = Llama(LlamaConfig(**_CONFIG, max_seq_len=_SEQ))
+    tokens = torch.randint(0, _CONFIG["vocab_size"], (_BATCH, _SEQ + 1))
+    return reference, tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _shard_dim(name: str) -> int | None:
+    """The dimension the baseline splits parameter ``name`` on (``None``: replicated)."""
+    if name in ("tok_embeddings.weight", "output.weight"):
+        return 0
+    for linear, dim in {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}.items():
+        if name.endswith(f".{linear}.weight"):
+            return dim
+    return None
+
+
+def _megatron_step(sequence_parallel: bool) -> dict[str, tuple[int, int]]:
+    """On each rank: one baseline step, checked against the single-device model."""
+    reference, inputs, targets = _reference()
+    model = megatron.MegatronLlama(reference, dist.group.WORLD, sequence_parallel=sequence_parallel)
+    with bench_tp.CollectiveCounter() as counter:
+        loss = _loss(model(inputs), targets)
+        loss.backward()
+        model.reduce_norm_grads()
+    ref_loss = _loss(reference(inputs), targets)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref_params = dict(reference.named_parameters())
+    params = dict(model.named_parameters())
+    assert set(params) == set(ref_params)
+    for name, param in params.items():
+        full = ref_params[name].grad
+        dim = _shard_dim(name)
+        expected = full if dim is None else full.chunk(world, dim)[rank]
+        torch.testing.assert_close(param.grad, expected, msg=lambda m, n=name: f"{n}: {m}")
+    return counter.summary()
+
+
+def test_megatron_baseline_matches_single_device_with_minimal_collectives() -> None:
+    layers, dim, vocab = _CONFIG["n_layers"], _CONFIG["dim"], _CONFIG["vocab_size"]
+    activation = _BATCH * _SEQ * dim * _F32  # one (batch, seq, dim) float32 activation
+    logits = _BATCH * _SEQ * vocab * _F32
+    # per block: forward one reduction after attention and one after the MLP; backward one
+    # input-gradient reduction before each; plus the embedding (forward) and the output
+    # layer's input (backward); the logits are gathered on the vocabulary once
+    summaries = run_distributed(_megatron_step, 2, False)
+    assert (
+        summaries[0]
+        == summaries[1]
+        == {
+            "all_reduce": (4 * layers + 2, (4 * layers + 2) * activation),
+            "all_gather": (1, logits),
+        }
+    )
+    # with sequence parallelism every all-reduce becomes an all-gather and a reduce-scatter,
+    # the output layer gathers its input too, and the norm gradients (2 per block and the
+    # final norm) are summed in one coalesced all-reduce
+    summaries = run_distributed(_megatron_step, 2, True)
+    assert (
+        summaries[0]
+        == summaries[1]
+        == {
+            "all_reduce": (1, (2 * layers + 1) * dim * _F32),
+            "all_gather": (4 * layers + 3, (4 * layers + 2) * activation + logits),
+            "reduce_scatter": (4 * layers + 2, (4 * layers + 2) * activation),
+        }
+    )
+
+
+def _counts_both_ways(library: str, sequence_parallel: bool) -> tuple[int, int]:
+    """Collectives of one step as counted by bench_tp's counter and by CommDebugMode."""
+    reference, inputs, targets = _reference()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    variant = bench_tp.Variant(library, sequence_parallel)
+    model, after_backward = bench_tp.build_variant(variant, reference, mesh)
+
+    def step() -> None:
+        _loss(model(inputs), targets).backward()
+        if after_backward is not None:
+            after_backward()
+
+    with bench_tp.CollectiveCounter() as counter:
+        step()
+    with CommDebugMode() as comm:
+        step()
+    return len(counter.records), comm.get_total_counts()
+
+
+@pytest.mark.parametrize(
+    ("library", "sequence_parallel"),
+    [("megatron", True), ("torch_tp", False), ("torch_tp", True), ("upstream-linear", False)],
+)
+def test_counter_agrees_with_comm_debug_mode(library: str, sequence_parallel: bool) -> None:
+    ours, theirs = run_distributed(_counts_both_ways, 2, library, sequence_parallel)[0]
+    assert ours == theirs > 0
+
+
+def test_counter_sees_redistributions_inside_dtensor_ops() -> None:
+    run_distributed(_partial_to_replicate_in_an_op, 2)
+
+
+def _partial_to_replicate_in_an_op() -> None:
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    replicated = DTensor.from_local(torch.ones(4), mesh, (Replicate(),))
+    partial = DTensor.from_local(torch.ones(4), mesh, (Partial(),))
+    with bench_tp.CollectiveCounter() as counter:
+        replicated.add_(partial)  # DTensor all-reduces the partial sum inside the op
+    assert counter.summary() == {"all_reduce": (1, 4 * _F32)}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_upstream_optimal_plan_mirrors_llama_plan(sequence_parallel: bool) -> None:
+    ours = llama_plan(sequence_parallel=sequence_parallel)
+    theirs = bench_tp.upstream_optimal_plan(sequence_parallel)
+    assert {k: type(v).__name__ for k, v in theirs.items()} == {
+        k: type(v).__name__ for k, v in ours.items()
+    }
+
+
+def _bench_as_torchrun_rank(argv: list[str]) -> tuple[int, str]:
+    """On a pool rank: run ``bench_tp.py ARGV`` as if launched by torchrun."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
+    out = io.StringIO()
+    threads = torch.get_num_threads()  # the script sets its own; leave the pool's as it was
+    try:
+        with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out):
+            status = bench_tp.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return status, out.getvalue()
+
+
+def test_script_runs_every_section_at_a_minimal_size() -> None:
+    argv = ["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--memory-size", "tiny"]
+    argv += ["--parallelize-layers", "1", "--parallelize-repeats", "1", "--by-module"]
+    (status, output), (other_status, other) = run_distributed(_bench_as_torchrun_rank, 2, argv)
+    assert status == other_status == 0
+    assert other == ""  # only rank 0 prints
+    for variant in bench_tp.VARIANTS:
+        # a row of the timing table and one of the memory table (columns: 2+ spaces apart)
+        rows = re.findall(rf"^{re.escape(variant.name)} {{2,}}\S", output, re.MULTILINE)
+        assert len(rows) == 2, output
+    assert "tiny: dim 64, 4 layers" in output
+    assert "megatron+sp:" in output  # the by-module breakdown
+    assert "activation memory at tiny" in output
+    assert "torch_tp ok, upstream ok" in output  # both parallelized the meta model
+
+
+def test_script_markdown_and_filter() -> None:
+    argv = ["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--memory-size", "none"]
+    argv += ["--skip-parallelize-timing", "--markdown", "--only", "megatron*,torch_tp+sp"]
+    (status, output), _ = run_distributed(_bench_as_torchrun_rank, 2, argv)
+    assert status == 0
+    assert "| variant | ms/step | vs megatron |" in output
+    names = [line.split("|")[1].strip() for line in output.splitlines() if line[:2] == "| "]
+    assert names == ["variant", "megatron", "megatron+sp", "torch_tp+sp"]
+
+
+def test_bad_filter_is_refused_before_spawning(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_tp.main(["--only", "nosuch"]) == 2
+    assert "matches no variant" in capsys.readouterr().err
+
+
+def test_cli_forwards_to_the_script() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_tp", "bench", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--skip-parallelize-timing" in proc.stdout
+
+
+def test_cli_lists_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "bench" in capsys.readouterr().out
+
+
+def test_script_spawns_its_own_ranks() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "bench_tp.py"), "--sizes", "tiny"]
+        + ["--only", "megatron", "--steps", "1", "--warmup", "0", "--memory-size", "none"]
+        + ["--skip-parallelize-timing"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all_reduce×18 (36.0 KiB), all_gather×1 (32.0 KiB)" in proc.stdout
