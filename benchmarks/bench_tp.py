@@ -256,44 +256,42 @@ def build_variant(
 # Counting collectives
 
 
-def _ops(namespace: Any, names: Sequence[str]) -> list[Any]:
-    return [getattr(namespace, n) for n in names if hasattr(namespace, n)]
+# kind -> the ops that perform it: the c10d ops are what eager torch.distributed calls dispatch
+# to, the _c10d_functional ones are the functional collectives DTensor issues
+_COLLECTIVES = {
+    "all_reduce": "c10d.allreduce_ c10d.allreduce_coalesced_ _c10d_functional.all_reduce "
+    "_c10d_functional.all_reduce_ _c10d_functional.all_reduce_coalesced "
+    "_c10d_functional.all_reduce_coalesced_",
+    "all_gather": "c10d._allgather_base_ c10d.allgather_ c10d.allgather_coalesced_ "
+    "c10d.allgather_into_tensor_coalesced_ _c10d_functional.all_gather_into_tensor "
+    "_c10d_functional.all_gather_into_tensor_coalesced "
+    "_c10d_functional_autograd.all_gather_into_tensor",
+    "reduce_scatter": "c10d._reduce_scatter_base_ c10d.reduce_scatter_ "
+    "c10d.reduce_scatter_tensor_coalesced_ _c10d_functional.reduce_scatter_tensor "
+    "_c10d_functional.reduce_scatter_tensor_coalesced "
+    "_c10d_functional_autograd.reduce_scatter_tensor",
+    "all_to_all": "c10d.alltoall_ c10d.alltoall_base_ _c10d_functional.all_to_all_single "
+    "_c10d_functional_autograd.all_to_all_single",
+    "broadcast": "c10d.broadcast_ _c10d_functional.broadcast",
+    "scatter": "c10d.scatter_",
+    "gather": "c10d.gather_",
+    "reduce": "c10d.reduce_",
+}
 
 
-_c10d, _funcol = torch.ops.c10d, torch.ops._c10d_functional
-_funcol_autograd = torch.ops._c10d_functional_autograd
-# op overload packet -> kind; covers torch.distributed's eager calls (c10d ops) and the
-# functional collectives DTensor issues (_c10d_functional ops)
-_KINDS: dict[Any, str] = {}
-for _kind, _packets in {
-    "all_reduce": _ops(_c10d, ["allreduce_", "allreduce_coalesced_"])
-    + _ops(_funcol, ["all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"]),
-    "all_gather": _ops(
-        _c10d,
-        [
-            "_allgather_base_",
-            "allgather_",
-            "allgather_coalesced_",
-            "allgather_into_tensor_coalesced_",
-        ],
-    )
-    + _ops(_funcol, ["all_gather_into_tensor", "all_gather_into_tensor_coalesced"])
-    + _ops(_funcol_autograd, ["all_gather_into_tensor"]),
-    "reduce_scatter": _ops(
-        _c10d, ["_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"]
-    )
-    + _ops(_funcol, ["reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"])
-    + _ops(_funcol_autograd, ["reduce_scatter_tensor"]),
-    "all_to_all": _ops(_c10d, ["alltoall_", "alltoall_base_"])
-    + _ops(_funcol, ["all_to_all_single"])
-    + _ops(_funcol_autograd, ["all_to_all_single"]),
-    "broadcast": _ops(_c10d, ["broadcast_"]) + _ops(_funcol, ["broadcast"]),
-    "scatter": _ops(_c10d, ["scatter_"]),
-    "gather": _ops(_c10d, ["gather_"]),
-    "reduce": _ops(_c10d, ["reduce_"]),
-}.items():
-    for _packet in _packets:
-        _KINDS[_packet] = _kind
+def _op(qualified_name: str) -> Any:
+    """``torch.ops.<namespace>.<name>``, or ``None`` if this build of torch lacks it."""
+    namespace, _, name = qualified_name.partition(".")
+    return getattr(getattr(torch.ops, namespace), name, None)
+
+
+# op overload packet -> kind
+_KINDS: dict[Any, str] = {
+    packet: kind
+    for kind, names in _COLLECTIVES.items()
+    for packet in map(_op, names.split())
+    if packet is not None
+}
 _KIND_ORDER = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
@@ -305,7 +303,11 @@ def _tensor_bytes(tree: Any) -> int:
 
 @dataclass(frozen=True)
 class Record:
-    """One collective call: its kind, its size, the pass and the module that issued it."""
+    """One collective call: its kind, its size, the pass and the module that issued it.
+
+    :attr:`CollectiveCounter.dtensor_ops` uses it too, for one op DTensor dispatched: the
+    op's name as ``kind`` and ``nbytes`` 0.
+    """
 
     kind: str
     nbytes: int
@@ -323,20 +325,25 @@ class CollectiveCounter(TorchDispatchMode):
     buffer, as nccl-tests counts it: the tensor of an all-reduce, the gathered output of an
     all-gather, the input of a reduce-scatter (the largest tensor argument or result).
     Calls are attributed to the innermost module running (forward) or whose gradient is
-    being computed (backward), as :class:`ModTracker` sees it.
+    being computed (backward), as :class:`ModTracker` sees it. The ops that go through
+    DTensor's dispatch are recorded too (:attr:`dtensor_ops`): they are where DTensor spends
+    its per-op time.
 
     Example::
 
         >>> # xdoctest: +SKIP("distributed")
         >>> with CollectiveCounter() as counter:
-        ...     model(tokens).sum().backward()
-        >>> counter.summary()
-        {'all_reduce': (18, 41472)}
+        ...     F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        >>> counter.summary()  # the Megatron-style baseline, 4 layers, batch 1 x seq 8
+        {'all_reduce': (18, 36864), 'all_gather': (1, 32768)}
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[Record] = []
+        # every op DTensor dispatched (sharding propagation, the per-op cost of DTensor), as
+        # a Record of the op's name; plain-tensor ops and collectives are not in it
+        self.dtensor_ops: list[Record] = []
         # (module, in backward) for each module whose forward, or whose backward, is running,
         # in the order they started: the last one of the current pass is where a collective
         # happens (ModTracker's own set of modules has no order)
@@ -398,11 +405,21 @@ class CollectiveCounter(TorchDispatchMode):
                 return name.partition(".")[2] or "(root)"
         return "(after backward)" if self._seen_backward else "-"
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if any(t is not torch.Tensor and hasattr(t, "__tensor_flatten__") for t in types):
             # a DTensor op: let DTensor run it first, so that the collectives of any
             # redistribution it needs come back through this mode (running it here would
             # run it with this mode switched off)
+            if any(issubclass(t, DTensor) for t in types):
+                backward = torch._C._current_graph_task_id() != -1
+                name = str(getattr(func, "_overloadpacket", func))
+                self.dtensor_ops.append(Record(name, 0, backward, self._module(backward)))
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -493,6 +510,7 @@ class Result:
     times: list[float] = field(default_factory=list)
     loss_diff: float = 0.0
     records: list[Record] = field(default_factory=list)
+    dtensor_ops: list[Record] = field(default_factory=list)
     partial_grads: int = 0
 
     @property
@@ -573,6 +591,7 @@ def bench_size(
             with CollectiveCounter() as counter:
                 bench.step()
             bench.result.records = counter.records
+            bench.result.dtensor_ops = counter.dtensor_ops
             bench.result.partial_grads = _partial_grads(bench.model)
     return [bench.result for bench in benches]
 
@@ -718,7 +737,8 @@ def _meta_model(n_layers: int) -> Llama:
 class ParallelizeTiming:
     """``parallelize_module`` seconds per library and layer count, and what was checked."""
 
-    seconds: dict[tuple[str, int], float] = field(default_factory=dict)
+    # (library, layers) -> the seconds of each call (max over ranks)
+    seconds: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     collectives: dict[str, int] = field(default_factory=dict)
     checks: dict[str, str] = field(default_factory=dict)
 
@@ -764,7 +784,7 @@ def bench_parallelize(
                     _parallelize(library, model, mesh)
                     times.append(time.perf_counter() - start)
                 del model
-            timing.seconds[library, n_layers] = statistics.median(_max_over_ranks(times))
+            timing.seconds[library, n_layers] = _max_over_ranks(times)
     return timing
 
 
@@ -832,7 +852,8 @@ def _header(args: argparse.Namespace, world_size: int) -> str:
         "each step started after a barrier and timed as the max over ranks",
         "ms/step = median (min) over the rounds; vs megatron = median over the Megatron-style "
         "baseline's with the same sequence-parallel setting (single: over megatron without SP)",
-        "|Δloss| = |loss - single-device loss| on the same batch",
+        "loss diff = |loss - single-device loss| on the same batch; DTensor ops = ops per step "
+        "that went through DTensor's dispatch (sharding propagation: DTensor's per-op cost)",
         "collectives per step: counted on one extra untimed step by a TorchDispatchMode that "
         "sees both torch.distributed's c10d ops and DTensor's functional collectives; bytes = "
         "full buffer per call (all-reduce: the tensor; all-gather: the gathered output; "
@@ -842,6 +863,19 @@ def _header(args: argparse.Namespace, world_size: int) -> str:
     if args.markdown:
         return f"## {title}\n\n" + "\n".join(f"- {line}" for line in lines)
     return title + "\n" + "\n".join(lines)
+
+
+def _section(title: str, description: str, body: str, markdown: bool) -> str:
+    """A titled table: a Markdown heading and paragraph, or one plain line above it."""
+    if markdown:
+        return f"### {title}\n\n{description}\n\n{body}"
+    return f"{title}: {description}\n\n{body}"
+
+
+def _listing(lines: Sequence[str], markdown: bool) -> str:
+    """Preformatted lines (a code block in Markdown)."""
+    text = "\n".join(lines)
+    return f"```text\n{text}\n```" if markdown else text
 
 
 def _size_report(size: Size, results: Sequence[Result], markdown: bool) -> str:
@@ -857,14 +891,14 @@ def _size_report(size: Size, results: Sequence[Result], markdown: bool) -> str:
                 "the optimizer reads it: not counted here)"
             )
         timing = f"{r.median_ms:.2f} ({r.min_ms:.2f})"
-        rows.append([r.variant.name, timing, ratio, f"{r.loss_diff:.1e}", collectives])
-    headers = ["variant", "ms/step", "vs megatron", "|Δloss|", "collectives per step"]
-    title = f"{size.name}: {size.describe()}"
-    title = f"### {title}" if markdown else title
-    return f"{title}\n\n{_table(headers, rows, markdown)}"
+        loss_diff, ops = f"{r.loss_diff:.1e}", str(len(r.dtensor_ops))
+        rows.append([r.variant.name, timing, ratio, loss_diff, ops, collectives])
+    headers = ["variant", "ms/step", "vs megatron", "loss diff", "DTensor ops"]
+    headers.append("collectives per step")
+    return _section(size.name, size.describe(), _table(headers, rows, markdown), markdown)
 
 
-def _by_module_report(results: Sequence[Result]) -> str:
+def _by_module_report(results: Sequence[Result], markdown: bool) -> str:
     lines = ["collectives per step by pass and module (kind×count, bytes):"]
     for r in results:
         groups: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
@@ -877,7 +911,19 @@ def _by_module_report(results: Sequence[Result]) -> str:
             lines.append("    none")
         for (phase, module, kind), (count, nbytes) in groups.items():
             lines.append(f"    {phase}  {module:<28} {kind}×{count}  {nbytes} B")
-    return "\n".join(lines)
+    lines.append("")
+    lines.append("DTensor ops per step by pass and module (summed over the layers):")
+    for r in results:
+        if not r.dtensor_ops:
+            continue
+        ops: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for rec in r.dtensor_ops:
+            ops["bwd" if rec.backward else "fwd", _layer_glob(rec.module)][rec.kind] += 1
+        lines.append(f"  {r.variant.name}: {len(r.dtensor_ops)}")
+        for (phase, module), counts in ops.items():
+            listed = ", ".join(f"{op.removeprefix('aten.')}×{n}" for op, n in counts.items())
+            lines.append(f"    {phase}  {module:<28} {listed}")
+    return _listing(lines, markdown)
 
 
 def _memory_report(
@@ -893,19 +939,25 @@ def _memory_report(
             meets = "yes" if ratio <= target else "no"
         table_rows.append([r.variant.name, _fmt_bytes(r.nbytes), f"{ratio:.3f}", meets])
     headers = ["variant", "saved/rank", "vs single", f"≤ {target:.3f} (1/TP + 10%)"]
-    title = (
-        f"activation memory at {size.name} ({size.describe()}): bytes saved for backward in "
-        "the transformer blocks per rank (unique storages, no parameters; max over ranks)"
+    description = (
+        f"{size.name} ({size.describe()}); bytes saved for backward in the transformer blocks "
+        "per rank (unique storages, no parameters; max over ranks)"
     )
-    text = f"{'### ' if markdown else ''}{title}\n\n{_table(headers, table_rows, markdown)}"
+    text = _section(
+        "activation memory", description, _table(headers, table_rows, markdown), markdown
+    )
     if by_module:
-        lines = ["", "saved bytes by module:"]
+        lines = ["saved bytes by module (summed over the layers):"]
         for r in rows:
             lines.append(f"  {r.variant.name}:")
             for module, nbytes in sorted(r.by_module.items(), key=lambda kv: -kv[1]):
                 lines.append(f"    {module:<36} {_fmt_bytes(nbytes)}")
-        text += "\n".join(lines)
+        text += "\n\n" + _listing(lines, markdown)
     return text
+
+
+def _ms_median_min(seconds: Sequence[float]) -> str:
+    return f"{1000 * statistics.median(seconds):.0f} ({1000 * min(seconds):.0f})"
 
 
 def _parallelize_report(
@@ -914,12 +966,14 @@ def _parallelize_report(
     rows = []
     for n in layer_counts:
         ours, theirs = timing.seconds["torch_tp", n], timing.seconds["upstream", n]
-        rows.append([str(n), f"{1000 * ours:.0f}", f"{1000 * theirs:.0f}", f"{ours / theirs:.2f}"])
-    headers = ["layers", "torch_tp ms", "upstream ms", "torch_tp / upstream"]
-    title = (
-        "parallelize_module on a meta-device Llama with 70B shapes (dim 8192, ffn 28672, 64 "
-        "heads / 8 kv heads, vocab 128256), the llama_plan(sequence_parallel=True) plan in "
-        f"each library; median of {repeats}, max over ranks, after one untimed warm-up call"
+        ratio = min(ours) / min(theirs)
+        rows.append([str(n), _ms_median_min(ours), _ms_median_min(theirs), f"{ratio:.2f}"])
+    headers = ["layers", "torch_tp ms", "upstream ms", "torch_tp / upstream (min)"]
+    description = (
+        "a meta-device Llama with 70B shapes (dim 8192, ffn 28672, 64 heads / 8 kv heads, "
+        "vocab 128256), the llama_plan(sequence_parallel=True) plan in each library; median "
+        f"(min) of {repeats} calls, each the max over ranks, after one untimed warm-up call "
+        "per library"
     )
     notes = [
         f"src_data_rank=0 (the default) in both: collectives issued on meta tensors: "
@@ -928,10 +982,9 @@ def _parallelize_report(
         f"result on meta (sharded meta DTensors of the right local shape): torch_tp "
         f"{timing.checks['torch_tp']}, upstream {timing.checks['upstream']}",
     ]
-    return (
-        f"{'### ' if markdown else ''}{title}\n\n{_table(headers, rows, markdown)}\n\n"
-        + "\n".join(notes)
-    )
+    body = _table(headers, rows, markdown) + "\n\n"
+    body += "\n".join(f"- {note}" for note in notes) if markdown else "\n".join(notes)
+    return _section("parallelize_module", description, body, markdown)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -966,7 +1019,7 @@ def _run(args: argparse.Namespace) -> None:
         results = bench_size(SIZES[name], variants, mesh, args)
         emit(_size_report, SIZES[name], results, args.markdown)
         if args.by_module:
-            emit(_by_module_report, results)
+            emit(_by_module_report, results, args.markdown)
     if args.memory_size != "none":
         size = SIZES[args.memory_size]
         chosen = [Variant("single")] + [v for v in variants if v.library != "single"]

@@ -105,8 +105,10 @@ def test_strict_false_warns_and_skips():
 
 
 def _not_a_style() -> None:
-    plan = {"layers.*.attention.wq": ColwiseParallel(), "output": "colwise"}
-    _expect_error(_llama(), plan, TypeError, r"plan key 'output'.*ParallelStyle.*str")
+    plan = {"layers.*.attention.wq": ColwiseParallel(), "output": 3}
+    _expect_error(_llama(), plan, TypeError, r"plan key 'output'.*ParallelStyle.*int 3")
+    plan = {"layers.*.attention.wq": ColwiseParallel(), "output": "colwsie"}
+    _expect_error(_llama(), plan, ValueError, r"plan key 'output': unknown style name 'colwsie'")
     _expect_error(_llama(), {"output": ColwiseParallel}, TypeError, "plan key 'output'")
     _expect_error(_llama(), [ColwiseParallel()], TypeError, "parallelize_plan")
     _expect_error(_llama(), {1: ColwiseParallel()}, TypeError, "plan key 1")

@@ -4,7 +4,7 @@ The public API is that of ``torch.distributed.tensor.parallel`` (same names, arg
 semantics), with plans that are checked whole before anything changes.
 """
 
-from torch_tp import api, random, style
+from torch_tp import api, plan, random, report, style
 from torch_tp.api import parallelize_module
 from torch_tp.loss import loss_parallel, vocab_parallel_cross_entropy
 from torch_tp.style import (
@@ -30,7 +30,9 @@ __all__ = [
     "api",
     "loss_parallel",
     "parallelize_module",
+    "plan",
     "random",
+    "report",
     "style",
     "vocab_parallel_cross_entropy",
 ]

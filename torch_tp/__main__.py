@@ -13,6 +13,7 @@ Example::
     $ python -m torch_tp demo --steps 10
     $ torchrun --nproc-per-node 2 -m torch_tp demo
     $ python -m torch_tp bench --sizes tiny
+    $ python -m torch_tp plan --model llama3-8b --tp 8 --sequence-parallel
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
         "torch_tp._demo",
         "train a tiny Llama tensor-parallel and on one device, and compare the losses",
+    ),
+    "plan": (
+        "torch_tp._plan_cli",
+        "dry-run a plan on the meta device: memory per rank, collectives per step, problems",
     ),
 }
 

@@ -27,7 +27,8 @@ def parallelize_module(
     """Apply tensor parallelism to ``module`` and its submodules according to a plan.
 
     The plan is one :class:`ParallelStyle`, applied to ``module`` itself, or a dict from
-    module paths to styles. A path is dotted, each segment may hold :mod:`fnmatch`
+    module paths to styles or style names (``"colwise"``, ``"rowwise"``, ...; see
+    :mod:`torch_tp.plan`). A path is dotted, each segment may hold :mod:`fnmatch`
     wildcards matched against the child names at that level (``"layers.*.attention.wq"``),
     and ``""`` names ``module`` itself. The whole plan is resolved and every
     ``(module, style)`` pair is checked before the first module changes: after an error the
@@ -58,8 +59,10 @@ def parallelize_module(
     Raises:
         TypeError: the plan is not a style or a dict, or a plan value is not a style.
         ValueError: a key matches no submodule (when ``strict``), two keys match one module,
-            a module was parallelized before, or the mesh is not 1-D.
-        NotImplementedError: a style does not support the type of the module it names.
+            a module was parallelized before, a style name is unknown, or the mesh is not
+            1-D.
+        NotImplementedError: a style does not support the type of the module it names, or a
+            style name has no torch_tp style yet.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")

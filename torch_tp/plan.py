@@ -13,10 +13,12 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torch_tp import _names
 from torch_tp.style import (
     MODULE_PATH_ATTR,
     ColwiseParallel,
@@ -25,7 +27,7 @@ from torch_tp.style import (
     SequenceParallel,
 )
 
-__all__ = ["PlanEntry", "resolve_plan", "validate_plan"]
+__all__ = ["PlanEntry", "from_dict", "resolve_plan", "to_dict", "validate_plan"]
 
 # set on every module a style was applied to; a second style on it is refused
 _APPLIED_STYLE = "_torch_tp_style"
@@ -112,8 +114,10 @@ def resolve_plan(
     Raises:
         TypeError: the plan is neither a style nor a dict, a key is not a string, or a value
             is not a :class:`ParallelStyle`.
-        ValueError: a key matches no submodule (``strict=True``), or two keys name the same
-            module.
+        ValueError: a key matches no submodule (``strict=True``), two keys name the same
+            module, or a value is an unknown style name.
+        NotImplementedError: a value is a transformers style name that no torch_tp style
+            expresses yet.
     """
     if is_style(parallelize_plan):
         return [PlanEntry("", "", module, parallelize_plan)]
@@ -122,6 +126,7 @@ def resolve_plan(
             "Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for parallelize_plan, "
             f"{type(parallelize_plan)} found!"
         )
+    parallelize_plan = _resolve_style_names(parallelize_plan)
     for key, style in parallelize_plan.items():
         if not isinstance(key, str):
             raise TypeError(f"plan key {key!r}: module paths must be str, found {type(key)}")
@@ -209,3 +214,82 @@ def mark_applied(entry: PlanEntry) -> None:
     """Record on the module that ``entry.style`` was applied to it, and by which path."""
     setattr(entry.module, _APPLIED_STYLE, entry.style)
     setattr(entry.module, MODULE_PATH_ATTR, entry.path)
+
+
+# ------------------------------------------------------------------------------------------
+# Style names and plans as plain data
+# ------------------------------------------------------------------------------------------
+
+
+def _resolve_style_names(plan: Mapping[Any, Any]) -> dict[Any, Any]:
+    """Replace every ``str`` value of ``plan`` by the style it names (``"colwise"``, ...).
+
+    Raises ``ValueError`` naming the plan key for an unknown name (with the valid names), and
+    ``NotImplementedError`` for a transformers name that needs a style torch_tp lacks.
+    """
+    return _names.resolve_names(plan)
+
+
+def to_dict(plan: ParallelStyle | Mapping[str, ParallelStyle | str]) -> dict[str, str | dict]:
+    """Write a plan as plain, JSON-able data: to print, diff or store it.
+
+    Each style becomes its name when it equals a named style (``"colwise"``, ``"rowwise"``,
+    ``"sequence_parallel"``, ...: the table is in the "Writing plans" guide), else a dict of
+    its class and the arguments that differ from their defaults, with placements as strings
+    (``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"``). A plan that is one style becomes
+    ``{"": ...}``. Name values are checked and written under their canonical name.
+
+    Args:
+        plan: a style, or a dict from module paths to styles or style names.
+
+    Returns:
+        A dict from module paths to names or dicts, which :func:`from_dict` turns back into an
+        equal plan (``from_dict(to_dict(plan)) == plan``).
+
+    Raises:
+        TypeError: a value is not a built-in style (a user-defined style has no data form).
+        ValueError: a value is an unknown style name.
+
+    Example::
+        >>> from torch_tp.plans.llama import llama_plan
+        >>> data = to_dict(llama_plan())
+        >>> data["layers.*.attention.wq"], data["output"]
+        ('colwise', 'colwise_gather_output')
+        >>> import json
+        >>> from_dict(json.loads(json.dumps(data))) == llama_plan()
+        True
+    """
+    if is_style(plan):
+        plan = {"": plan}
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"expected a ParallelStyle or a dict of them, found {type(plan)}")
+    return {
+        key: _names.style_to_data(style, key) for key, style in _resolve_style_names(plan).items()
+    }
+
+
+def from_dict(data: Mapping[str, str | Mapping[str, Any]]) -> dict[str, ParallelStyle]:
+    """Read a plan written by :func:`to_dict` (or by hand, or a transformers ``tp_plan``).
+
+    Args:
+        data: a dict from module paths to style names (``"colwise"``) or to dicts
+            ``{"style": "RowwiseParallel", "output_layouts": "Shard(1)", ...}``.
+
+    Returns:
+        A dict from module paths to style objects, for :func:`parallelize_module`.
+
+    Raises:
+        ValueError: an unknown style name, class or placement string.
+        NotImplementedError: a transformers style name that no torch_tp style expresses yet.
+        TypeError: a value is neither a name nor a dict with a ``"style"`` entry, or its
+            arguments do not fit the style.
+
+    Example::
+        >>> wo = {"style": "RowwiseParallel", "output_layouts": "Shard(1)"}
+        >>> plan = from_dict({"wq": "colwise", "wo": wo})
+        >>> plan["wq"] == ColwiseParallel(), plan["wo"] == RowwiseParallel(output_layouts=Shard(1))
+        (True, True)
+    """
+    if not isinstance(data, Mapping):
+        raise TypeError(f"expected a dict from module paths to styles, found {type(data)}")
+    return {key: _names.style_from_data(value, key) for key, value in data.items()}

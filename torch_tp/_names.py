@@ -1,0 +1,335 @@
+"""Style names and the plain-data form of styles.
+
+A plan value may be a name instead of a style object: the names that Hugging Face transformers
+writes in its ``tp_plan`` / ``base_model_tp_plan`` (``"colwise"``, ``"rowwise"``, ...) map to the
+torch_tp style that does exactly what transformers does with that name. Names whose meaning no
+torch_tp style expresses yet are known here too, so that they fail with
+``NotImplementedError`` saying what is missing, rather than as a typo.
+
+Styles also have a JSON-able form, so that a plan can be printed, diffed and stored
+(:func:`torch_tp.plan.to_dict` / :func:`torch_tp.plan.from_dict`): a name when the style equals
+a named one, else ``{"style": class name, argument: value, ...}`` with the arguments that differ
+from the defaults, placements written ``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from torch_tp.style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__: list[str] = []  # private module: the public entry points are in torch_tp.plan
+
+# name -> a factory of the style (a fresh object per plan key: styles are mutable values).
+# The first name of each distinct style is the one to_dict writes; later ones are aliases.
+STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
+    # replicated input, output sharded on the last dim (the first half of an MLP/attention)
+    "colwise": lambda: ColwiseParallel(),
+    # input sharded on the last dim, partial sums all-reduced to a replicated output
+    "rowwise": lambda: RowwiseParallel(),
+    # column-parallel with the output all-gathered (an lm_head returning whole logits)
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    # on an nn.Embedding: weight sharded on the embedding dim, output gathered
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    # row-parallel taking a replicated input (each rank uses its slice of it)
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # on an nn.Embedding: vocabulary-parallel lookup of replicated ids, output all-reduced
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # a norm or dropout on a sequence shard (dim 1), handing on a local tensor
+    "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+    # the module's output is a partial sum: all-reduce it, hand on a local tensor
+    "all_reduce": lambda: PrepareModuleOutput(
+        output_layouts=Partial(), desired_output_layouts=Replicate()
+    ),
+}
+
+# names transformers uses whose meaning needs a style torch_tp does not have (yet): why
+UNSUPPORTED_NAMES: dict[str, str] = {
+    "packed_colwise": (
+        "a fused projection (gate_up_proj, qkv_proj) packed along the output features: each "
+        "rank must hold its slice of every packed part (a strided shard); ColwiseParallel would "
+        "give one rank all of the first part"
+    ),
+    "packed_rowwise": (
+        "a fused weight packed along the input features: each rank must hold its slice of "
+        "every packed part (a strided shard), which RowwiseParallel does not do"
+    ),
+    "replicate": (
+        "every rank keeps the whole module. A module left out of the plan does that, with "
+        "plain-tensor parameters; a style that makes them replicated DTensors is missing"
+    ),
+    "replicated_with_grad_allreduce": (
+        "replicated parameters of a module that computes on a sharded activation (a per-head "
+        "q_norm/k_norm), with their gradients summed across ranks"
+    ),
+    "local_params": "a forward run with local views of the module's own sharded parameters",
+    "local_colwise": (
+        "transformers 4.x: column-sharded plain (non-DTensor) parameters and no layout "
+        "conversion; torch_tp keeps parameters as DTensors"
+    ),
+    "local_rowwise": (
+        "transformers 4.x: row-sharded plain (non-DTensor) parameters and no layout "
+        "conversion; torch_tp keeps parameters as DTensors"
+    ),
+    "local_packed_rowwise": (
+        "transformers 4.x: a packed row-sharded plain (non-DTensor) weight and no layout conversion"
+    ),
+    "local": (
+        "transformers 4.x: parameters divided by the TP degree and kept local, the input "
+        "converted to a local tensor"
+    ),
+    "gather": (
+        "transformers 4.x: an in-place all-reduce of the first output, outside autograd; "
+        "for a module returning one tensor use 'all_reduce'"
+    ),
+    "mla_kv_a_proj": (
+        "multi-head latent attention: the rotary part of the output needs its gradient "
+        "all-reduced while the rest does not"
+    ),
+    "moe_tp_experts": "tensor-parallel MoE experts (a fused experts module)",
+    "moe_identity_expert": "an identity expert next to tensor-parallel MoE experts",
+    "grouped_gemm": "expert parallelism (experts sharded over ranks), not tensor parallelism",
+    "ep_dispatch_experts": "expert parallelism (token dispatch to experts), not tensor parallelism",
+    "ep_router": "expert parallelism (a router for sharded experts), not tensor parallelism",
+}
+
+ISSUE = "torch_tp issue 5"
+
+
+def style_from_name(name: str, key: str | None = None) -> ParallelStyle:
+    """The style a name stands for, as a new object.
+
+    Raises:
+        NotImplementedError: a transformers name whose meaning no torch_tp style has yet.
+        ValueError: an unknown name; the message lists the valid ones.
+    """
+    where = f"plan key {key!r}: " if key is not None else ""
+    factory = STYLE_NAMES.get(name)
+    if factory is not None:
+        return factory()
+    if name in UNSUPPORTED_NAMES:
+        raise NotImplementedError(
+            f"{where}style name {name!r} is not supported yet ({ISSUE}): "
+            f"{UNSUPPORTED_NAMES[name]}. Leave the module out of the plan, or write a "
+            "ParallelStyle for it"
+        )
+    close = difflib.get_close_matches(name, [*STYLE_NAMES, *UNSUPPORTED_NAMES], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(
+        f"{where}unknown style name {name!r}{hint}; valid names: {', '.join(STYLE_NAMES)}"
+    )
+
+
+def name_of(style: object) -> str | None:
+    """The first name whose style equals ``style`` (aliases come later), or ``None``."""
+    if not isinstance(style, ParallelStyle):
+        return None
+    for name, factory in STYLE_NAMES.items():
+        if factory() == style:
+            return name
+    return None
+
+
+def resolve_names(plan: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``plan`` with every ``str`` value replaced by the style it names (the hook of
+    :func:`torch_tp.plan.resolve_plan`)."""
+    return {
+        key: style_from_name(value, key) if isinstance(value, str) else value
+        for key, value in plan.items()
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# Placements as strings
+# ------------------------------------------------------------------------------------------
+
+_SHARD = re.compile(r"Shard\((-?\d+)\)")
+_PARTIAL = re.compile(r"Partial\((\w*)\)")
+
+
+def placement_to_str(placement: Placement) -> str:
+    """``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"`` (``"Partial(avg)"`` for other ops)."""
+    if type(placement) is Shard:
+        return f"Shard({placement.dim})"
+    if type(placement) is Replicate:
+        return "Replicate()"
+    if type(placement) is Partial:
+        op = placement.reduce_op
+        return "Partial()" if op == "sum" else f"Partial({op})"
+    raise TypeError(f"no plain-data form for the placement {placement!r}")
+
+
+def placement_from_str(text: str) -> Placement:
+    """The inverse of :func:`placement_to_str`."""
+    if text == "Replicate()":
+        return Replicate()
+    if match := _SHARD.fullmatch(text):
+        return Shard(int(match.group(1)))
+    if match := _PARTIAL.fullmatch(text):
+        return Partial(match.group(1) or "sum")
+    raise ValueError(
+        f"cannot read {text!r} as a placement: expected 'Shard(d)', 'Replicate()' or 'Partial()'"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Styles as plain data
+# ------------------------------------------------------------------------------------------
+
+_CLASSES: dict[str, type[ParallelStyle]] = {
+    cls.__name__: cls
+    for cls in (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        PrepareModuleInputOutput,
+    )
+}
+
+
+def _arguments(style: ParallelStyle) -> dict[str, Any]:
+    """Constructor arguments that build a style equal to ``style`` (all of them)."""
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return {
+            "input_layouts": style.input_layouts[0],
+            "output_layouts": style.output_layouts[0],
+            "use_local_output": style.use_local_output,
+        }
+    if isinstance(style, SequenceParallel):
+        return {
+            "sequence_dim": style.sequence_sharding[0].dim,
+            "use_local_output": style.use_local_output,
+        }
+    if isinstance(style, PrepareModuleInput):
+        return {
+            "input_layouts": style.input_layouts,
+            "desired_input_layouts": style.desired_input_layouts,
+            "input_kwarg_layouts": style.input_kwarg_layouts if style.with_kwargs else None,
+            "desired_input_kwarg_layouts": style.desired_input_kwarg_layouts or None,
+            "use_local_output": style.use_local_output,
+        }
+    if isinstance(style, PrepareModuleOutput):
+        return {
+            "output_layouts": style.output_layouts,
+            "desired_output_layouts": style.desired_output_layouts,
+            "use_local_output": style.use_local_output,
+        }
+    if isinstance(style, PrepareModuleInputOutput):
+        inputs = _arguments(style.prepare_module_input)
+        inputs["use_local_input"] = inputs.pop("use_local_output")
+        return {**inputs, **_arguments(style.prepare_module_output)}
+    raise TypeError(f"no plain-data form for {type(style).__name__}")
+
+
+def _minimal_arguments(style: ParallelStyle) -> dict[str, Any]:
+    """The arguments of ``style`` that differ from the defaults (still rebuilding it)."""
+    cls = type(style)
+    arguments = _arguments(style)
+    signature = inspect.signature(cls.__init__).parameters
+    for name in list(arguments):
+        if signature[name].default is inspect.Parameter.empty:
+            continue  # required
+        rest = {k: v for k, v in arguments.items() if k != name}
+        try:
+            rebuilt = cls(**rest)
+        except (AssertionError, TypeError, ValueError):
+            continue  # needed together with another argument
+        if rebuilt == style:
+            arguments = rest
+    return arguments
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Placement):
+        return placement_to_str(value)
+    if isinstance(value, (tuple, list)):
+        return [None if v is None else placement_to_str(v) for v in value]
+    if isinstance(value, dict):
+        return {k: placement_to_str(v) for k, v in value.items()}
+    return value  # bool, int, None
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, str):
+        return placement_from_str(value)
+    if isinstance(value, list):
+        return tuple(None if v is None else placement_from_str(v) for v in value)
+    if isinstance(value, dict):
+        return {k: placement_from_str(v) for k, v in value.items()}
+    return value
+
+
+def style_to_data(style: object, key: str | None = None) -> str | dict[str, Any]:
+    """A style's name, or ``{"style": class name, **non-default arguments}``."""
+    name = name_of(style)
+    if name is not None:
+        return name
+    if type(style).__name__ not in _CLASSES or _CLASSES[type(style).__name__] is not type(style):
+        where = f"plan key {key!r}: " if key is not None else ""
+        raise TypeError(
+            f"{where}{style!r} has no plain-data form: only torch_tp's built-in styles "
+            f"({', '.join(_CLASSES)}) can be written as data"
+        )
+    arguments = {k: _encode(v) for k, v in _minimal_arguments(style).items()}
+    return {"style": type(style).__name__, **arguments}
+
+
+def style_from_data(value: str | Mapping[str, Any], key: str | None = None) -> ParallelStyle:
+    """The inverse of :func:`style_to_data`."""
+    if isinstance(value, str):
+        return style_from_name(value, key)
+    where = f"plan key {key!r}: " if key is not None else ""
+    if not isinstance(value, Mapping) or "style" not in value:
+        raise TypeError(
+            f"{where}expected a style name or a dict with a 'style' entry, found {value!r}"
+        )
+    arguments = dict(value)
+    cls = _CLASSES.get(arguments.pop("style"))
+    if cls is None:
+        raise ValueError(
+            f"{where}unknown style class {value['style']!r}; expected one of {', '.join(_CLASSES)}"
+        )
+    try:
+        return cls(**{k: _decode(v) for k, v in arguments.items()})
+    except TypeError as err:
+        raise TypeError(f"{where}cannot build {cls.__name__} from {value!r}: {err}") from err
+
+
+def describe(style: object) -> str:
+    """A short form for tables: the name, else the call with its non-default arguments."""
+    try:
+        data = style_to_data(style)
+    except TypeError:
+        return repr(style)
+    if isinstance(data, str):
+        return f'"{data}"'
+    arguments = dict(data)
+    cls = arguments.pop("style")
+
+    def show(value: Any) -> str:
+        if isinstance(value, list):
+            inner = ", ".join("None" if v is None else v for v in value)
+            return f"({inner},)" if len(value) == 1 else f"({inner})"
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k!r}: {v}" for k, v in value.items()) + "}"
+        return str(value)
+
+    return f"{cls}(" + ", ".join(f"{k}={show(v)}" for k, v in arguments.items()) + ")"

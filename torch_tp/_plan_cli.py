@@ -1,0 +1,197 @@
+"""``python -m torch_tp plan``: the dry-run report of a plan, printed as tables.
+
+The model is built on the meta device (no memory for weights, no process group), its forward
+is traced once, and :func:`torch_tp.report.plan_report` says what the plan shards, what each
+rank holds, which collectives a training step issues, and what is wrong with the plan. The
+exit status is 1 when the report finds an error, so the command can guard a plan in CI.
+
+Models: ``llama-tiny`` (:func:`torch_tp.models.tiny_config`), ``llama3-8b`` (the shapes of
+Llama 3 8B), or ``module:factory`` for your own: ``factory()`` is called under
+``torch.device("meta")``. Plans: ``llama`` (:func:`torch_tp.plans.llama.llama_plan`, the
+default for the built-in models, shaped by ``--sequence-parallel`` and ``--loss-parallel``),
+``module:attribute`` (a plan dict, or a function returning one), or a JSON file written by
+:func:`torch_tp.plan.to_dict` (a transformers ``tp_plan`` dict works too).
+
+Example::
+
+    $ python -m torch_tp plan --model llama3-8b --tp 8 --seq-len 8192 --dtype bfloat16 \\
+          --sequence-parallel
+    $ python -m torch_tp plan --model mypackage.model:build --plan mypackage.model:PLAN --tp 4
+    $ python -m torch_tp plan --model llama-tiny --plan my_plan.json --tp 2 --seq-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BUILT_IN_MODELS", "configure_parser", "llama3_8b_config", "main"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def llama3_8b_config(max_seq_len: int = 8192):
+    """The shapes of Llama 3 8B as a :class:`torch_tp.models.LlamaConfig`.
+
+    32 layers of width 4096, 32 query heads and 8 key/value heads of 128, a SwiGLU hidden
+    width of 14336 and a vocabulary of 128256.
+    """
+    from torch_tp.models import LlamaConfig
+
+    return LlamaConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_seq_len=max_seq_len,
+    )
+
+
+def _llama_tiny(seq_len: int) -> nn.Module:
+    from torch_tp.models import Llama, tiny_config
+
+    return Llama(tiny_config(max_seq_len=max(seq_len, 64)))
+
+
+def _llama3_8b(seq_len: int) -> nn.Module:
+    from torch_tp.models import Llama
+
+    return Llama(llama3_8b_config(max_seq_len=max(seq_len, 8192)))
+
+
+# name -> function of the sequence length building the model (called on the meta device)
+BUILT_IN_MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "llama-tiny": _llama_tiny,
+    "llama3-8b": _llama3_8b,
+}
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` options to ``parser`` and make :func:`main` its handler."""
+    parser.add_argument(
+        "--model",
+        default="llama-tiny",
+        help=f"{', '.join(BUILT_IN_MODELS)}, or module:factory (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--plan",
+        default=None,
+        help="'llama', module:attribute (a dict or a function returning one), or a JSON file "
+        "(default: 'llama' for the built-in models)",
+    )
+    parser.add_argument("--tp", type=int, required=True, help="the TP degree")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="sequences per step (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=2048, help="tokens per sequence (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default=None,
+        help="cast the parameters to this dtype (default: as the model builds them)",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="for --plan llama: shard norms and the residual stream on the sequence",
+    )
+    parser.add_argument(
+        "--loss-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="for --plan llama: leave the logits sharded on the vocabulary",
+    )
+    parser.add_argument(
+        "--device-type",
+        default="cuda",
+        help="the device the plan will run on; on cpu (gloo) a shard moved to another "
+        "dimension is all-gathered (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--inputs",
+        default=None,
+        help="module:function taking (batch_size, seq_len) and returning the forward's "
+        "inputs (default: token ids of shape (batch_size, seq_len))",
+    )
+    parser.set_defaults(func=main)
+
+
+def _load(spec: str) -> Any:
+    """The object ``module:attribute`` names (``attribute`` may be dotted)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"expected module:attribute, found {spec!r}")
+    obj = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _build_model(spec: str, seq_len: int) -> nn.Module:
+    with torch.device("meta"):
+        if spec in BUILT_IN_MODELS:
+            return BUILT_IN_MODELS[spec](seq_len)
+        if ":" not in spec:
+            raise ValueError(
+                f"unknown model {spec!r}: expected {', '.join(BUILT_IN_MODELS)} or module:factory"
+            )
+        return _load(spec)()
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    from torch_tp.plan import from_dict
+
+    spec = args.plan or ("llama" if args.model in BUILT_IN_MODELS else None)
+    if spec is None:
+        raise ValueError("--plan is required for a model given as module:factory")
+    if spec == "llama":
+        from torch_tp.plans.llama import llama_plan
+
+        return llama_plan(
+            sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel
+        )
+    if spec.endswith(".json") or Path(spec).is_file():
+        return from_dict(json.loads(Path(spec).read_text(encoding="utf-8")))
+    plan = _load(spec)
+    return plan() if callable(plan) else plan
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the report; return 1 if it finds an error, 2 if the arguments are wrong."""
+    from torch_tp.report import plan_report
+
+    try:
+        model = _build_model(args.model, args.seq_len)
+        plan = _plan(args)
+        inputs = _load(args.inputs) if args.inputs else None
+        report = plan_report(
+            model,
+            plan,
+            args.tp,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            dtype=_DTYPES[args.dtype] if args.dtype else None,
+            example_inputs=inputs,
+            device_type=args.device_type,
+        )
+    except (ImportError, AttributeError, ValueError, TypeError, NotImplementedError) as err:
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    return 1 if report.errors else 0
