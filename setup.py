@@ -33,7 +33,10 @@ setup(
             "ruff==0.17.6",
             # torch warns at import when NumPy is missing; keep test output clean
             "numpy>=1.26,<3",
+            "safetensors>=0.4",
         ],
+        # torch_tp.checkpoint reads and writes safetensors files
+        "checkpoint": ["safetensors>=0.4"],
         "docs": [
             "mkdocs==1.6.1",
             "mkdocstrings[python]==1.0.8",

@@ -239,20 +239,16 @@ def _load_errors(path: str, evil: str, marker: str) -> None:
         checkpoint.load_full_state_dict(model, 42)
     with pytest.raises(FileNotFoundError):
         checkpoint.load_full_state_dict(model, path + ".missing")
+    # rank 0 fails to open its file: every rank raises (nobody waits for a broadcast)
+    with pytest.raises(FileNotFoundError):
+        missing = path + ".missing" if dist.get_rank() == 0 else None
+        checkpoint.load_full_state_dict(model, missing, broadcast_from_rank0=True)
 
 
 def _meta_sequence_parallel_tp_only() -> None:
     _meta_model(1, 2, sequence_parallel=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=Exception,
-    reason="torch_tp/_layouts.py holds a weakref to each replicated DTensor parameter (norm "
-    "weights under SequenceParallel, a RowwiseParallel bias): nn.Module._apply swaps tensor "
-    "subclasses with torch.utils.swap_tensors, which refuses tensors with weakrefs, so "
-    "to_empty()/to()/double() raise 'Couldn't swap RMSNorm.weight'",
-)
 def test_meta_init_of_a_sequence_parallel_tp_model():
     # (with FSDP2 on top it works: FSDP2 replaces the parameters before to_empty)
     run_distributed(_meta_sequence_parallel_tp_only, 2)

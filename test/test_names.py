@@ -146,11 +146,11 @@ layers.*.feed_forward.w1: "colwise"
 layers.*.feed_forward.w2: {"style": "RowwiseParallel", "output_layouts": "Shard(1)"}
 layers.*.feed_forward.w3: "colwise"
 output: {"style": "ColwiseParallel", "input_layouts": "Shard(1)", "output_layouts": "Replicate()"}
-layers.*.attention_norm: {"style": "SequenceParallel"}
+layers.*.attention_norm: "sequence_parallel"
 layers.*.attention_dropout: "sequence_parallel"
-layers.*.ffn_norm: {"style": "SequenceParallel"}
+layers.*.ffn_norm: "sequence_parallel"
 layers.*.ffn_dropout: "sequence_parallel"
-norm: {"style": "SequenceParallel"}""",  # noqa: E501
+norm: "sequence_parallel\"""",  # noqa: E501
         )
 
 

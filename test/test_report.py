@@ -72,25 +72,44 @@ def _meta(config: LlamaConfig = CONFIG) -> Llama:
 # --------------------------------------------------------------------------- measured
 
 
+# the kinds the report uses, for the c10d ops that torch.distributed calls dispatch to
+_C10D_KINDS = {
+    "allreduce_": "all_reduce",
+    "_allgather_base_": "all_gather_into_tensor",
+    "_reduce_scatter_base_": "reduce_scatter_tensor",
+}
+
+
 class _CollectiveBytes(TorchDispatchMode):
-    """Bytes per kind of functional collective: the whole tensor reduced or gathered."""
+    """Bytes per kind of collective (functional or c10d): the whole tensor reduced or
+    gathered."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        ops = torch.ops._c10d_functional
+        ops, c10d = torch.ops._c10d_functional, torch.ops.c10d
         if func in (ops.all_reduce.default, ops.reduce_scatter_tensor.default):
             self.bytes[func.overloadpacket.__name__] += args[0].numel() * args[0].element_size()
         elif func is ops.all_gather_into_tensor.default:  # (input, group_size, group)
             size = args[0].numel() * args[0].element_size() * args[1]
             self.bytes[func.overloadpacket.__name__] += size
+        elif func is c10d.allreduce_.default:  # ([tensors], group, op, ...)
+            self.bytes["all_reduce"] += sum(t.numel() * t.element_size() for t in args[0])
+        elif func is c10d._allgather_base_.default:  # (output, input, group, ...)
+            self.bytes["all_gather_into_tensor"] += args[0].numel() * args[0].element_size()
+        elif func is c10d._reduce_scatter_base_.default:  # (output, input, group, ...)
+            self.bytes["reduce_scatter_tensor"] += args[1].numel() * args[1].element_size()
         return func(*args, **(kwargs or {}))
 
 
 def _counts(mode: CommDebugMode) -> dict[str, int]:
-    return {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
+    counts: Counter[str] = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).rsplit(".", 1)[-1]
+        counts[_C10D_KINDS.get(name, name)] += n
+    return dict(counts)
 
 
 class _MLP(nn.Module):
@@ -257,11 +276,11 @@ Plan
   layers.*.feed_forward.w2          1  RowwiseParallel(output_layouts=Shard(1))
   layers.*.feed_forward.w3          1  "colwise"
   output                            1  ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-  layers.*.attention_norm           1  SequenceParallel()
+  layers.*.attention_norm           1  "sequence_parallel"
   layers.*.attention_dropout        1  "sequence_parallel"
-  layers.*.ffn_norm                 1  SequenceParallel()
+  layers.*.ffn_norm                 1  "sequence_parallel"
   layers.*.ffn_dropout              1  "sequence_parallel"
-  norm                              1  SequenceParallel()
+  norm                              1  "sequence_parallel"
 
 Parameters (per rank: the largest shard, torch.chunk convention)
   parameter                            count  placement    global     per rank  bytes/rank  unsharded

@@ -29,10 +29,9 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.models.llama import RMSNorm
-from torch_tp.testing import check_parity, device_type, run_distributed
+from torch_tp.testing import check_parity, collective_counts, device_type, run_distributed
 
 WORLD_SIZES = [2, 4]
-funcol_ops = torch.ops.c10d_functional
 
 
 def _mesh():
@@ -538,7 +537,7 @@ def _gradient_accumulation() -> None:
             model(_local(x, mesh, Shard(1))).pow(2).sum().backward()
         # the partial gradients of norm.weight, norm.bias and down.bias are summed in one
         # all-reduce at the end of backward, not one per parameter
-        assert comm.get_comm_counts()[funcol_ops.all_reduce] == 1, comm.get_comm_counts()
+        assert collective_counts(comm)["all_reduce"] == 1, comm.get_comm_counts()
         for name, param in model.named_parameters():
             want = dict(reference.named_parameters())[name].grad
             assert param.grad.placements == param.placements, (micro_batch, name)
@@ -550,6 +549,33 @@ def _gradient_accumulation() -> None:
     (want,) = torch.autograd.grad(reference(x).pow(2).sum(), reference.norm.weight)
     assert_close(g.full_tensor(), want)
     assert model.norm.weight.grad is None
+
+
+def _partial_gradients_after_module_to() -> None:
+    # module.to() swaps a DTensor parameter's contents (and drops its hooks): the partial
+    # gradients of replicated parameters must still be summed
+    torch.manual_seed(0)
+    mesh = _mesh()
+    reference = _Residual(nn.LayerNorm(16))
+    model = copy.deepcopy(reference)
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    parallelize_module(model, mesh, plan)
+    model.to(torch.float64)
+    reference.to(torch.float64)
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    reference(x).pow(2).sum().backward()
+    model(_local(x, mesh, Shard(1))).pow(2).sum().backward()
+    for name, param in model.named_parameters():
+        assert param.grad.placements == param.placements, name
+        assert_close(param.grad.full_tensor(), dict(reference.named_parameters())[name].grad)
+
+
+def test_partial_gradients_after_module_to():
+    run_distributed(_partial_gradients_after_module_to, 2)
 
 
 def test_gradient_accumulation_of_replicated_parameters():

@@ -4,7 +4,8 @@ The public API is that of ``torch.distributed.tensor.parallel`` (same names, arg
 semantics), with plans that are checked whole before anything changes.
 """
 
-from torch_tp import api, plan, random, report, style
+from torch_tp import api, checkpoint, plan, random, report, style
+from torch_tp._clip import clip_grad_norm_
 from torch_tp.api import parallelize_module
 from torch_tp.loss import loss_parallel, vocab_parallel_cross_entropy
 from torch_tp.style import (
@@ -28,6 +29,8 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "api",
+    "checkpoint",
+    "clip_grad_norm_",
     "loss_parallel",
     "parallelize_module",
     "plan",

@@ -163,18 +163,17 @@ def load_full_state_dict(
     targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
     if broadcast_from_rank0:
         return _load_broadcast(model, targets, state_dict, strict)
-    with _open_source(state_dict) as source:
-        result = _check_keys(model, targets, source.shapes(), strict)
-        with torch.no_grad():
-            for name, target in targets.items():
-                if name not in source.names:
-                    continue
-                if isinstance(target, DTensor):
-                    region = _local_region(name, target)
-                    source.copy_to(name, region, target.to_local())
-                else:
-                    source.copy_to(name, None, target)
-        return result
+    source = _Source(state_dict)
+    result = _check_keys(model, targets, source.shapes, strict)
+    with torch.no_grad():
+        for name, target in targets.items():
+            if name not in source.shapes:
+                continue
+            if isinstance(target, DTensor):
+                source.copy_to(name, _local_region(name, target), target.to_local())
+            else:
+                source.copy_to(name, None, target)
+    return result
 
 
 def _load_broadcast(
@@ -184,41 +183,40 @@ def _load_broadcast(
     strict: bool,
 ) -> _IncompatibleKeys:
     rank = _rank()
+    # rank 0 opens and checks; every rank then raises the same error, or none does
+    verdict: list[Any] = [None]
     if rank == 0:
-        source_cm = _open_source(state_dict)
-    else:
-        source_cm = _NoSource()
-    with source_cm as source:
-        # rank 0 checks, everyone raises the same error (or nobody does)
-        verdict: list[Any] = [None]
-        if rank == 0:
-            try:
-                verdict[0] = _check_keys(model, targets, source.shapes(), strict)
-            except RuntimeError as exc:
-                verdict[0] = str(exc)
-        if _distributed():
+        try:
+            source = _Source(state_dict)
+            verdict[0] = _check_keys(model, targets, source.shapes, strict)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            verdict[0] = exc
+    if _distributed():
+        try:
             dist.broadcast_object_list(verdict, src=0)
-        if isinstance(verdict[0], str):
-            raise RuntimeError(verdict[0])
-        result = _IncompatibleKeys(*verdict[0])
-        present = set(targets) - set(result.missing_keys)
-        with torch.no_grad():
-            for name, target in targets.items():
-                if name not in present:
-                    continue
-                local = target.to_local() if isinstance(target, DTensor) else target
-                if rank == 0:
-                    full = source.read(name).to(device=local.device, dtype=local.dtype)
-                else:
-                    full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
-                if _distributed():
-                    dist.broadcast(full, src=0)
-                if isinstance(target, DTensor):
-                    region = _local_region(name, target)
-                    full = full[region]
-                local.copy_(full)
-                del full
-        return result
+        except Exception:  # an exception that does not pickle: send its message
+            verdict = [RuntimeError(str(verdict[0]))] if rank == 0 else [None]
+            dist.broadcast_object_list(verdict, src=0)
+    if isinstance(verdict[0], BaseException):
+        raise verdict[0]
+    result = _IncompatibleKeys(*verdict[0])
+    present = set(targets) - set(result.missing_keys)
+    with torch.no_grad():
+        for name, target in targets.items():
+            if name not in present:
+                continue
+            local = target.to_local() if isinstance(target, DTensor) else target
+            if rank == 0:
+                full = source.read(name).to(device=local.device, dtype=local.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
+            if _distributed():
+                dist.broadcast(full, src=0)  # one whole tensor at a time
+            if isinstance(target, DTensor):
+                full = full[_local_region(name, target)]
+            local.copy_(full)
+            del full
+    return result
 
 
 def _check_keys(
@@ -268,30 +266,31 @@ def _local_region(name: str, target: DTensor) -> tuple[slice, ...]:
 
 
 class _Source:
-    """A full state dict to read slices from: a mapping of tensors or a safetensors file."""
+    """A full state dict to read from: a mapping of tensors or a safetensors file.
 
-    def __init__(self, state_dict: Mapping[str, Tensor] | None, path: Path | None) -> None:
-        self._dict, self._path = state_dict, path
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self.names: set[str] = set()
+    ``shapes`` (name to shape) is known up front; only the file's header is read for it.
+    """
 
-    def __enter__(self) -> _Source:
-        if self._path is not None:
-            with self._open() as file:
-                self._shapes = {n: tuple(file.get_slice(n).get_shape()) for n in file.keys()}
-        else:
-            bad = [k for k, v in self._dict.items() if not isinstance(v, Tensor)]
+    def __init__(self, state_dict: Mapping[str, Tensor] | str | os.PathLike | None) -> None:
+        self._dict: Mapping[str, Tensor] | None = None
+        self._path: Path | None = None
+        if isinstance(state_dict, (str, os.PathLike)):
+            self._path = Path(state_dict)
+            if not self._path.is_file():
+                raise FileNotFoundError(f"no safetensors file at {str(self._path)!r}")
+            with self._open() as file:  # a file that is not safetensors fails here
+                self.shapes = {n: tuple(file.get_slice(n).get_shape()) for n in file.keys()}
+        elif isinstance(state_dict, Mapping):
+            bad = [k for k, v in state_dict.items() if not isinstance(v, Tensor)]
             if bad:
                 raise TypeError(f"the full state dict must hold tensors, found others at {bad}")
-            self._shapes = {n: tuple(t.shape) for n, t in self._dict.items()}
-        self.names = set(self._shapes)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return self._shapes
+            self._dict = state_dict
+            self.shapes = {n: tuple(t.shape) for n, t in state_dict.items()}
+        else:
+            raise TypeError(
+                "state_dict must be a mapping of tensors or the path of a .safetensors file, "
+                f"found {type(state_dict).__name__}"
+            )
 
     def _open(self):
         from safetensors import safe_open
@@ -301,7 +300,7 @@ class _Source:
     def copy_to(self, name: str, region: tuple[slice, ...] | None, dst: Tensor) -> None:
         """Copy the whole tensor ``name`` (``region=None``), or just ``region`` of it, into
         ``dst``."""
-        if self._path is None:
+        if self._dict is not None:
             value = self._dict[name]
             dst.copy_(value if region is None else value[region])
             return
@@ -309,7 +308,7 @@ class _Source:
         # touches stay resident in this process while the mapping lives. Closing it after
         # each tensor keeps that to one tensor's pages (all of them for a column slice).
         with self._open() as file:
-            if region is None or not region:
+            if not region:
                 value = file.get_tensor(name)
             else:
                 value = file.get_slice(name)[region]  # reads only these bytes
@@ -318,29 +317,10 @@ class _Source:
 
     def read(self, name: str) -> Tensor:
         """The whole tensor ``name``."""
-        if self._path is None:
+        if self._dict is not None:
             return self._dict[name]
         with self._open() as file:
             return file.get_tensor(name).clone()
-
-
-class _NoSource(_Source):
-    def __init__(self) -> None:
-        super().__init__({}, None)
-
-
-def _open_source(state_dict: Mapping[str, Tensor] | str | os.PathLike | None) -> _Source:
-    if isinstance(state_dict, (str, os.PathLike)):
-        path = Path(state_dict)
-        if not path.is_file():
-            raise FileNotFoundError(f"no safetensors file at {str(path)!r}")
-        return _Source(None, path)
-    if isinstance(state_dict, Mapping):
-        return _Source(state_dict, None)
-    raise TypeError(
-        "state_dict must be a mapping of tensors or the path of a .safetensors file, found "
-        f"{type(state_dict).__name__}"
-    )
 
 
 def _single_device_name(name: str) -> str:

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
-    Partial,
     Placement,
     Replicate,
     Shard,
@@ -372,8 +371,9 @@ class RowwiseParallel(_ShardLinearEmbedding):
         if isinstance(y, DTensor):
             return y + module.bias
         # on a sharded output each rank's bias gradient sums over its shard only: partial
-        partial = isinstance(self.output_layouts[0], Shard)
-        return y + module.bias.to_local(grad_placements=(Partial(),) if partial else None)
+        if isinstance(self.output_layouts[0], Shard):
+            return y + _layouts.partial_local(module.bias)
+        return y + module.bias.to_local()
 
     def _embedding(
         self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
@@ -534,7 +534,7 @@ def _local_parameters(module: nn.Module) -> Iterator[None]:
     """
     params = module._parameters
     module.__dict__["_parameters"] = {
-        name: p.to_local(grad_placements=(Partial(),)) if isinstance(p, DTensor) else p
+        name: _layouts.partial_local(p) if isinstance(p, DTensor) else p
         for name, p in params.items()
     }
     try:

@@ -76,11 +76,13 @@ def llama_plan(
     if sequence_parallel:
         plan.update(
             {
-                "layers.*.attention_norm": SequenceParallel(),
+                # local outputs: the next boundary (a PrepareModuleInput, the output
+                # projection) knows their layout, and local tensors cross it cheapest
+                "layers.*.attention_norm": SequenceParallel(use_local_output=True),
                 "layers.*.attention_dropout": SequenceParallel(use_local_output=True),
-                "layers.*.ffn_norm": SequenceParallel(),
+                "layers.*.ffn_norm": SequenceParallel(use_local_output=True),
                 "layers.*.ffn_dropout": SequenceParallel(use_local_output=True),
-                "norm": SequenceParallel(),
+                "norm": SequenceParallel(use_local_output=True),
             }
         )
     return plan

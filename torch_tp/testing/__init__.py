@@ -19,6 +19,7 @@ Example::
     [None, None]
 """
 
+from torch_tp.testing._comm import collective_counts
 from torch_tp.testing._harness import (
     RankError,
     RankTimeout,
@@ -32,6 +33,7 @@ __all__ = [
     "RankError",
     "RankTimeout",
     "check_parity",
+    "collective_counts",
     "device_type",
     "gather_full",
     "run_distributed",
