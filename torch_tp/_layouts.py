@@ -172,18 +172,20 @@ def _all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # c10d gathers along dim 0: move ``dim`` there and back (free when it is 0, or when the
-    # dims before it have size 1)
+    # dims before it have size 1; one copy otherwise)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((mesh.size() * x.shape[0], *x.shape[1:]))
     dist.all_gather_into_tensor(out, x, group=mesh.get_group())
-    return out.movedim(0, dim)
+    # contiguous once here, rather than once in every consumer (q, k and v would each copy
+    # it, and each save its own copy for backward)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // mesh.size(), *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x, group=mesh.get_group())
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def enter_replicated(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
