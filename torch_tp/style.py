@@ -280,8 +280,8 @@ class ColwiseParallel(_ShardLinearEmbedding):
 
     def _linear(self, module: nn.Linear, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
-        bias = None if module.bias is None else module.bias.to_local()
-        y = F.linear(x, module.weight.to_local(), bias)
+        bias = None if module.bias is None else _layouts.local_value(module.bias)
+        y = F.linear(x, _layouts.local_value(module.weight), bias)
         return self._leave(y, mesh, (*x.shape[:-1], module.out_features))
 
     def _embedding(
@@ -290,7 +290,7 @@ class ColwiseParallel(_ShardLinearEmbedding):
         ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
         y = F.embedding(
             ids,
-            module.weight.to_local(),
+            _layouts.local_value(module.weight),
             module.padding_idx,
             scale_grad_by_freq=module.scale_grad_by_freq,
         )
@@ -364,7 +364,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
     def _linear(self, module: nn.Linear, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         layout = _layouts.normalize(self.input_layouts[0], input.ndim)
         x = _layouts.enter_sharded(input, mesh, layout, Shard(input.ndim - 1))
-        y = self._reduce(F.linear(x, module.weight.to_local()), mesh, module)
+        y = self._reduce(F.linear(x, _layouts.local_value(module.weight)), mesh, module)
         if module.bias is None:
             return y
         # added after the reduction, so that it is added once
@@ -373,14 +373,14 @@ class RowwiseParallel(_ShardLinearEmbedding):
         # on a sharded output each rank's bias gradient sums over its shard only: partial
         if isinstance(self.output_layouts[0], Shard):
             return y + _layouts.partial_local(module.bias)
-        return y + module.bias.to_local()
+        return y + _layouts.local_value(module.bias)
 
     def _embedding(
         self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
     ) -> torch.Tensor:
         ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
         start, stop = _layouts.shard_range(module.num_embeddings, mesh)
-        weight = module.weight.to_local()
+        weight = _layouts.local_value(module.weight)
         # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
         # (the reduction below) then holds exactly one real row per id
         foreign = (ids < start) | (ids >= stop)
