@@ -314,8 +314,8 @@ def _sequence_parallel_dropout() -> None:
     out = dropout(local)
     assert out.shape == local.shape
     kept = out != 0
-    # training: every element is dropped or scaled by 1 / (1 - p); the single-device masks
-    # (an RNG matter) are the RNG tracker's job
+    # training: every element is dropped or scaled by 1 / (1 - p); that the mask is the
+    # single-device one is checked in test_random.py
     assert_close(out[kept], local[kept] * 2.0)
     assert 0 < kept.float().mean() < 1
 
