@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -271,30 +272,37 @@ def leave(
     ):
         return _GatherFromRegion.apply(local, mesh, computed.dim)
     dt = DTensor.from_local(
-        local, mesh, (computed,), run_check=False, shape=global_shape, stride=_stride(global_shape)
+        local,
+        mesh,
+        (computed,),
+        run_check=False,
+        shape=global_shape,
+        stride=contiguous_stride(global_shape),
     )
     dt = redistribute(dt, layout)
     return dt.to_local() if use_local else dt
 
 
 def shard_range(size: int, mesh: DeviceMesh) -> tuple[int, int]:
-    """The ``[start, stop)`` of this rank's rows when ``size`` rows are ``Shard``-ed.
+    """The ``[start, stop)`` of this rank's rows when ``size`` rows are ``Shard``-ed."""
+    return chunk_range(size, mesh.size(), mesh.get_local_rank())
 
-    DTensor follows :func:`torch.chunk`: every shard has ``ceil(size / n)`` rows except the
-    tail ones, which may be shorter or empty.
-    """
-    n = mesh.size()
-    rank = mesh.get_local_rank()
-    chunk = math.ceil(size / n)
-    start = min(rank * chunk, size)
+
+def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` of ``size`` items split as DTensor's ``Shard``
+    (and :func:`torch.chunk`) split them: ``ceil(size / n)`` each, the tail ones shorter or
+    empty."""
+    chunk = math.ceil(size / num_chunks)
+    start = min(index * chunk, size)
     return start, min(start + chunk, size)
 
 
-def _stride(shape: torch.Size) -> tuple[int, ...]:
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch computes them)."""
     stride, acc = [], 1
-    for dim in reversed(shape):
+    for size in reversed(shape):
         stride.append(acc)
-        acc *= dim
+        acc *= max(size, 1)
     return tuple(reversed(stride))
 
 
@@ -368,7 +376,7 @@ class _PartialLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
         ctx.param = param
-        local = param.to_local()
+        local = param._local_tensor
         return local.view_as(local)
 
     @staticmethod

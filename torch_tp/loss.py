@@ -37,6 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
+from torch_tp._layouts import chunk_range, contiguous_stride
+
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -168,15 +170,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 (rows, local_target), -torch.where(in_shard, target_coef, 0.0), accumulate=True
             )
         return grad_logits.to(logits.dtype), None, None, None, None, None, None, None
-
-
-def _chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of chunk ``index`` when ``size`` items are split as DTensor's ``Shard``
-    (and :func:`torch.chunk`) split them: ``ceil(size / n)`` each, the tail ones shorter or
-    empty."""
-    chunk = -(-size // num_chunks)
-    start = min(index * chunk, size)
-    return start, min(start + chunk, size)
 
 
 def _check_options(reduction: str, label_smoothing: float) -> None:
@@ -369,7 +362,7 @@ def vocab_parallel_cross_entropy(
         sizes = funcol.all_gather_single(local_size, 0, device_mesh).tolist()
         vocab_start, vocab_size = sum(sizes[:rank]), sum(sizes)
     else:
-        vocab_start, vocab_stop = _chunk_range(vocab_size, num_ranks, rank)
+        vocab_start, vocab_stop = chunk_range(vocab_size, num_ranks, rank)
         if vocab_stop - vocab_start != num_local:
             raise ValueError(
                 f"with vocab_size={vocab_size} over {num_ranks} ranks, rank {rank} should hold "
@@ -404,14 +397,6 @@ def _class_dim(input: DTensor) -> int:
 def _class_mesh_dims(input: DTensor) -> list[int]:
     class_dim = _class_dim(input)
     return [i for i, p in enumerate(input.placements) if p.is_shard(class_dim)]
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def _replicated_local(value: Tensor, mesh: DeviceMesh, what: str) -> Tensor:
@@ -488,7 +473,7 @@ def _dtensor_cross_entropy(
             f"{tuple(local_target.shape)}"
         )
     _check_weight(weight, vocab_size)
-    vocab_start, _ = _chunk_range(vocab_size, mesh.size(tp_dim), mesh.get_local_rank(tp_dim))
+    vocab_start, _ = chunk_range(vocab_size, mesh.size(tp_dim), mesh.get_local_rank(tp_dim))
     num_local = local_input.shape[class_dim]
     loss = _cross_entropy(
         local_input.movedim(class_dim, -1).reshape(local_target.numel(), num_local),
@@ -517,7 +502,7 @@ def _dtensor_cross_entropy(
         out_placements,
         run_check=False,
         shape=shape,
-        stride=_contiguous_stride(shape),
+        stride=contiguous_stride(shape),
     )
 
 

@@ -38,6 +38,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torch_tp._layouts import chunk_range
+
 __all__ = [
     "TensorParallelRNGTracker",
     "checkpoint_contexts",
@@ -497,11 +499,7 @@ def _dropout_dtensor(input: DTensor, p: float) -> DTensor:
 def _dropout_shard(
     local: Tensor, p: float, full_shape: list[int], dim: int, rank: int, size: int, inplace: bool
 ) -> Tensor:
-    # torch.chunk's layout, as DTensor's Shard: ceil-sized chunks, the tail ones shorter/empty
-    length = full_shape[dim]
-    chunk = -(-length // size)
-    start = min(rank * chunk, length)
-    stop = min(start + chunk, length)
+    start, stop = chunk_range(full_shape[dim], size, rank)
     expected = [*full_shape[:dim], stop - start, *full_shape[dim + 1 :]]
     if list(local.shape) != expected:
         raise ValueError(

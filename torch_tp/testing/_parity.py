@@ -21,18 +21,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from torch_tp._layouts import contiguous_stride
+
 __all__ = ["check_parity", "gather_full"]
 
 # Seed of the random weights of the default loss; any fixed value works.
 _LOSS_SEED = 1234
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def _as_placements(
@@ -103,7 +97,7 @@ def gather_full(
         normalized,
         run_check=False,
         shape=torch.Size(shape),
-        stride=_contiguous_stride(shape),
+        stride=contiguous_stride(shape),
     )
     return full.full_tensor()
 
