@@ -115,7 +115,7 @@ def _reproducible() -> None:
             assert torch.equal(a, b), "load_state_dict did not restore the streams"
 
         # a nested fork is the same stream, not a restart
-        tp_random.manual_seed(3, mesh)
+        tracker = tp_random.manual_seed(3, mesh)
         with tracker.fork():
             with tp_random.fork():
                 nested = _mask()

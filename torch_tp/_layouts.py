@@ -10,7 +10,6 @@ layouts; they are the only place where styles touch DTensor's layout machinery, 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -292,7 +291,7 @@ def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
     """``[start, stop)`` of chunk ``index`` of ``size`` items split as DTensor's ``Shard``
     (and :func:`torch.chunk`) split them: ``ceil(size / n)`` each, the tail ones shorter or
     empty."""
-    chunk = math.ceil(size / num_chunks)
+    chunk = -(-size // num_chunks)  # ceil, in integers
     start = min(index * chunk, size)
     return start, min(start + chunk, size)
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from torch_tp._layouts import contiguous_stride
+from torch_tp._layouts import contiguous_stride, normalize
 
 __all__ = ["check_parity", "gather_full"]
 
@@ -73,11 +73,7 @@ def gather_full(
         return tensor.full_tensor()
     placements = _as_placements(placement, device_mesh)
     shape = list(tensor.shape)
-    normalized: list[Placement] = []
-    for p in placements:
-        if type(p) is Shard and p.dim < 0:
-            p = Shard(p.dim + tensor.ndim)
-        normalized.append(p)
+    normalized = [normalize(p, tensor.ndim) for p in placements]
     # The last mesh dimension splits innermost: undo it first, so that each all-gather sums
     # sizes that are already the same across the group of the next (outer) mesh dimension.
     for mesh_dim in reversed(range(device_mesh.ndim)):
@@ -198,12 +194,12 @@ def check_parity(
     """Check that a tensor-parallel model trains exactly like a single-device copy of it.
 
     Parallelizes ``model`` with ``torch_tp.parallelize_module(model, device_mesh,
-    parallelize_plan)``, loads the full state dict of the result into a single-device copy
-    made beforehand (the reference), then for each step runs both models, computes a loss on
-    the full output of each, backpropagates, optionally steps an optimizer on each, and
-    compares with :func:`torch.testing.assert_close`: the output, the loss, the gradient of
-    every parameter (in ``named_parameters()`` order), then every parameter after the
-    optimizer step. Must be called on every rank (e.g. from a function run with
+    parallelize_plan)``, checks that the full state of the result equals exactly a
+    single-device copy made beforehand (the reference), then for each step runs both models,
+    computes a loss on the full output of each, backpropagates, optionally steps an optimizer
+    on each, and compares with :func:`torch.testing.assert_close`: the output, the loss, the
+    gradient of every parameter (in ``named_parameters()`` order), then every parameter after
+    the optimizer step. Must be called on every rank (e.g. from a function run with
     :func:`torch_tp.testing.run_distributed`), with the same model and inputs on every rank.
 
     Args:
@@ -263,9 +259,19 @@ def check_parity(
 
     reference = copy.deepcopy(model)
     tp_model = torch_tp.parallelize_module(model, device_mesh, parallelize_plan)
-    # The reference holds what the TP model actually holds (e.g. rank 0's values when the
-    # parameters were distributed from rank 0), not what the caller passed in.
-    reference.load_state_dict(_full_state_dict(tp_model))
+    # Distributing the parameters must not change them: the TP model's full state is the
+    # single-device model's, exactly (every rank gathers every entry before any comparison,
+    # so a rank that finds a difference cannot leave the others waiting in a collective).
+    tp_state = _full_state_dict(tp_model)
+    for name, expected in reference.state_dict().items():
+        actual = tp_state.get(name)
+        if isinstance(expected, Tensor):
+            _compare(
+                f"{name!r} after parallelize_module (the model must be identical on every rank)",
+                actual,
+                expected,
+                {"rtol": 0.0, "atol": 0.0},
+            )
 
     tp_names = [name for name, _ in tp_model.named_parameters()]
     ref_names = [name for name, _ in reference.named_parameters()]
