@@ -126,7 +126,7 @@ def resolve_plan(
             "Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for parallelize_plan, "
             f"{type(parallelize_plan)} found!"
         )
-    parallelize_plan = _resolve_style_names(parallelize_plan)
+    parallelize_plan = _names.resolve_names(parallelize_plan)
     for key, style in parallelize_plan.items():
         if not isinstance(key, str):
             raise TypeError(f"plan key {key!r}: module paths must be str, found {type(key)}")
@@ -168,7 +168,7 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
     refused, and so is a built-in style that would replace a parameter other modules share
     (tied weights would silently come apart).
     """
-    owners = _parameter_owners(root) if entries else {}
+    owners = parameter_owners(root) if entries else {}
     for entry in entries:
         where = f"{entry.style!r} on {_describe(entry.path)} ({type(entry.module).__name__})"
         previous = getattr(entry.module, _APPLIED_STYLE, None)
@@ -177,14 +177,9 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
                 f"cannot apply {where}: the module was already parallelized with "
                 f"{previous!r}; a module takes one style"
             )
-        if isinstance(entry.style, _PARAMETER_STYLES):
-            for name, param in entry.module.named_parameters(recurse=False):
-                others = [p for p in owners[id(param)] if p != _join(entry.path, name)]
-                if others:
-                    raise ValueError(
-                        f"cannot apply {where}: its parameter {name!r} is shared with "
-                        f"{others} (tied weights); sharding it here would untie them"
-                    )
+        tied = tied_parameters(entry, owners)
+        if tied is not None:
+            raise ValueError(f"cannot apply {where}: {tied}")
         validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
         try:
             if validate is not None:
@@ -197,11 +192,26 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
 _PARAMETER_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel)
 
 
+def tied_parameters(entry: PlanEntry, owners: dict[int, list[str]]) -> str | None:
+    """Why ``entry`` would untie a weight shared with another module (``None`` if it would
+    not); ``owners`` is :func:`parameter_owners` of the root."""
+    if not isinstance(entry.style, _PARAMETER_STYLES):
+        return None
+    for name, param in entry.module.named_parameters(recurse=False):
+        others = [p for p in owners[id(param)] if p != _join(entry.path, name)]
+        if others:
+            return (
+                f"its parameter {name!r} is shared with {others} (tied weights); sharding "
+                "it here would untie them"
+            )
+    return None
+
+
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _parameter_owners(root: nn.Module) -> dict[int, list[str]]:
+def parameter_owners(root: nn.Module) -> dict[int, list[str]]:
     """Every path each parameter object is reachable by (several for tied weights)."""
     owners: dict[int, list[str]] = {}
     for path, module in root.named_modules(remove_duplicate=False):
@@ -219,15 +229,6 @@ def mark_applied(entry: PlanEntry) -> None:
 # ------------------------------------------------------------------------------------------
 # Style names and plans as plain data
 # ------------------------------------------------------------------------------------------
-
-
-def _resolve_style_names(plan: Mapping[Any, Any]) -> dict[Any, Any]:
-    """Replace every ``str`` value of ``plan`` by the style it names (``"colwise"``, ...).
-
-    Raises ``ValueError`` naming the plan key for an unknown name (with the valid names), and
-    ``NotImplementedError`` for a transformers name that needs a style torch_tp lacks.
-    """
-    return _names.resolve_names(plan)
 
 
 def to_dict(plan: ParallelStyle | Mapping[str, ParallelStyle | str]) -> dict[str, str | dict]:
@@ -264,7 +265,7 @@ def to_dict(plan: ParallelStyle | Mapping[str, ParallelStyle | str]) -> dict[str
     if not isinstance(plan, Mapping):
         raise TypeError(f"expected a ParallelStyle or a dict of them, found {type(plan)}")
     return {
-        key: _names.style_to_data(style, key) for key, style in _resolve_style_names(plan).items()
+        key: _names.style_to_data(style, key) for key, style in _names.resolve_names(plan).items()
     }
 
 

@@ -48,7 +48,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from torch_tp import _names
-from torch_tp.plan import PlanEntry, resolve_plan
+from torch_tp._layouts import normalize
+from torch_tp.plan import (
+    _PARAMETER_STYLES,
+    PlanEntry,
+    parameter_owners,
+    resolve_plan,
+    tied_parameters,
+)
 from torch_tp.style import (
     ColwiseParallel,
     ParallelStyle,
@@ -57,6 +64,7 @@ from torch_tp.style import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    _uses_stock_forward,
 )
 
 __all__ = ["Collective", "ParameterGroup", "PlanReport", "Problem", "plan_report"]
@@ -327,13 +335,6 @@ def _count(n: int) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-def _pos(layout: Placement, ndim: int) -> Placement:
-    """``Shard(-1)`` as ``Shard(ndim - 1)``: the form DTensor uses."""
-    if isinstance(layout, Shard) and layout.dim < 0:
-        return Shard(layout.dim + ndim)
-    return layout
-
-
 def _neg(layout: Placement, ndim: int) -> Placement:
     """``Shard(d)`` counted from the end, so that it survives ops that add leading dims."""
     if isinstance(layout, Shard) and layout.dim >= 0:
@@ -343,7 +344,7 @@ def _neg(layout: Placement, ndim: int) -> Placement:
 
 def _show(layout: Placement, ndim: int | None = None) -> str:
     if ndim is not None:
-        layout = _pos(layout, ndim)
+        layout = normalize(layout, ndim)
     return _names.placement_to_str(layout)
 
 
@@ -359,7 +360,7 @@ def _collective(
 ) -> tuple[str, int] | None:
     """The collective that moves a tensor of global ``shape`` from ``src`` to ``dst``."""
     ndim = len(shape)
-    src, dst = _pos(src, ndim), _pos(dst, ndim)
+    src, dst = normalize(src, ndim), normalize(dst, ndim)
     if src == dst or isinstance(src, Replicate):
         return None  # Replicate -> Shard is a local slice, Replicate -> Partial a local zeroing
     if isinstance(src, Partial):
@@ -423,15 +424,8 @@ class _Node:
 _State = _Local | _Node | _DTensorAfterOps | _Broken
 
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
-_LOCAL_COMPUTE = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+_LOCAL_COMPUTE = _PARAMETER_STYLES
 _BUILT_IN = (*_LOCAL_COMPUTE, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
-
-
-def _uses_stock_forward(module: nn.Module) -> bool:
-    for base in (nn.Linear, nn.Embedding):
-        if isinstance(module, base):
-            return type(module).forward is base.forward
-    return False
 
 
 def _generalize(path: str) -> str:
@@ -494,8 +488,8 @@ class _Trace:
         """A DTensor made from ``parent`` (or from a local tensor laid out ``origin``), moved
         to ``placement``: the forward collective is issued now."""
         ndim = t.ndim
-        placement = _pos(placement, ndim)
-        source = parent.placement if parent is not None else _pos(origin, ndim)
+        placement = normalize(placement, ndim)
+        source = parent.placement if parent is not None else normalize(origin, ndim)
         self.emit(FORWARD, where, self.move(source, placement, t))
         node = _Node(
             placement,
@@ -504,14 +498,14 @@ class _Trace:
             t.requires_grad,
             where,
             parent,
-            None if parent is not None else _pos(origin, ndim),
+            None if parent is not None else normalize(origin, ndim),
         )
         self.nodes.append(node)
         return node
 
     def redistribute(self, state: _Node, target: Placement, t: torch.Tensor, where: str):
         """The DTensor ``state`` moved to ``target``: itself when it is there already."""
-        target = _pos(target, t.ndim)
+        target = normalize(target, t.ndim)
         if state.placement == target:
             return state
         return self.node(target, t, where, parent=state)
@@ -547,7 +541,7 @@ class _Trace:
         return state
 
     def check_even(self, entry: PlanEntry, t: torch.Tensor, layout: Placement, what: str):
-        layout = _pos(layout, t.ndim)
+        layout = normalize(layout, t.ndim)
         if isinstance(layout, Shard) and t.shape[layout.dim] % self.n:
             size = t.shape[layout.dim]
             self.problem(
@@ -570,7 +564,7 @@ class _Trace:
             else:
                 self.node(Replicate(), t, entry.key, parent=state).grads.append(Partial())
         elif isinstance(state, _Local):
-            layout = _pos(layout, t.ndim)
+            layout = normalize(layout, t.ndim)
             self.emit(FORWARD, entry.key, self.move(layout, Replicate(), t))
             if t.requires_grad:
                 # each rank's input gradient is a partial sum, summed back to the input layout
@@ -579,15 +573,15 @@ class _Trace:
 
     def enter_sharded(self, entry: PlanEntry, t: torch.Tensor, state: _State, layout, want):
         """A computation's input, sharded on ``want`` (row-parallel, sequence-parallel)."""
-        want = _pos(want, t.ndim)
+        want = normalize(want, t.ndim)
         if isinstance(state, _Node):
             self.redistribute(state, want, t, entry.key).grads.append(want)
-        elif isinstance(state, _Local) and _pos(layout, t.ndim) != want:
+        elif isinstance(state, _Local) and normalize(layout, t.ndim) != want:
             self.node(want, t, entry.key, origin=layout).grads.append(want)
 
     def leave(self, entry: PlanEntry, t: torch.Tensor, computed, layout, use_local: bool):
         """A locally computed result laid out ``computed`` leaving as ``layout``."""
-        computed, layout = _pos(computed, t.ndim), _pos(layout, t.ndim)
+        computed, layout = normalize(computed, t.ndim), normalize(layout, t.ndim)
         if computed == layout and use_local:
             self.set_state(t, _Local(_neg(layout, t.ndim), entry.key, t.ndim))
             return
@@ -643,7 +637,7 @@ class _Trace:
         elif isinstance(style, RowwiseParallel) and x is not None:
             layout = style.input_layouts[0]
             # a local input already sharded on the last dim is used as it is, even if uneven
-            used_as_is = _pos(layout, x.ndim) == Shard(x.ndim - 1)
+            used_as_is = normalize(layout, x.ndim) == Shard(x.ndim - 1)
             state = self.arrive(entry, x, layout, "the input", annotated=not used_as_is)
             if isinstance(module, nn.Embedding):
                 self.enter_replicated(entry, x, state, layout)
@@ -748,7 +742,7 @@ class _Trace:
 
     def leave_partial(self, entry: PlanEntry, module: nn.Module, y, style: RowwiseParallel):
         """A row-parallel result (a partial sum on every rank) reduced to its output layout."""
-        layout = _pos(style.output_layouts[0], y.ndim)
+        layout = normalize(style.output_layouts[0], y.ndim)
         if style.use_local_output and isinstance(layout, Replicate):
             self.emit(FORWARD, entry.key, self.move(Partial(), layout, y))
             self.set_state(y, _Local(Replicate(), entry.key, y.ndim))
@@ -966,7 +960,7 @@ def plan_report(
 
     parameters = _parameter_groups(model, valid, tp_degree)
     problems += list(trace.problems.values())
-    problems += _divisibility(model, valid, parameters, trace, tp_degree)
+    problems += _divisibility(model, parameters, trace, tp_degree)
     problems += _unsharded(model, valid)
     problems += [
         Problem("note", e.key, f"module {e.path!r} is not called by the forward")
@@ -1073,25 +1067,12 @@ def _validate(model: nn.Module, entries: list[PlanEntry]) -> tuple[set[int], lis
     refused, and why."""
     invalid: set[int] = set()
     problems = []
-    owners: dict[int, list[str]] = {}  # every path of each parameter (several: tied)
-    for path, module in model.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append(f"{path}.{name}" if path else name)
+    owners = parameter_owners(model)
     for entry in entries:
-        if isinstance(entry.style, _LOCAL_COMPUTE):
-            for name, param in entry.module.named_parameters(recurse=False):
-                mine = f"{entry.path}.{name}" if entry.path else name
-                others = [o for o in owners[id(param)] if o != mine]
-                if others:
-                    invalid.add(id(entry.module))
-                    problems.append(
-                        Problem(
-                            "error",
-                            entry.key,
-                            f"its parameter {name!r} is shared with {others} (tied weights); "
-                            "sharding it here would untie them",
-                        )
-                    )
+        tied = tied_parameters(entry, owners)
+        if tied is not None:
+            invalid.add(id(entry.module))
+            problems.append(Problem("error", entry.key, tied))
         validate = getattr(entry.style, "_validate", None)
         if validate is None or id(entry.module) in invalid:
             continue
@@ -1170,7 +1151,6 @@ def _parameter_groups(model: nn.Module, entries: list[PlanEntry], n: int):
 
 def _divisibility(
     model: nn.Module,
-    entries: list[PlanEntry],
     parameters: list[ParameterGroup],
     trace: _Trace,
     n: int,
