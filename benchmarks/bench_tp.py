@@ -222,11 +222,11 @@ def upstream_optimal_plan(sequence_parallel: bool) -> dict[str, upstream.Paralle
     if sequence_parallel:
         plan.update(
             {
-                "layers.*.attention_norm": upstream.SequenceParallel(),
+                "layers.*.attention_norm": upstream.SequenceParallel(use_local_output=True),
                 "layers.*.attention_dropout": upstream.SequenceParallel(use_local_output=True),
-                "layers.*.ffn_norm": upstream.SequenceParallel(),
+                "layers.*.ffn_norm": upstream.SequenceParallel(use_local_output=True),
                 "layers.*.ffn_dropout": upstream.SequenceParallel(use_local_output=True),
-                "norm": upstream.SequenceParallel(),
+                "norm": upstream.SequenceParallel(use_local_output=True),
             }
         )
     return plan
