@@ -428,9 +428,10 @@ def _case_communication() -> None:
                 assert forward.get_comm_counts() == expected, forward.get_comm_counts()
                 assert backward.get_total_counts() == 0
                 sizes[vocab, vocab_size is None, label_smoothing] = recorded.sizes
-    # no collective grows with the vocabulary
+    # no collective grows with the vocabulary: four times the vocabulary, the same sizes
     for (vocab, *rest), recorded in sizes.items():
-        assert recorded == sizes[(VOCAB, *rest)], (vocab, rest, recorded)
+        if vocab != VOCAB:
+            assert recorded == sizes[(VOCAB, *rest)], (vocab, rest, recorded)
 
 
 def test_communication():

@@ -517,7 +517,7 @@ def _layout() -> str | None:
     if tracker is None:
         return None
     world = dist.get_world_size() if _distributed() else 1
-    tp_size = len(tracker._group[1])
+    tp_size = tracker.tp_size
     return f"{world}x{tp_size}"
 
 

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.nn._reduction import legacy_get_string
 from torch.overrides import TorchFunctionMode
 
 from torch_tp._layouts import chunk_range, contiguous_stride
@@ -506,15 +507,6 @@ def _dtensor_cross_entropy(
     )
 
 
-def _legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
-    # F.cross_entropy's deprecated size_average/reduce arguments, mapped as it maps them
-    size_average = True if size_average is None else size_average
-    reduce = True if reduce is None else reduce
-    if not reduce:
-        return "none"
-    return "mean" if size_average else "sum"
-
-
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
@@ -535,23 +527,24 @@ class _LossParallelMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.cross_entropy:
+        input = args[0] if args else kwargs.get("input")
+        # bind the arguments only for the one call this mode takes over
+        if func is F.cross_entropy and isinstance(input, DTensor) and _class_mesh_dims(input):
             bound = _CROSS_ENTROPY_SIGNATURE.bind(*args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
-            input = a["input"]
-            if isinstance(input, DTensor) and _class_mesh_dims(input):
-                reduction = a["reduction"]
-                if a["size_average"] is not None or a["reduce"] is not None:
-                    reduction = _legacy_reduction(a["size_average"], a["reduce"])
-                return _dtensor_cross_entropy(
-                    input,
-                    a["target"],
-                    a["weight"],
-                    a["ignore_index"],
-                    reduction,
-                    a["label_smoothing"],
-                )
+            reduction = a["reduction"]
+            if a["size_average"] is not None or a["reduce"] is not None:
+                # F.cross_entropy's deprecated arguments, mapped as it maps them
+                reduction = legacy_get_string(a["size_average"], a["reduce"], False)
+            return _dtensor_cross_entropy(
+                input,
+                a["target"],
+                a["weight"],
+                a["ignore_index"],
+                reduction,
+                a["label_smoothing"],
+            )
         return func(*args, **kwargs)
 
 

@@ -99,6 +99,7 @@ class TensorParallelRNGTracker:
         tp_mesh = _tp_mesh(device_mesh)
         self.device_type: str = tp_mesh.device_type
         self.tp_rank: int = tp_mesh.get_local_rank()
+        self.tp_size: int = tp_mesh.size()
         self.seed: int = seed
         self.generator = torch.Generator(device=self.device_type)
         self.generator.manual_seed((seed + _TP_SEED_OFFSET + self.tp_rank) % _SEED_MODULUS)
