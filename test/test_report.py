@@ -37,7 +37,7 @@ from torch_tp.models import Llama, LlamaConfig, tiny_config
 from torch_tp.plan import to_dict
 from torch_tp.plans.llama import llama_plan
 from torch_tp.report import PlanReport, plan_report
-from torch_tp.testing import device_type, run_distributed
+from torch_tp.testing import collective_counts, device_type, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=1001, max_seq_len=32)
@@ -72,14 +72,6 @@ def _meta(config: LlamaConfig = CONFIG) -> Llama:
 # --------------------------------------------------------------------------- measured
 
 
-# the kinds the report uses, for the c10d ops that torch.distributed calls dispatch to
-_C10D_KINDS = {
-    "allreduce_": "all_reduce",
-    "_allgather_base_": "all_gather_into_tensor",
-    "_reduce_scatter_base_": "reduce_scatter_tensor",
-}
-
-
 class _CollectiveBytes(TorchDispatchMode):
     """Bytes per kind of collective (functional or c10d): the whole tensor reduced or
     gathered."""
@@ -105,11 +97,12 @@ class _CollectiveBytes(TorchDispatchMode):
 
 
 def _counts(mode: CommDebugMode) -> dict[str, int]:
-    counts: Counter[str] = Counter()
-    for op, n in mode.get_comm_counts().items():
-        name = str(op).rsplit(".", 1)[-1]
-        counts[_C10D_KINDS.get(name, name)] += n
-    return dict(counts)
+    # collective_counts folds c10d and functional ops into kinds; the report names two of
+    # them after the functional ops
+    return {_REPORT_KIND.get(kind, kind): n for kind, n in collective_counts(mode).items()}
+
+
+_REPORT_KIND = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
 
 
 class _MLP(nn.Module):
