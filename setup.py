@@ -34,6 +34,9 @@ setup(
             # torch warns at import when NumPy is missing; keep test output clean
             "numpy>=1.26,<3",
             "safetensors>=0.4",
+            # test/test_transformers.py checks the plans of torch_tp.plans.hf against the real
+            # models; its requirements do not include torch (only its "torch" extra does)
+            "transformers==5.23.0",
         ],
         # torch_tp.checkpoint reads and writes safetensors files
         "checkpoint": ["safetensors>=0.4"],

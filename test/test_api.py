@@ -124,7 +124,8 @@ def _unsupported_module_types() -> None:
         _llama(),
         plan,
         NotImplementedError,
-        r"ColwiseParallel.*'layers\.0\.attention'.*Attention.*nn\.Linear and nn\.Embedding",
+        r"ColwiseParallel.*'layers\.0\.attention'.*Attention.*nn\.Linear, nn\.Embedding and "
+        r"transformers' Conv1D",
     )
     _expect_error(
         _llama(),
@@ -434,7 +435,8 @@ def _tied_weights() -> None:
         _Tied(),
         {"embed": RowwiseParallel(input_layouts=Replicate())},
         ValueError,
-        r"'embed'.*'weight' is shared with \['head.weight'\] \(tied weights\)",
+        r"'embed'.*'weight' \(Shard\(dim=0\) here\) is shared with 'head\.weight' \(not in "
+        r"the plan\) \(tied weights\)",
     )
 
 

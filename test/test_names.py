@@ -20,10 +20,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_tp import (
     ColwiseParallel,
+    PackedColwiseParallel,
+    PackedRowwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
+    ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -61,7 +64,11 @@ rowwise_split_input    "rowwise_split_input"
 rowwise_rep            "rowwise_split_input"
 embedding_rowwise      "rowwise_split_input"
 sequence_parallel      "sequence_parallel"
-all_reduce             "all_reduce\"""",
+all_reduce             "all_reduce"
+packed_colwise         "packed_colwise"
+packed_rowwise         "packed_rowwise"
+replicate              "replicate"
+replicated_with_grad_allreduce "replicated_with_grad_allreduce\"""",
         )
         # and what those styles are, spelled out
         assert STYLE_NAMES["colwise"]() == ColwiseParallel(
@@ -77,6 +84,12 @@ all_reduce             "all_reduce\"""",
         )
         assert STYLE_NAMES["all_reduce"]() == PrepareModuleOutput(
             output_layouts=Partial(), desired_output_layouts=Replicate(), use_local_output=True
+        )
+        assert STYLE_NAMES["packed_colwise"]() == PackedColwiseParallel(2)
+        assert STYLE_NAMES["packed_rowwise"]() == PackedRowwiseParallel(2)
+        assert STYLE_NAMES["replicate"]() == ReplicateParallel(sum_gradients=False)
+        assert STYLE_NAMES["replicated_with_grad_allreduce"]() == ReplicateParallel(
+            sum_gradients=True
         )
 
     def test_known_and_unsupported_names_do_not_overlap(self):
@@ -116,8 +129,8 @@ def test_names_that_need_a_new_style_raise_not_implemented(name):
     with pytest.raises(NotImplementedError) as info:
         resolve_plan(_llama(), {"layers.*.feed_forward.w1": name})
     message = str(info.value)
-    assert f"plan key 'layers.*.feed_forward.w1': style name {name!r}" in message
-    assert "issue 5" in message
+    assert f"plan key 'layers.*.feed_forward.w1': style name {name!r} is not supported" in message
+    assert UNSUPPORTED_NAMES[name] in message
 
 
 def test_a_non_style_value_is_still_a_type_error():
@@ -239,8 +252,8 @@ def test_from_dict_errors_name_the_key():
         from_dict({"a": {"style": "ColwiseParallel", "sequence_dim": 1}})
     with pytest.raises(TypeError, match="plan key 'a': expected a style name or a dict"):
         from_dict({"a": 3})
-    with pytest.raises(NotImplementedError, match="'packed_colwise'"):
-        from_dict({"a": "packed_colwise"})
+    with pytest.raises(NotImplementedError, match="'local_colwise' is not supported"):
+        from_dict({"a": "local_colwise"})
 
 
 # --------------------------------------------------------------------------- transformers

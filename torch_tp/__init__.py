@@ -9,11 +9,15 @@ from torch_tp._clip import clip_grad_norm_
 from torch_tp.api import parallelize_module
 from torch_tp.loss import loss_parallel, vocab_parallel_cross_entropy
 from torch_tp.style import (
+    AttentionHeads,
     ColwiseParallel,
+    PackedColwiseParallel,
+    PackedRowwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
+    ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -21,11 +25,15 @@ from torch_tp.style import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionHeads",
     "ColwiseParallel",
+    "PackedColwiseParallel",
+    "PackedRowwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",
     "PrepareModuleOutput",
+    "ReplicateParallel",
     "RowwiseParallel",
     "SequenceParallel",
     "api",

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__: list[str] = []  # private module
 
@@ -37,6 +38,8 @@ def normalize(layout: Placement, ndim: int) -> Placement:
     """``Shard(-1)`` and ``Shard(ndim - 1)`` are the same layout; make them compare equal."""
     if isinstance(layout, Shard) and layout.dim < 0:
         return Shard(layout.dim + ndim)
+    if isinstance(layout, _StridedShard) and layout.dim < 0:
+        return _StridedShard(layout.dim + ndim, split_factor=layout.split_factor)
     return layout
 
 
@@ -95,7 +98,9 @@ class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         ctx.mesh = mesh
-        return x.view_as(x)
+        # an alias that holds no reference to x (a view would, through its _base): the
+        # shared entry lives on x, and must not keep it alive
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -200,10 +205,51 @@ def enter_replicated(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -
     if isinstance(layout, Replicate):
         if not value.requires_grad:
             return value  # nothing to gather now, no gradient to reduce later
-        return _CopyToRegion.apply(value, mesh)
+        return _shared_entry(value, mesh, None, lambda: _CopyToRegion.apply(value, mesh))
     if isinstance(layout, Shard):
-        return _GatherFromSequenceRegion.apply(value, mesh, layout.dim)
+        dim = normalize(layout, value.ndim).dim
+        return _shared_entry(
+            value, mesh, dim, lambda: _GatherFromSequenceRegion.apply(value, mesh, dim)
+        )
     return _partial_local(redistribute(annotate(value, mesh, layout), Replicate()))
+
+
+def _shared_entry(value: torch.Tensor, mesh: DeviceMesh, dim: int | None, enter) -> torch.Tensor:
+    """``enter()``, once per local tensor for all the column-parallel layers that read it.
+
+    q, k and v (or gate and up) read the same activation: sharing one entry into the region
+    makes their input gradients add up locally and be reduced once, and a sequence-sharded
+    activation be gathered once, as if the plan had declared the block's input with
+    ``PrepareModuleInput``.
+
+    The entry is kept on the tensor itself, so it lives exactly as long as the activation
+    (it holds no reference back to it: no cycle). It is reused only for the same mesh and
+    dim, the same version of the tensor (no in-place change since), and the same autograd
+    graph: under grad mode the entry's backward must feed the tensor's current ``grad_fn``,
+    which a tensor reused across steps would not have (leaves are never shared).
+
+    Sharing needs the very same tensor object. Modules with full backward hooks (and
+    ``CommDebugMode``'s module tracker, which installs them) receive a fresh alias of their
+    input on every call: their layers then reduce one by one, still exactly. A plan that
+    declares the block's input with ``PrepareModuleInput`` shares the reduction in every case.
+    """
+    if torch.compiler.is_compiling():
+        return enter()  # a compiled graph has no Python state to keep between calls
+    grad = torch.is_grad_enabled() and value.requires_grad
+    if grad and value.grad_fn is None:
+        return enter()
+    key = (dim, value._version, grad)
+    cached = value.__dict__.get(_ENTRY)
+    if cached is not None and cached[0] is mesh and cached[1] == key:
+        entered = cached[2]
+        if not grad or entered.grad_fn.next_functions[0][0] is value.grad_fn:
+            return entered
+    entered = enter()
+    value.__dict__[_ENTRY] = (mesh, key, entered)
+    return entered
+
+
+_ENTRY = "_torch_tp_region_entry"
 
 
 def _partial_local(value: DTensor) -> torch.Tensor:

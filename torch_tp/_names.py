@@ -23,11 +23,15 @@ from typing import Any
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from torch_tp.style import (
+    AttentionHeads,
     ColwiseParallel,
+    PackedColwiseParallel,
+    PackedRowwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
+    ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -57,27 +61,20 @@ STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
     "all_reduce": lambda: PrepareModuleOutput(
         output_layouts=Partial(), desired_output_layouts=Replicate()
     ),
+    # a fused projection packing two parts along its outputs (gate_up_proj): each rank
+    # holds its slice of each part
+    "packed_colwise": lambda: PackedColwiseParallel(2),
+    # its row-parallel partner, the input features packed the same way
+    "packed_rowwise": lambda: PackedRowwiseParallel(2),
+    # every rank keeps the whole module; parameters are replicated DTensors
+    "replicate": lambda: ReplicateParallel(),
+    # replicated parameters of a module that sees this rank's share of the activation
+    # (per-head q_norm/k_norm): their gradients are summed over the ranks
+    "replicated_with_grad_allreduce": lambda: ReplicateParallel(sum_gradients=True),
 }
 
 # names transformers uses whose meaning needs a style torch_tp does not have (yet): why
 UNSUPPORTED_NAMES: dict[str, str] = {
-    "packed_colwise": (
-        "a fused projection (gate_up_proj, qkv_proj) packed along the output features: each "
-        "rank must hold its slice of every packed part (a strided shard); ColwiseParallel would "
-        "give one rank all of the first part"
-    ),
-    "packed_rowwise": (
-        "a fused weight packed along the input features: each rank must hold its slice of "
-        "every packed part (a strided shard), which RowwiseParallel does not do"
-    ),
-    "replicate": (
-        "every rank keeps the whole module. A module left out of the plan does that, with "
-        "plain-tensor parameters; a style that makes them replicated DTensors is missing"
-    ),
-    "replicated_with_grad_allreduce": (
-        "replicated parameters of a module that computes on a sharded activation (a per-head "
-        "q_norm/k_norm), with their gradients summed across ranks"
-    ),
     "local_params": "a forward run with local views of the module's own sharded parameters",
     "local_colwise": (
         "transformers 4.x: column-sharded plain (non-DTensor) parameters and no layout "
@@ -109,8 +106,6 @@ UNSUPPORTED_NAMES: dict[str, str] = {
     "ep_router": "expert parallelism (a router for sharded experts), not tensor parallelism",
 }
 
-ISSUE = "torch_tp issue 5"
-
 
 def style_from_name(name: str, key: str | None = None) -> ParallelStyle:
     """The style a name stands for, as a new object.
@@ -125,7 +120,7 @@ def style_from_name(name: str, key: str | None = None) -> ParallelStyle:
         return factory()
     if name in UNSUPPORTED_NAMES:
         raise NotImplementedError(
-            f"{where}style name {name!r} is not supported yet ({ISSUE}): "
+            f"{where}style name {name!r} is not supported: "
             f"{UNSUPPORTED_NAMES[name]}. Leave the module out of the plan, or write a "
             "ParallelStyle for it"
         )
@@ -197,7 +192,11 @@ _CLASSES: dict[str, type[ParallelStyle]] = {
     for cls in (
         ColwiseParallel,
         RowwiseParallel,
+        PackedColwiseParallel,
+        PackedRowwiseParallel,
         SequenceParallel,
+        ReplicateParallel,
+        AttentionHeads,
         PrepareModuleInput,
         PrepareModuleOutput,
         PrepareModuleInputOutput,
@@ -207,6 +206,28 @@ _CLASSES: dict[str, type[ParallelStyle]] = {
 
 def _arguments(style: ParallelStyle) -> dict[str, Any]:
     """Constructor arguments that build a style equal to ``style`` (all of them)."""
+    if isinstance(style, PackedColwiseParallel):
+        output = style.output_layouts[0]
+        return {
+            "parts": style.parts,
+            "input_layouts": style.input_layouts[0],
+            "output_layouts": output if isinstance(output, Replicate) else None,
+            "use_local_output": style.use_local_output,
+        }
+    if isinstance(style, PackedRowwiseParallel):
+        return {
+            "parts": style.parts,
+            "output_layouts": style.output_layouts[0],
+            "use_local_output": style.use_local_output,
+        }
+    if isinstance(style, ReplicateParallel):
+        return {"sum_gradients": style.sum_gradients}
+    if isinstance(style, AttentionHeads):
+        return {
+            "num_heads": style.num_heads,
+            "num_kv_heads": style.num_kv_heads,
+            "divide": style.divide,
+        }
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return {
             "input_layouts": style.input_layouts[0],
@@ -257,17 +278,26 @@ def _minimal_arguments(style: ParallelStyle) -> dict[str, Any]:
     return arguments
 
 
-def _encode(value: Any) -> Any:
+# the arguments that hold placements (the others are bools, ints, strings and their tuples)
+def _is_layouts(argument: str) -> bool:
+    return argument.endswith("layouts")
+
+
+def _encode(argument: str, value: Any) -> Any:
+    if not _is_layouts(argument):
+        return list(value) if isinstance(value, tuple) else value
     if isinstance(value, Placement):
         return placement_to_str(value)
     if isinstance(value, (tuple, list)):
         return [None if v is None else placement_to_str(v) for v in value]
     if isinstance(value, dict):
         return {k: placement_to_str(v) for k, v in value.items()}
-    return value  # bool, int, None
+    return value  # None
 
 
-def _decode(value: Any) -> Any:
+def _decode(argument: str, value: Any) -> Any:
+    if not _is_layouts(argument):
+        return tuple(value) if isinstance(value, list) else value
     if isinstance(value, str):
         return placement_from_str(value)
     if isinstance(value, list):
@@ -288,7 +318,7 @@ def style_to_data(style: object, key: str | None = None) -> str | dict[str, Any]
             f"{where}{style!r} has no plain-data form: only torch_tp's built-in styles "
             f"({', '.join(_CLASSES)}) can be written as data"
         )
-    arguments = {k: _encode(v) for k, v in _minimal_arguments(style).items()}
+    arguments = {k: _encode(k, v) for k, v in _minimal_arguments(style).items()}
     return {"style": type(style).__name__, **arguments}
 
 
@@ -308,7 +338,7 @@ def style_from_data(value: str | Mapping[str, Any], key: str | None = None) -> P
             f"{where}unknown style class {value['style']!r}; expected one of {', '.join(_CLASSES)}"
         )
     try:
-        return cls(**{k: _decode(v) for k, v in arguments.items()})
+        return cls(**{k: _decode(k, v) for k, v in arguments.items()})
     except TypeError as err:
         raise TypeError(f"{where}cannot build {cls.__name__} from {value!r}: {err}") from err
 

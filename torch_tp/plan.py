@@ -17,12 +17,14 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
 
 from torch_tp import _names
 from torch_tp.style import (
     MODULE_PATH_ATTR,
     ColwiseParallel,
     ParallelStyle,
+    ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -177,7 +179,7 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
                 f"cannot apply {where}: the module was already parallelized with "
                 f"{previous!r}; a module takes one style"
             )
-        tied = tied_parameters(entry, owners)
+        tied = tied_parameters(entry, owners, entries)
         if tied is not None:
             raise ValueError(f"cannot apply {where}: {tied}")
         validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
@@ -189,21 +191,59 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
 
 
 # the built-in styles that replace their module's parameters by DTensors
-_PARAMETER_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+_PARAMETER_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, ReplicateParallel)
 
 
-def tied_parameters(entry: PlanEntry, owners: dict[int, list[str]]) -> str | None:
-    """Why ``entry`` would untie a weight shared with another module (``None`` if it would
-    not); ``owners`` is :func:`parameter_owners` of the root."""
+def planned_placement(entry: PlanEntry, name: str) -> Placement | None:
+    """The placement ``entry``'s style gives its module's parameter ``name`` (``None``: the
+    style leaves it alone, or is not a built-in parameter style)."""
     if not isinstance(entry.style, _PARAMETER_STYLES):
         return None
+    try:
+        return entry.style._parameter_placements(entry.module).get(name)
+    except (AttributeError, NotImplementedError):
+        return None  # a module type the style refuses: its own validation says so
+
+
+def tied_parameters(
+    entry: PlanEntry, owners: dict[int, list[str]], entries: list[PlanEntry] | None = None
+) -> str | None:
+    """Why ``entry`` would untie a weight shared with another module (``None`` if it would
+    not); ``owners`` is :func:`parameter_owners` of the root.
+
+    A tied weight may be distributed when every module holding it is in the plan
+    (``entries``) with a style that lays it out the same way (GPT-2's vocabulary-sharded
+    ``wte`` and column-parallel ``lm_head``, both ``Shard(0)``): it is then distributed
+    once and stays tied.
+    """
+    if not isinstance(entry.style, _PARAMETER_STYLES):
+        return None
+    by_path = {e.path: e for e in entries or ()}
     for name, param in entry.module.named_parameters(recurse=False):
+        placement = planned_placement(entry, name)
+        if placement is None:
+            continue
         others = [p for p in owners[id(param)] if p != _join(entry.path, name)]
-        if others:
-            return (
-                f"its parameter {name!r} is shared with {others} (tied weights); sharding "
-                "it here would untie them"
+        if not others:
+            continue
+        layouts = {}
+        for other in others:
+            path, _, other_name = other.rpartition(".")
+            other_entry = by_path.get(path)
+            layouts[other] = (
+                None if other_entry is None else planned_placement(other_entry, other_name)
             )
+        if all(layout == placement for layout in layouts.values()):
+            continue
+        found = ", ".join(
+            f"{other!r} ({'not in the plan' if layout is None else repr(layout)})"
+            for other, layout in layouts.items()
+        )
+        return (
+            f"its parameter {name!r} ({placement!r} here) is shared with {found} (tied "
+            "weights); sharding it differently, or in one place only, would untie them: give "
+            "every module holding it a style that lays it out alike"
+        )
     return None
 
 

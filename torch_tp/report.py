@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -53,15 +54,19 @@ from torch_tp.plan import (
     _PARAMETER_STYLES,
     PlanEntry,
     parameter_owners,
+    planned_placement,
     resolve_plan,
     tied_parameters,
 )
 from torch_tp.style import (
+    AttentionHeads,
     ColwiseParallel,
+    PackedColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
+    ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
     _uses_stock_forward,
@@ -425,7 +430,13 @@ _State = _Local | _Node | _DTensorAfterOps | _Broken
 
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
 _LOCAL_COMPUTE = _PARAMETER_STYLES
-_BUILT_IN = (*_LOCAL_COMPUTE, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
+_BUILT_IN = (
+    *_LOCAL_COMPUTE,
+    AttentionHeads,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    PrepareModuleInputOutput,
+)
 
 
 def _generalize(path: str) -> str:
@@ -451,6 +462,9 @@ class _Trace:
         self.colwise_outputs: dict[int, str] = {}
         self.heads: dict[str, tuple[int, int]] = {}
         self.called: set[int] = set()
+        # local tensors already entered into a column-parallel region, as at run time
+        # (_layouts._shared_entry): q, k and v reading one tensor share one entry
+        self.entered: set[tuple[int, Placement]] = set()
         self.problems: dict[tuple[str, str], Problem] = {}
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -565,6 +579,11 @@ class _Trace:
                 self.node(Replicate(), t, entry.key, parent=state).grads.append(Partial())
         elif isinstance(state, _Local):
             layout = normalize(layout, t.ndim)
+            if isinstance(layout, (Replicate, Shard)):
+                if (id(t), layout) in self.entered:
+                    return
+                self.entered.add((id(t), layout))
+                self.alive.append(t)
             self.emit(FORWARD, entry.key, self.move(layout, Replicate(), t))
             if t.requires_grad:
                 # each rank's input gradient is a partial sum, summed back to the input layout
@@ -650,6 +669,10 @@ class _Trace:
             for param in module.parameters(recurse=False):
                 if param.requires_grad:  # computed on a sequence shard: partial gradient
                     self.partial_params[id(param)] = param
+        elif isinstance(style, ReplicateParallel) and style.sum_gradients:
+            for param in module.parameters(recurse=False):
+                if param.requires_grad:  # computed on this rank's share: partial gradient
+                    self.partial_params[id(param)] = param
         elif isinstance(style, (PrepareModuleInput, PrepareModuleInputOutput)):
             if isinstance(style, PrepareModuleInputOutput):
                 style = style.prepare_module_input
@@ -705,7 +728,10 @@ class _Trace:
                 return
         if isinstance(style, ColwiseParallel):
             y = output
-            self.leave(entry, y, Shard(y.ndim - 1), style.output_layouts[0], style.use_local_output)
+            layout = style.output_layouts[0]
+            if isinstance(style, PackedColwiseParallel) and not isinstance(layout, Replicate):
+                layout = Shard(-1)  # this rank's slice of every part: moved nowhere
+            self.leave(entry, y, Shard(y.ndim - 1), layout, style.use_local_output)
             state = self.states.get(id(y))
             if isinstance(state, _Local) and state.layout == Shard(-1):
                 self.colwise_outputs[id(y)] = entry.key
@@ -755,7 +781,7 @@ class _Trace:
         else:
             self.leave(entry, y, Partial(), layout, style.use_local_output)
         bias = getattr(module, "bias", None)
-        if isinstance(module, nn.Linear) and bias is not None and bias.requires_grad:
+        if not isinstance(module, nn.Embedding) and bias is not None and bias.requires_grad:
             if isinstance(layout, Shard):  # each rank's bias gradient covers its shard only
                 self.partial_params[id(bias)] = bias
 
@@ -944,7 +970,7 @@ def plan_report(
         for key in keys
         if not matched[key]
     ]
-    invalid, refused = _validate(model, entries)
+    invalid, refused = _validate(model, entries, tp_degree)
     problems += refused
     valid = [e for e in entries if id(e.module) not in invalid]
 
@@ -1062,14 +1088,26 @@ def _group(events: list[tuple[str, str, str, int]]) -> list[Collective]:
     ]
 
 
-def _validate(model: nn.Module, entries: list[PlanEntry]) -> tuple[set[int], list[Problem]]:
+class _MeshOfSize:
+    """What a style's ``_validate`` may ask of the mesh, with no process group: its size."""
+
+    ndim = 1
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        return self.n
+
+
+def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[int], list[Problem]]:
     """The checks of :func:`torch_tp.plan.validate_plan` that need no mesh: the modules
     refused, and why."""
     invalid: set[int] = set()
     problems = []
     owners = parameter_owners(model)
     for entry in entries:
-        tied = tied_parameters(entry, owners)
+        tied = tied_parameters(entry, owners, entries)
         if tied is not None:
             invalid.add(id(entry.module))
             problems.append(Problem("error", entry.key, tied))
@@ -1077,7 +1115,7 @@ def _validate(model: nn.Module, entries: list[PlanEntry]) -> tuple[set[int], lis
         if validate is None or id(entry.module) in invalid:
             continue
         try:
-            validate(entry.module, None)
+            validate(entry.module, _MeshOfSize(n))
         except (NotImplementedError, ValueError, TypeError) as err:
             invalid.add(id(entry.module))
             problems.append(
@@ -1093,25 +1131,17 @@ def _validate(model: nn.Module, entries: list[PlanEntry]) -> tuple[set[int], lis
     return invalid, problems
 
 
-def _placements(style: ParallelStyle, module: nn.Module) -> dict[str, Placement]:
-    """How the style lays out the module's own parameters (none: left plain)."""
-    if isinstance(style, ColwiseParallel):
-        if isinstance(module, nn.Linear):
-            return {"weight": Shard(0), "bias": Shard(0)}
-        if isinstance(module, nn.Embedding):
-            return {"weight": Shard(1)}
-    if isinstance(style, RowwiseParallel):
-        if isinstance(module, nn.Linear):
-            return {"weight": Shard(1), "bias": Replicate()}
-        if isinstance(module, nn.Embedding):
-            return {"weight": Shard(0)}
-    if isinstance(style, SequenceParallel):
-        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
-    return {}
+def _placements(entry: PlanEntry) -> dict[str, Placement]:
+    """How the entry's style lays out its module's own parameters (none: left plain)."""
+    return {
+        name: placement
+        for name, _ in entry.module.named_parameters(recurse=False)
+        if (placement := planned_placement(entry, name)) is not None
+    }
 
 
 def _largest_shard(shape: tuple[int, ...], placement: Placement | None, n: int):
-    if not isinstance(placement, Shard):
+    if not isinstance(placement, (Shard, _StridedShard)):
         return shape
     local = list(shape)
     local[placement.dim] = math.ceil(shape[placement.dim] / n)
@@ -1124,7 +1154,7 @@ def _parameter_groups(model: nn.Module, entries: list[PlanEntry], n: int):
     seen: set[int] = set()
     for path, module in model.named_modules():
         entry = entry_of.get(id(module))
-        placements = _placements(entry.style, module) if entry is not None else {}
+        placements = _placements(entry) if entry is not None else {}
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue

@@ -31,6 +31,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_tp import _layouts
 from torch_tp.random import sequence_parallel_dropout
@@ -39,7 +40,11 @@ __all__ = [
     "ParallelStyle",
     "ColwiseParallel",
     "RowwiseParallel",
+    "PackedColwiseParallel",
+    "PackedRowwiseParallel",
     "SequenceParallel",
+    "ReplicateParallel",
+    "AttentionHeads",
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",
@@ -135,10 +140,20 @@ def _distribute_parameters(
     placements: dict[str, Placement],
     src_data_rank: int | None,
 ) -> None:
-    """Replace each named direct parameter of ``module`` by a DTensor with that placement."""
+    """Replace each named direct parameter of ``module`` by a DTensor with that placement.
+
+    A parameter tied between modules (GPT-2's ``wte`` and ``lm_head``) is distributed once:
+    the first module's style leaves the new DTensor parameter on the old one, and the
+    others register that same object, so the weights stay tied. :func:`parallelize_module`
+    has checked that every owner lays it out alike.
+    """
     for name, placement in placements.items():
         param = getattr(module, name)
         if param is None:
+            continue
+        tied = getattr(param, _DISTRIBUTED_AS, None)
+        if tied is not None and tied.placements == (placement,):
+            module.register_parameter(name, tied)
             continue
         # src_data_rank=None keeps each rank's local values (no scatter or broadcast)
         dtensor = distribute_tensor(
@@ -150,7 +165,45 @@ def _distribute_parameters(
             # partial sum of a replicated parameter's gradient: sum it (once per backward for
             # all such parameters), so every rank holds the full gradient, as on one device
             _layouts.sum_partial_gradient_at_end_of_backward(new)
+        setattr(param, _DISTRIBUTED_AS, new)
         module.register_parameter(name, new)
+
+
+_DISTRIBUTED_AS = "_torch_tp_distributed_as"
+
+
+def _conv1d_base(module: nn.Module) -> type | None:
+    """transformers' ``Conv1D`` class if ``module`` is one (or a subclass), else ``None``.
+
+    GPT-2's projections are ``Conv1D``: a Linear whose weight is stored transposed,
+    ``(in_features, out_features)``, computing ``x @ weight + bias``. It is recognized by
+    name and shape (``nx``/``nf`` attributes, a 2-D weight), so torch_tp needs no import of
+    transformers.
+    """
+    for cls in type(module).__mro__:
+        if cls.__name__ == "Conv1D":
+            weight = getattr(module, "weight", None)
+            shape = (getattr(module, "nx", None), getattr(module, "nf", None))
+            if isinstance(weight, torch.Tensor) and tuple(weight.shape) == shape:
+                return cls
+            return None
+    return None
+
+
+def _out_features(module: nn.Module) -> int:
+    return module.out_features if isinstance(module, nn.Linear) else module.nf
+
+
+def _project(
+    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``module``'s own computation (Linear or Conv1D) with local ``weight`` and ``bias``."""
+    if isinstance(module, nn.Linear):
+        return F.linear(x, weight, bias)
+    # Conv1D, as transformers computes it: addmm on the flattened tokens
+    flat = x.reshape(-1, x.shape[-1])
+    y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+    return y.view(*x.shape[:-1], weight.shape[-1])
 
 
 def _uses_stock_forward(module: nn.Module) -> bool:
@@ -159,8 +212,8 @@ def _uses_stock_forward(module: nn.Module) -> bool:
     Only then may a style replace the forward by an equivalent computation on local shards;
     a subclass with its own forward keeps it and runs on DTensors instead.
     """
-    for base in (nn.Linear, nn.Embedding):
-        if isinstance(module, base):
+    for base in (nn.Linear, nn.Embedding, _conv1d_base(module)):
+        if base is not None and isinstance(module, base):
             return type(module).forward is base.forward
     return False
 
@@ -192,10 +245,11 @@ class _ShardLinearEmbedding(ParallelStyle):
         )
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
+        if not isinstance(module, (nn.Linear, nn.Embedding)) and _conv1d_base(module) is None:
             raise NotImplementedError(
-                f"{type(self).__name__} supports nn.Linear and nn.Embedding (and their "
-                f"subclasses), found {type(module).__module__}.{type(module).__qualname__}"
+                f"{type(self).__name__} supports nn.Linear, nn.Embedding and transformers' "
+                "Conv1D (and their subclasses), found "
+                f"{type(module).__module__}.{type(module).__qualname__}"
             )
         _check_not_distributed(module)
         if isinstance(module, nn.Embedding):
@@ -207,23 +261,27 @@ class _ShardLinearEmbedding(ParallelStyle):
                     "cannot do locally; remove max_norm"
                 )
 
-    def _install(
-        self,
-        module: nn.Module,
-        device_mesh: DeviceMesh,
-        params: dict[str, Placement],
-        local_forward,
-        desired_input: Placement,
-    ) -> nn.Module:
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """The placement of each parameter of ``module`` this style shards or replicates."""
+        raise NotImplementedError
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        """The layout ``module``'s own forward needs its input in (DTensor fallback path)."""
+        return Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)  # an unsupported type must not be half-applied
+        params = self._parameter_placements(module)
         _distribute_parameters(module, device_mesh, params, self.src_data_rank)
         if _uses_stock_forward(module):
-            module.forward = functools.partial(local_forward, module, device_mesh)
+            forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
+            module.forward = functools.partial(forward, module, device_mesh)
         else:
             _hook_dtensor_forward(
                 module,
                 device_mesh,
                 self.input_layouts[0],
-                desired_input,
+                self._desired_input(module),
                 self.output_layouts[0],
                 self.use_local_output,
             )
@@ -268,21 +326,21 @@ class ColwiseParallel(_ShardLinearEmbedding):
     _default_input = Replicate()
     _default_output = Shard(-1)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Linear):
-            params = {"weight": Shard(0), "bias": Shard(0)}
-            return self._install(module, device_mesh, params, self._linear, Replicate())
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
         if isinstance(module, nn.Embedding):
-            params = {"weight": Shard(1)}
-            return self._install(module, device_mesh, params, self._embedding, Replicate())
-        self._validate(module, device_mesh)  # raises the unsupported-type error
-        return module
+            return {"weight": Shard(1)}
+        # the output features: dim 0 of a Linear's weight, dim 1 of a Conv1D's
+        out_dim = 0 if isinstance(module, nn.Linear) else 1
+        return {"weight": self._shard(out_dim), "bias": self._shard(0)}
 
-    def _linear(self, module: nn.Linear, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
+    def _shard(self, dim: int) -> Placement:
+        return Shard(dim)
+
+    def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
         bias = None if module.bias is None else _layouts.local_value(module.bias)
-        y = F.linear(x, _layouts.local_value(module.weight), bias)
-        return self._leave(y, mesh, (*x.shape[:-1], module.out_features))
+        y = _project(module, x, _layouts.local_value(module.weight), bias)
+        return self._leave(y, mesh, (*x.shape[:-1], _out_features(module)))
 
     def _embedding(
         self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
@@ -343,7 +401,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
                 "scale_grad_by_freq counts ids over the whole vocabulary, which a "
                 "vocabulary shard cannot do locally; remove scale_grad_by_freq"
             )
-        if isinstance(module, nn.Linear) and module.bias is not None:
+        if not isinstance(module, nn.Embedding) and module.bias is not None:
             layout = self.output_layouts[0]
             if not isinstance(layout, (Replicate, Shard)):
                 raise ValueError(
@@ -351,20 +409,24 @@ class RowwiseParallel(_ShardLinearEmbedding):
                     f"{layout}: the bias would be added once per rank to a partial sum"
                 )
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Linear):
-            params = {"weight": Shard(1), "bias": Replicate()}
-            return self._install(module, device_mesh, params, self._linear, Shard(-1))
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
         if isinstance(module, nn.Embedding):
-            params = {"weight": Shard(0)}
-            return self._install(module, device_mesh, params, self._embedding, Replicate())
-        self._validate(module, device_mesh)  # raises the unsupported-type error
-        return module
+            return {"weight": Shard(0)}
+        # the input features: dim 1 of a Linear's weight, dim 0 of a Conv1D's
+        in_dim = 1 if isinstance(module, nn.Linear) else 0
+        return {"weight": self._shard(in_dim), "bias": Replicate()}
 
-    def _linear(self, module: nn.Linear, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
+    def _shard(self, dim: int) -> Placement:
+        return Shard(dim)
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+
+    def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         layout = _layouts.normalize(self.input_layouts[0], input.ndim)
-        x = _layouts.enter_sharded(input, mesh, layout, Shard(input.ndim - 1))
-        y = self._reduce(F.linear(x, _layouts.local_value(module.weight)), mesh, module)
+        x = _layouts.enter_sharded(input, mesh, layout, self._shard(input.ndim - 1))
+        partial = _project(module, x, _layouts.local_value(module.weight), None)
+        y = self._reduce(partial, mesh, module)
         if module.bias is None:
             return y
         # added after the reduction, so that it is added once
@@ -409,6 +471,177 @@ class RowwiseParallel(_ShardLinearEmbedding):
                 "parallelism) or pass use_local_output=False"
             )
         return _layouts.reduce_partial(partial, mesh, layout, self.use_local_output)
+
+
+class _Packed:
+    """What the packed styles share: a fused weight made of ``parts`` equal blocks."""
+
+    parts: int
+
+    def _check_parts(self, parts: int) -> int:
+        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+            raise ValueError(f"parts must be a positive int, found {parts!r}")
+        return parts
+
+    def _shard(self, dim: int) -> Placement:
+        # rank r holds block r of every part: DTensor's strided shard, so that the full
+        # tensor (a checkpoint, full_tensor()) is the single-device one, parts in order
+        return _StridedShard(dim, split_factor=self.parts)
+
+    def _check_stock_forward(self, module: nn.Module) -> None:
+        # a module with its own forward would run on DTensors, which have no rule for a
+        # strided-shard weight in a matmul
+        if (isinstance(module, nn.Linear) or _conv1d_base(module)) and not _uses_stock_forward(
+            module
+        ):
+            raise NotImplementedError(
+                f"{type(self).__name__} needs the stock forward of nn.Linear or Conv1D; "
+                f"{type(module).__qualname__} overrides it"
+            )
+
+    def _validate_parts(self, size: int, what: str, device_mesh: DeviceMesh) -> None:
+        n = device_mesh.size()
+        if size % (self.parts * n):
+            raise ValueError(
+                f"{what} of size {size} holds {self.parts} packed parts, each to be split over "
+                f"{n} ranks: the size must be a multiple of {self.parts} x {n} = "
+                f"{self.parts * n}"
+            )
+
+
+class PackedColwiseParallel(_Packed, ColwiseParallel):
+    """Shard a fused projection (``qkv_proj``, ``gate_up_proj``, GPT-2's ``c_attn``) by output
+    column, part by part.
+
+    The output features are ``parts`` equal blocks laid end to end (q, k and v; gate and up).
+    :class:`ColwiseParallel` would give the first rank all of q; this style gives every rank
+    its slice of each part, so that rank ``r`` computes ``[q_r, k_r, v_r]``: its own heads of
+    q, k and v, which the module then splits locally. The weight (and bias) become DTensors
+    with DTensor's strided-shard placement, so gathering them (``full_tensor()``, a
+    checkpoint) gives the single-device tensor. Supports ``nn.Linear`` and transformers'
+    ``Conv1D``.
+
+    Args:
+        parts (int, optional): the number of packed blocks. Default: 2 (``gate_up_proj``).
+
+    Keyword Args:
+        input_layouts (Placement, optional): as for :class:`ColwiseParallel`.
+            Default: ``Replicate()``.
+        output_layouts (Placement, optional): ``None`` keeps the packed local slices
+            (``[q_r, k_r, v_r]``); ``Replicate()`` gathers the whole output. Default: ``None``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PackedColwiseParallel, AttentionHeads
+        >>> # GPT-2: c_attn packs q, k and v; GPT2Attention splits it by its split_size
+        >>> plan = {
+        ...     "h.*.attn": AttentionHeads("num_heads", divide=("num_heads", "split_size")),
+        ...     "h.*.attn.c_attn": PackedColwiseParallel(3),
+        ...     "h.*.attn.c_proj": RowwiseParallel(),
+        ... }
+    """
+
+    def __init__(
+        self,
+        parts: int = 2,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        if output_layouts is not None and not isinstance(output_layouts, Replicate):
+            raise ValueError(
+                f"output_layouts of a packed projection must be None (packed local slices) "
+                f"or Replicate(), found {output_layouts!r}"
+            )
+        self.parts = self._check_parts(parts)
+        super().__init__(
+            input_layouts=input_layouts,
+            output_layouts=output_layouts or _StridedShard(-1, split_factor=self.parts),
+            use_local_output=use_local_output,
+        )
+
+    def __repr__(self) -> str:
+        output = self.output_layouts[0]
+        return _repr(
+            self,
+            parts=self.parts,
+            input_layouts=self.input_layouts[0],
+            output_layouts=output if isinstance(output, Replicate) else None,
+            use_local_output=self.use_local_output,
+        )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if isinstance(module, nn.Embedding):
+            raise NotImplementedError(
+                f"{type(self).__name__} supports nn.Linear and transformers' Conv1D, found "
+                "nn.Embedding"
+            )
+        self._check_stock_forward(module)
+        super()._validate(module, device_mesh)
+        self._validate_parts(_out_features(module), "the output features", device_mesh)
+
+    def _leave(self, y: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...]) -> torch.Tensor:
+        computed = _StridedShard(y.ndim - 1, split_factor=self.parts)
+        if isinstance(self.output_layouts[0], Replicate):
+            layout = Replicate()
+        elif self.use_local_output:
+            return y  # the packed slices, as the module splits them
+        else:
+            layout = computed
+        return _layouts.leave(y, mesh, computed, layout, self.use_local_output, torch.Size(shape))
+
+
+class PackedRowwiseParallel(_Packed, RowwiseParallel):
+    """Shard a projection whose input features are ``parts`` packed blocks, part by part.
+
+    The row-wise partner of :class:`PackedColwiseParallel`: the input arrives as this rank's
+    slice of every part (``[a_r, b_r]``), and the weight is sharded on its input features
+    the same way (DTensor's strided shard), so the partial sums are reduced as for
+    :class:`RowwiseParallel`. Supports ``nn.Linear`` and transformers' ``Conv1D``.
+
+    Args:
+        parts (int, optional): the number of packed blocks. Default: 2.
+
+    Keyword Args:
+        output_layouts (Placement, optional): as for :class:`RowwiseParallel`.
+            Default: ``Replicate()``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+    """
+
+    def __init__(
+        self,
+        parts: int = 2,
+        *,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        self.parts = self._check_parts(parts)
+        super().__init__(output_layouts=output_layouts, use_local_output=use_local_output)
+        # the input is this rank's slice of every part, as a packed column-parallel gives it
+        self.input_layouts = (_StridedShard(-1, split_factor=self.parts),)
+
+    def __repr__(self) -> str:
+        return _repr(
+            self,
+            parts=self.parts,
+            output_layouts=self.output_layouts[0],
+            use_local_output=self.use_local_output,
+        )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if isinstance(module, nn.Embedding):
+            raise NotImplementedError(
+                f"{type(self).__name__} supports nn.Linear and transformers' Conv1D, found "
+                "nn.Embedding"
+            )
+        self._check_stock_forward(module)
+        super()._validate(module, device_mesh)
+        in_features = module.in_features if isinstance(module, nn.Linear) else module.nx
+        self._validate_parts(in_features, "the input features", device_mesh)
 
 
 def _check_not_distributed(module: nn.Module) -> None:
@@ -482,8 +715,11 @@ class SequenceParallel(ParallelStyle):
             )
         _check_not_distributed(module)
 
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        params = {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+        params = self._parameter_placements(module)
         _distribute_parameters(module, device_mesh, params, self.src_data_rank)
         own_forward = type(module).forward
         module.forward = functools.partial(self._forward, module, device_mesh, own_forward)
@@ -525,17 +761,178 @@ class SequenceParallel(ParallelStyle):
         return DTensor.from_local(out, mesh, (layout,))
 
 
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters as DTensors; the module computes on local tensors.
+
+    Every rank keeps the whole module, and its parameters become ``Replicate()`` DTensors,
+    like every other parameter of the model (one kind of parameter for the optimizer,
+    gradient clipping and checkpoints). The module's own forward runs unchanged on local
+    views of them, on whatever local tensors it is given; no input or output is moved.
+
+    A module that sees the whole activation (a router, a norm in the replicated region)
+    computes the whole gradient on every rank: keep ``sum_gradients=False``. A module that
+    sees only this rank's share of it (per-head ``q_norm``/``k_norm`` after a column-parallel
+    projection) gets a partial gradient on each rank: ``sum_gradients=True`` sums them over
+    the ranks (in the one all-reduce at the end of backward that sums all partial gradients).
+
+    Keyword Args:
+        sum_gradients (bool, optional): sum the parameters' gradients over the ranks.
+            Default: ``False``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {"layers.*.self_attn.q_norm": ReplicateParallel(sum_gradients=True)}
+    """
+
+    def __init__(self, *, sum_gradients: bool = False) -> None:
+        super().__init__()
+        self.sum_gradients = sum_gradients
+
+    def __repr__(self) -> str:
+        return _repr(self, sum_gradients=self.sum_gradients)
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        nested = [
+            name for name, child in module.named_children() if any(True for _ in child.parameters())
+        ]
+        if nested:
+            raise ValueError(
+                f"ReplicateParallel replicates a module's own parameters; the children "
+                f"{nested} have parameters of their own: give them their own styles"
+            )
+        _check_not_distributed(module)
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        params = self._parameter_placements(module)
+        _distribute_parameters(module, device_mesh, params, self.src_data_rank)
+        own_forward = type(module).forward
+        module.forward = functools.partial(self._forward, module, own_forward)
+        return module
+
+    def _forward(self, module: nn.Module, own_forward, *inputs, **kwargs):
+        view = _layouts.partial_local if self.sum_gradients else _layouts.local_value
+        with _local_parameters(module, view):
+            return own_forward(module, *inputs, **kwargs)
+
+
+class AttentionHeads(ParallelStyle):
+    """Check that an attention module's heads split evenly, and make its sizes per-rank.
+
+    Column-parallel q/k/v projections give each rank whole heads only when the numbers of
+    query and key/value heads divide by the TP degree; otherwise the model fails mid-forward
+    (or worse, computes with half heads). This style goes on the attention module itself,
+    next to the styles of its projections, and refuses such a plan before anything changes.
+    It owns no parameters and moves no data.
+
+    Some attention modules read their sizes from attributes in ``forward`` (GPT-2 splits its
+    fused projection by ``split_size``): the attributes named in ``divide`` are divided by
+    the TP degree, so that the module sees this rank's share.
+
+    Args:
+        num_heads (int or str): the number of query heads, or the dotted attribute of the
+            module holding it (``"num_heads"``, ``"config.num_attention_heads"``).
+        num_kv_heads (int or str, optional): the number of key/value heads (grouped-query
+            attention), likewise. Default: ``None`` (as many as query heads).
+
+    Keyword Args:
+        divide (Sequence[str], optional): integer attributes of the module itself to divide
+            by the TP degree. Default: ``()``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {
+        ...     "model.layers.*.self_attn": AttentionHeads(
+        ...         "config.num_attention_heads", "config.num_key_value_heads"
+        ...     ),
+        ...     "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        ...     # ...
+        ... }
+    """
+
+    def __init__(
+        self,
+        num_heads: int | str,
+        num_kv_heads: int | str | None = None,
+        *,
+        divide: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        super().__init__()
+        for what, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(value, (int, str, type(None))) or isinstance(value, bool):
+                raise TypeError(f"{what} must be an int or an attribute name, found {value!r}")
+        for name in divide:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(
+                    f"divide names attributes of the module itself, found {name!r} (a "
+                    "shared object such as the config must not be changed per module)"
+                )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.divide = tuple(divide)
+
+    def __repr__(self) -> str:
+        return _repr(
+            self, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, divide=self.divide
+        )
+
+    def _count(self, module: nn.Module, value: int | str | None) -> int | None:
+        if value is None or isinstance(value, int):
+            return value
+        found = module
+        for part in value.split("."):
+            if not hasattr(found, part):
+                raise ValueError(
+                    f"{type(module).__name__} has no attribute {value!r} (found no {part!r})"
+                )
+            found = getattr(found, part)
+        if not isinstance(found, int):
+            raise ValueError(f"attribute {value!r} is {found!r}, not an int")
+        return found
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        n = device_mesh.size()
+        heads = self._count(module, self.num_heads)
+        kv_heads = self._count(module, self.num_kv_heads)
+        for what, count in (("query heads", heads), ("key/value heads", kv_heads)):
+            if count is not None and count % n:
+                divisors = [d for d in range(1, count + 1) if count % d == 0]
+                raise ValueError(
+                    f"{count} {what} do not split over {n} ranks: each rank must hold whole "
+                    f"heads. Use a TP degree that divides {count} ({', '.join(map(str, divisors))})"
+                    + (
+                        ", or replicate the key/value projections and give each rank the heads "
+                        "its query heads use"
+                        if what.startswith("key")
+                        else ""
+                    )
+                )
+        for name in self.divide:
+            value = self._count(module, name)
+            if value % n:
+                raise ValueError(f"attribute {name!r} = {value} does not divide by the {n} ranks")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.divide:
+            setattr(module, name, getattr(module, name) // device_mesh.size())
+        return module
+
+
 @contextlib.contextmanager
-def _local_parameters(module: nn.Module) -> Iterator[None]:
+def _local_parameters(module: nn.Module, view=None) -> Iterator[None]:
     """Let ``module``'s own forward see its replicated DTensor parameters as local tensors.
 
-    The module computes on a shard of the tokens, so the gradient each rank gets for a
-    parameter is a partial sum: it is labelled so, and summed at the end of backward.
+    By default (``view`` :func:`_layouts.partial_local`) the module computes on a shard of
+    the data, so the gradient each rank gets for a parameter is a partial sum: it is
+    labelled so, and summed at the end of backward. :func:`_layouts.local_value` gives
+    the full (replicated) gradient instead.
     """
+    view = view or _layouts.partial_local
     params = module._parameters
     module.__dict__["_parameters"] = {
-        name: _layouts.partial_local(p) if isinstance(p, DTensor) else p
-        for name, p in params.items()
+        name: view(p) if isinstance(p, DTensor) else p for name, p in params.items()
     }
     try:
         yield

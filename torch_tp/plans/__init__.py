@@ -1,5 +1,5 @@
 """Ready tensor-parallel plans for model families, as plain dicts of module paths to styles."""
 
-from torch_tp.plans import llama
+from torch_tp.plans import hf, llama
 
-__all__ = ["llama"]
+__all__ = ["hf", "llama"]
