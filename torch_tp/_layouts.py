@@ -113,6 +113,11 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if x._base is None and x.is_contiguous() and not torch.compiler.is_compiling():
+            # the partial sums are a fresh result nothing else holds: reduce them in place
+            ctx.mark_dirty(x)
+            dist.all_reduce(x, group=mesh.get_group())
+            return x
         return _all_reduce(x, mesh)
 
     @staticmethod
@@ -176,21 +181,26 @@ def _all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    # c10d gathers along dim 0: move ``dim`` there and back (free when it is 0, or when the
-    # dims before it have size 1; one copy otherwise)
-    x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((mesh.size() * x.shape[0], *x.shape[1:]))
+    # c10d concatenates along dim 0: gather whole shards, then put the rank index just
+    # before ``dim`` and merge the two. One copy at most, none when ``dim`` leads (or the
+    # dims before it have size 1); the result is contiguous either way, once here rather
+    # than in every consumer (q, k and v would each copy it, and each save its own copy)
+    n = mesh.size()
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     dist.all_gather_into_tensor(out, x, group=mesh.get_group())
-    # contiguous once here, rather than once in every consumer (q, k and v would each copy
-    # it, and each save its own copy for backward)
-    return out.movedim(0, dim).contiguous()
+    whole = out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+    return whole.contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((x.shape[0] // mesh.size(), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=mesh.get_group())
-    return out.movedim(0, dim).contiguous()
+    # c10d scatters along dim 0: bring the ranks' chunks of ``dim`` to the front (one copy,
+    # none when ``dim`` leads); this rank's chunk then comes out contiguous
+    n = mesh.size()
+    chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    dist.reduce_scatter_tensor(out, chunks.flatten(0, 1), group=mesh.get_group())
+    return out
 
 
 def enter_replicated(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:

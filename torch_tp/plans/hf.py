@@ -1,26 +1,39 @@
-"""Tensor-parallel plans for Hugging Face transformers' Llama, Mistral and Qwen2.
+"""Tensor-parallel plans for Hugging Face transformers' Llama, Mistral, Qwen2 and GPT-2.
 
-The three families share one decoder layout (transformers 5.x module names): a vocabulary
-embedding ``model.embed_tokens``, decoder layers ``model.layers.<i>`` with attention
-projections ``self_attn.{q,k,v,o}_proj`` and a gated MLP ``mlp.{gate,up,down}_proj``, a final
-norm and an ``lm_head``. Qwen2's q/k/v projections have biases, which a column-parallel
-linear shards with the weight; nothing else differs.
+The layout is Megatron's: each attention and MLP block runs with one all-reduce in the forward
+and one in the backward. In every model:
 
-The layout is Megatron's, built from transformers' own ``base_model_tp_plan`` (``"colwise"``
-for q/k/v and gate/up, ``"rowwise"`` for o and down) plus the embedding and the head:
-
-* ``embed_tokens``: row-parallel over the vocabulary (``"embedding_rowwise"``): every rank
-  looks up the token ids that fall in its slice of the vocabulary, and one all-reduce sums
-  the partial embeddings.
-* in each decoder layer, q/k/v and gate/up are column-parallel (each rank holds whole heads
-  and a slice of the MLP), o and down are row-parallel: one all-reduce for attention and one
-  for the MLP in the forward, and as many in the backward.
-* ``lm_head``: column-parallel with the logits all-gathered (``"colwise_gather_output"``),
+* the vocabulary embedding is row-parallel over the vocabulary (``"embedding_rowwise"``):
+  every rank looks up the token ids that fall in its slice of the vocabulary, and one
+  all-reduce sums the partial embeddings.
+* the norm in front of each attention and MLP block returns a replicated DTensor
+  (:class:`~torch_tp.PrepareModuleOutput`), so the projections reading it (q/k/v, gate/up)
+  enter the tensor-parallel region together: their input gradients are all-reduced once per
+  block. The residual stream adds the norm's input and stays a plain tensor.
+* the attention module carries :class:`~torch_tp.AttentionHeads`, which refuses the plan
+  before anything changes when the heads do not split evenly over the TP degree.
+* the projections into a block are column-parallel (each rank holds whole heads and a slice
+  of the MLP), the projections out of it row-parallel.
+* ``lm_head`` is column-parallel with the logits all-gathered (``"colwise_gather_output"``),
   so the model returns whole logits and transformers' loss and ``generate`` work unchanged.
 
-The attention code of these models reads the number of heads from the projected tensors, not
-from the config, so it runs unchanged on each rank's heads. The number of attention heads
-and of key/value heads must both be divisible by the tensor-parallel degree.
+**Llama, Mistral, Qwen2** share one decoder layout (transformers 5.x module names):
+``model.embed_tokens``, decoder layers ``model.layers.<i>`` with ``input_layernorm``,
+``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm`` and a gated MLP
+``mlp.{gate,up,down}_proj``, a final norm and an ``lm_head``. The projections follow
+transformers' own ``base_model_tp_plan`` (``"colwise"`` for q/k/v and gate/up, ``"rowwise"``
+for o and down). Qwen2's q/k/v biases are sharded with their weights. Their attention code reads
+the number of heads from the projected tensors, so it runs unchanged on each rank's heads; the
+numbers of attention heads and of key/value heads must both divide by the TP degree.
+
+**GPT-2** (``transformer.wte``, blocks ``transformer.h.<i>`` with ``ln_1``, ``attn``,
+``ln_2``, ``mlp``) computes with transformers' ``Conv1D`` (a Linear with a transposed weight).
+Its ``attn.c_attn`` packs q, k and v into one projection: it is sharded part by part
+(:class:`~torch_tp.PackedColwiseParallel`), so each rank computes ``[q_r, k_r, v_r]`` for its
+own heads, and ``GPT2Attention``'s ``num_heads`` and ``split_size`` are divided by the TP degree
+so that it splits that local output. ``lm_head`` shares its weight with ``wte``; both are
+sharded over the vocabulary (``Shard(0)``) and stay tied. The position embedding ``wpe`` and
+the norms' parameters are replicated.
 
 Example::
     >>> # xdoctest: +SKIP("distributed")
@@ -40,9 +53,29 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from torch_tp.style import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch_tp.style import (
+    AttentionHeads,
+    ColwiseParallel,
+    PackedColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+)
 
-__all__ = ["PLANS", "llama_plan", "mistral_plan", "plan_for", "qwen2_plan"]
+__all__ = ["PLANS", "gpt2_plan", "llama_plan", "mistral_plan", "plan_for", "qwen2_plan"]
+
+
+def _replicated_norm_output() -> PrepareModuleOutput:
+    """The norm feeding an attention or MLP block hands its projections a replicated DTensor.
+
+    q, k and v (gate and up; GPT-2's c_attn and c_fc) then enter the tensor-parallel region
+    through this one boundary, so their input gradients add up locally and are all-reduced
+    once per block, whatever wraps the projections' calls (``CommDebugMode``, full backward
+    hooks). The residual stream adds the norm's *input*, so it stays a plain tensor.
+    """
+    return PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False
+    )
 
 
 def _decoder_plan(base_model: bool) -> dict[str, ParallelStyle]:
@@ -52,11 +85,17 @@ def _decoder_plan(base_model: bool) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {
         # vocabulary-parallel lookup of replicated ids, partial embeddings all-reduced
         f"{prefix}embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        # whole heads per rank, or refuse the plan before anything changes
+        f"{layer}.self_attn": AttentionHeads(
+            "config.num_attention_heads", "config.num_key_value_heads"
+        ),
         # q, k and v read the same replicated input and each produce its rank's heads
+        f"{layer}.input_layernorm": _replicated_norm_output(),
         f"{layer}.self_attn.q_proj": ColwiseParallel(),
         f"{layer}.self_attn.k_proj": ColwiseParallel(),
         f"{layer}.self_attn.v_proj": ColwiseParallel(),
         f"{layer}.self_attn.o_proj": RowwiseParallel(),
+        f"{layer}.post_attention_layernorm": _replicated_norm_output(),
         f"{layer}.mlp.gate_proj": ColwiseParallel(),
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": RowwiseParallel(),
@@ -136,9 +175,54 @@ def qwen2_plan(*, base_model: bool = False) -> dict[str, ParallelStyle]:
     return _decoder_plan(base_model)
 
 
+def gpt2_plan(*, base_model: bool = False) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of transformers' ``GPT2LMHeadModel``.
+
+    ``attn.c_attn`` (q, k and v packed) is sharded part by part, and the attention module's
+    ``num_heads`` and ``split_size`` are divided by the TP degree, which must divide the number
+    of heads. ``lm_head`` and ``wte`` share one vocabulary-sharded weight.
+
+    Keyword Args:
+        base_model (bool, optional): return the plan of the base ``GPT2Model`` instead: the
+            keys lose their ``transformer.`` prefix and there is no ``lm_head``.
+            Default: ``False``.
+
+    Returns:
+        A dict from module paths (with ``*`` over the blocks) to styles, for
+        :func:`torch_tp.parallelize_module`.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> from torch_tp import parallelize_module
+        >>> from torch_tp.plans.hf import gpt2_plan
+        >>> model = GPT2LMHeadModel(GPT2Config())
+        >>> parallelize_module(model, tp_mesh, gpt2_plan())
+    """
+    prefix = "" if base_model else "transformer."
+    block = f"{prefix}h.*"
+    plan: dict[str, ParallelStyle] = {
+        # vocabulary-parallel lookup (Shard(0), as lm_head's tied weight)
+        f"{prefix}wte": RowwiseParallel(input_layouts=Replicate()),
+        f"{block}.ln_1": _replicated_norm_output(),
+        # GPT2Attention.forward splits c_attn's output by split_size: make it this rank's share
+        f"{block}.attn": AttentionHeads("num_heads", divide=("num_heads", "split_size")),
+        f"{block}.attn.c_attn": PackedColwiseParallel(3),
+        f"{block}.attn.c_proj": RowwiseParallel(),
+        f"{block}.ln_2": _replicated_norm_output(),
+        f"{block}.mlp.c_fc": ColwiseParallel(),
+        f"{block}.mlp.c_proj": RowwiseParallel(),
+    }
+    if not base_model:
+        # the weight tied with wte, sharded the same way; whole logits on every rank
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
 #: ``config.model_type`` -> the function returning that family's plan. :func:`plan_for`
 #: looks models up here; a new family is one more entry.
 PLANS: dict[str, Callable[..., dict[str, ParallelStyle]]] = {
+    "gpt2": gpt2_plan,
     "llama": llama_plan,
     "mistral": mistral_plan,
     "qwen2": qwen2_plan,
@@ -148,10 +232,11 @@ PLANS: dict[str, Callable[..., dict[str, ParallelStyle]]] = {
 def plan_for(model: nn.Module) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of a transformers model, chosen by ``model.config.model_type``.
 
-    A ``*ForCausalLM`` model gets the full plan; a base model (``LlamaModel``, ...,
-    recognised by having no ``model`` submodule) gets the plan with ``base_model=True``.
-    Other heads (``*ForSequenceClassification``, ...) need their own entry for the head: take
-    the base-model plan under ``model.`` and add it.
+    A causal LM (``*ForCausalLM``, ``GPT2LMHeadModel``) gets the full plan; a base model
+    (``LlamaModel``, ``GPT2Model``, ..., recognised by having no submodule named by its
+    ``base_model_prefix``: ``model``, GPT-2's ``transformer``) gets the plan with
+    ``base_model=True``. Other heads (``*ForSequenceClassification``, ...) need their own
+    entry for the head: take the base-model plan under that prefix and add it.
 
     Args:
         model: a transformers model of one of the supported families (see :data:`PLANS`).
@@ -184,5 +269,6 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle]:
             f"no tensor-parallel plan for model_type {model_type!r} "
             f"({type(model).__qualname__}); supported types: {supported}"
         )
-    base_model = not isinstance(getattr(model, "model", None), nn.Module)
+    prefix = getattr(model, "base_model_prefix", None) or "model"
+    base_model = not isinstance(getattr(model, prefix, None), nn.Module)
     return make_plan(base_model=base_model)
