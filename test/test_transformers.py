@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch_tp import AttentionHeads, PrepareModuleOutput, parallelize_module
 from torch_tp.plan import from_dict, resolve_plan
 from torch_tp.plans.hf import PLANS, gpt2_plan, llama_plan, mistral_plan, plan_for, qwen2_plan
+from torch_tp.report import plan_report
 from torch_tp.testing import check_parity, collective_counts, device_type, run_distributed
 
 transformers = pytest.importorskip(
@@ -248,6 +249,21 @@ def test_collectives_are_megatron_minimum(family):
     assert forward == {"all_reduce": 1 + 2 * LAYERS, "all_gather": 1}, forward
     # per layer: one for the attention input's gradient, one for the MLP's; lm_head's input: 1
     assert backward == {"all_reduce": 2 * LAYERS + 1}, backward
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_report_predicts_the_collectives(family):
+    """The dry-run report on the meta model predicts what the run above measures."""
+    forward, backward = run_distributed(_collectives_per_step, 2, family)[0]
+    with torch.device("meta"):
+        model = _gpt2() if family == "gpt2" else _model(family, kv_heads=2)
+    # GPT-2 looks for padding in the ids (data-dependent) when it has a pad token
+    model.config.pad_token_id = None
+    report = plan_report(model, plan_for(model), 2, batch_size=2, seq_len=12, device_type="cpu")
+    kinds = {"all_gather_into_tensor": "all_gather"}
+    assert {kinds.get(k, k): n for k, n in report.counts("forward").items()} == forward
+    assert {kinds.get(k, k): n for k, n in report.counts("backward").items()} == backward
+    assert not report.errors
 
 
 # --------------------------------------------------------------------------- refusal

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_tp.style import (
     AttentionHeads,
@@ -155,13 +156,17 @@ def resolve_names(plan: Mapping[Any, Any]) -> dict[Any, Any]:
 # ------------------------------------------------------------------------------------------
 
 _SHARD = re.compile(r"Shard\((-?\d+)\)")
+_STRIDED = re.compile(r"StridedShard\((-?\d+), split_factor=(\d+)\)")
 _PARTIAL = re.compile(r"Partial\((\w*)\)")
 
 
 def placement_to_str(placement: Placement) -> str:
-    """``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"`` (``"Partial(avg)"`` for other ops)."""
+    """``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"`` (``"Partial(avg)"`` for other ops),
+    ``"StridedShard(1, split_factor=3)"`` (a packed weight)."""
     if type(placement) is Shard:
         return f"Shard({placement.dim})"
+    if type(placement) is _StridedShard:  # a packed weight: each rank's slice of each part
+        return f"StridedShard({placement.dim}, split_factor={placement.split_factor})"
     if type(placement) is Replicate:
         return "Replicate()"
     if type(placement) is Partial:
@@ -176,10 +181,13 @@ def placement_from_str(text: str) -> Placement:
         return Replicate()
     if match := _SHARD.fullmatch(text):
         return Shard(int(match.group(1)))
+    if match := _STRIDED.fullmatch(text):
+        return _StridedShard(int(match.group(1)), split_factor=int(match.group(2)))
     if match := _PARTIAL.fullmatch(text):
         return Partial(match.group(1) or "sum")
     raise ValueError(
-        f"cannot read {text!r} as a placement: expected 'Shard(d)', 'Replicate()' or 'Partial()'"
+        f"cannot read {text!r} as a placement: expected 'Shard(d)', 'Replicate()', 'Partial()' or "
+        "'StridedShard(d, split_factor=k)'"
     )
 
 
