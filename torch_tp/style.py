@@ -902,12 +902,6 @@ class AttentionHeads(ParallelStyle):
                 raise ValueError(
                     f"{count} {what} do not split over {n} ranks: each rank must hold whole "
                     f"heads. Use a TP degree that divides {count} ({', '.join(map(str, divisors))})"
-                    + (
-                        ", or replicate the key/value projections and give each rank the heads "
-                        "its query heads use"
-                        if what.startswith("key")
-                        else ""
-                    )
                 )
         for name in self.divide:
             value = self._count(module, name)

@@ -24,6 +24,7 @@ from torch_tp.style import (
     ColwiseParallel,
     PackedColwiseParallel,
     ParallelStyle,
+    ReplicateParallel,
     RowwiseParallel,
 )
 
@@ -61,27 +62,43 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
        three layers, a fused one, or a query beside a fused key/value) is an attention;
        its k and v may be narrower (grouped-query attention). One or two parts, each
        writing exactly what the row-parallel layer reads, is an MLP. Anything else is
-       refused, and so is a block holding a nested ``nn.ModuleList`` (mixture of experts).
+       refused (a group without a layer writing the hidden size, layers reading another
+       width, shapes that do not chain), and so is a block holding a nested
+       ``nn.ModuleList`` of Linear layers (mixture of experts).
     3. **Heads.** An attention group's parent gets ``AttentionHeads(...)`` when the head
        counts can be found: attributes of the attention module (``num_heads``, ``n_heads``,
        ``num_key_value_heads``, ...), of its ``config``, or of ``model.config``
        (``num_attention_heads``/``n_head``, ``num_key_value_heads``), named by attribute
        where the module has one and as numbers otherwise. They must fit the shapes (q writes
-       heads x head size, k and v kv-heads x head size), else refuse. A fused q/k/v needs
-       them (else refuse) and needs as many key/value heads as query heads; its module's
-       integer attributes that ``forward`` (or a method of the class it calls) reads as
-       ``self.<name>`` and that equal the hidden size or the head count are divided by the
-       TP degree (``divide=...``), found from the source (refused if the source is
-       unavailable, or if such a value also equals the head size). Attributes whose values
-       differ between blocks (``layer_idx``) are ignored.
-    4. **Embedding and head.** The input embedding (``model.get_input_embeddings()``, else
+       heads x head size, k and v kv-heads x head size), else refuse. The integer attributes
+       that the attention's ``forward`` (or a method of its class that forward calls) reads
+       as ``self.<name>``, found from the source (refused if it is unavailable), and that
+       equal the query width or a head count are divided by the TP degree
+       (``divide=...``) when their name says they are such a size (``num_heads``,
+       ``split_size``, ``embed_dim``, ...) or forward splits by them; ignored when their name
+       says otherwise (``head_dim``, ``layer_idx``, ...) or their value differs between
+       blocks; refused otherwise (a ``self.window`` equal to the width by chance).
+       A name saying "attention" or "attn" on a group shaped like an MLP is refused.
+    4. **Fused projections.** A fused q/k/v needs head counts, as many key/value heads as
+       query heads, and a ``forward`` that splits it into ``[q | k | v]`` blocks: by an
+       attribute equal to one part's width (GPT-2's ``.split(self.split_size, dim=2)``,
+       that attribute is divided) or by ``self.<fused>(x).chunk(3, ...)``; a reshape per
+       head first (GPT-NeoX, Bloom) is refused. A fused gate/up needs a ``forward`` that
+       calls ``.chunk(2, ...)`` and reads no attribute equal to one half's width.
+    5. **Embedding and head.** The input embedding (``model.get_input_embeddings()``, else
        the ``nn.Embedding`` outside the blocks whose vocabulary is the head's output size)
-       is ``RowwiseParallel(input_layouts=Replicate())``; the output head (the Linear outside
-       the blocks reading the embedding's width and writing its vocabulary) is
+       is ``RowwiseParallel(input_layouts=Replicate())``; the output head (the one Linear
+       outside the blocks reading the embedding's width, the hidden size, and writing its
+       vocabulary; several candidates are refused) is
        ``ColwiseParallel(output_layouts=Replicate())``. Tied embedding and head weights are
        fine (both ``Shard(0)``; torch_tp keeps them tied). Other embeddings (positions) stay
-       out of the plan.
-    5. Norms, dropouts and everything else stay out of the plan (replicated).
+       out of the plan, as do all other modules outside the blocks.
+    6. **Everything else** in a block stays out of the plan (replicated): norms, dropouts,
+       any module whose parameters are scalars or 1-D of the hidden size, outside the
+       attention and MLP modules. Inside an attention, a module whose parameters are 1-D of
+       the head size (per-head ``q_norm``/``k_norm``, as in Qwen3) sees only this rank's
+       heads: ``ReplicateParallel(sum_gradients=True)``. Any other parameter in a block is
+       refused (a router, 3-D expert weights, a bias of per-head values).
 
     With ``tp_degree``, the plan is refused when a head count, a column-parallel layer's
     output (per part), a row-parallel layer's input or a divided attribute does not divide
@@ -101,13 +118,14 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
 
     Returns:
         A dict from module paths (``*`` over the blocks) to styles: the embedding, then each
-        block's groups in registration order, then the head.
+        block's groups in registration order (then its per-head norms), then the head.
 
     Raises:
         ValueError: the structure is ambiguous or unsupported, or a size does not divide by
             ``tp_degree``; the message names the module path and what was found.
 
     Example::
+        >>> import torch
         >>> from torch_tp.models import Llama, tiny_config
         >>> from torch_tp.plan import to_dict
         >>> with torch.device("meta"):
@@ -125,22 +143,25 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
     block = blocks[0]
     groups = _linear_groups(block, prefix)
     embedding = _input_embedding(model, blocks_path)
+    head = _output_head(model, blocks_path, embedding)
+    if head is not None:
+        embedding = embedding or head[2]
     hidden = _hidden_size(groups, embedding, prefix)
 
     plan: dict[str, ParallelStyle] = {}
-    head = _output_head(model, blocks_path, hidden, embedding)
-    if head is not None:
-        embedding = embedding or head[2]
     if embedding is not None:
         plan[embedding[0]] = RowwiseParallel(input_layouts=Replicate())
     for group in groups:
-        _assign(group, hidden)
+        _assign(group, hidden, block.get_submodule(group.parent))
         if group.kind == "attention":
             heads = _attention_heads(model, blocks, group)
             if heads is not None:
-                plan[_join(prefix, group.parent)] = heads
+                plan[group.key] = heads
+        elif any(layer.parts > 1 for layer in group.columns):
+            _check_fused_mlp(blocks, group)
         for layer in group.layers:
             plan[layer.key] = layer.style
+    plan.update(_other_parameters(block, groups, hidden, prefix))
     if head is not None:
         plan[head[0]] = ColwiseParallel(output_layouts=Replicate())
     if tp_degree is not None:
@@ -312,9 +333,10 @@ def _hidden_size(groups: list[_Group], embedding: tuple | None, prefix: str) -> 
     )
 
 
-def _assign(group: _Group, hidden: int) -> None:
-    """Give each layer of ``group`` its style and find the group's kind, or refuse."""
-    where = f"'{group.key}'" if group.parent else f"the block '{group.key}'"
+def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
+    """Give each layer of ``group`` (whose parent is ``module``) its style and find the
+    group's kind, or refuse."""
+    where = _where(group)
 
     def shapes(layers: list[_Layer]) -> str:
         return ", ".join(f"{x.name} ({x.in_features}->{x.out_features})" for x in layers)
@@ -359,19 +381,28 @@ def _assign(group: _Group, hidden: int) -> None:
         )
     if parts == 3 and _kv_like(narrow, exact, wide):
         group.kind = "attention"
-    elif parts in (1, 2) and not narrow:
+    elif parts in (1, 2) and not narrow and not _named_like_attention(group, module):
         group.kind = "mlp"
     else:
         raise ValueError(
             f"cannot tell what {where} is: its column-parallel layers {shapes(columns)} "
             f"feed the row-parallel {row.name} ({row.in_features}->{row.out_features}); "
-            "auto() knows attention (q, k and v, or a fused q/k/v) and MLPs (one or two "
-            "projections, or a fused gate/up)"
+            "auto() knows attention (q, k and v, or a fused q/k/v of equal parts) and MLPs "
+            "(one or two projections, or a fused gate/up)"
         )
     for layer in columns:
         layer.style = ColwiseParallel() if layer.parts == 1 else PackedColwiseParallel(layer.parts)
     row.style = RowwiseParallel()
     group.row, group.columns = row, columns
+
+
+def _named_like_attention(group: _Group, module: nn.Module) -> bool:
+    """An attention by its name, though not by its shapes (a fused q/k/v with grouped-query
+    heads can write 2 x the output projection's input, like a fused gate/up)."""
+    if not group.parent:
+        return False  # Linear layers right in the block (OPT's fc1/fc2): the block's name
+    name = group.parent.rpartition(".")[2].lower()
+    return "attention" in type(module).__name__.lower() or "attn" in name or "attention" in name
 
 
 def _kv_like(narrow: list[_Layer], exact: list[_Layer], wide: int) -> bool:
@@ -389,34 +420,76 @@ def _kv_like(narrow: list[_Layer], exact: list[_Layer], wide: int) -> bool:
 
 
 # ------------------------------------------------------------------------------------------
-# attention heads
+# attention heads, and what forward reads
 # ------------------------------------------------------------------------------------------
+
+# attributes that name a per-rank size when forward reads them: divided by the TP degree
+_SIZE_NAMES = frozenset(
+    _HEAD_NAMES
+    + _KV_HEAD_NAMES
+    + (
+        "num_attention_heads",
+        "hidden_size",
+        "embed_dim",
+        "n_embd",
+        "d_model",
+        "dim",
+        "split_size",
+        "all_head_size",
+        "inner_dim",
+    )
+)
+# attributes that stay as they are, even when their value happens to equal a size
+_KEEP_NAMES = frozenset(
+    (
+        "head_dim",
+        "head_size",
+        "attention_head_size",
+        "attn_head_size",
+        "num_key_value_groups",
+        "n_rep",
+        "rotary_dim",
+        "layer_idx",
+        "layer_id",
+    )
+)
 
 
 def _attention_heads(
     model: nn.Module, blocks: nn.ModuleList, group: _Group
 ) -> AttentionHeads | None:
     attention = blocks[0].get_submodule(group.parent)
+    where = _where(group)
     heads = _count(model, attention, _HEAD_NAMES)
     kv_heads = _count(model, attention, _KV_HEAD_NAMES)
     fused = [layer for layer in group.columns if layer.parts > 1]
-    where = f"'{group.key}'" if group.parent else f"the block '{group.key}'"
+    if heads is None and fused:
+        raise ValueError(
+            f"{where} has a fused q/k/v projection ('{fused[0].key}') but auto() found no "
+            f"head count (looked for {', '.join(_HEAD_NAMES)} on {type(attention).__name__} "
+            "and num_attention_heads, n_head, n_heads on the config): the module's sizes "
+            "cannot be made per-rank safely; write the plan by hand"
+        )
+    counts = None
+    if heads is not None:
+        counts = (heads[1], (kv_heads or heads)[1])
+        _check_heads(group, where, *counts)
+        group.heads = counts
+    source = _source(type(attention), where, "attention")
+    split = _fused_split_sizes(attention, group, source, where) if fused else set()
+    divide = _sizes_to_divide(blocks, group, source, counts, split, where)
     if heads is None:
-        if fused:
+        if divide:
             raise ValueError(
-                f"{where} has a fused q/k/v projection ('{fused[0].key}') but auto() found no "
-                f"head count (looked for {', '.join(_HEAD_NAMES)} on {type(attention).__name__} "
-                "and num_attention_heads, n_head, n_heads on the config): the module's sizes "
-                "cannot be made per-rank safely; write the plan by hand"
+                f"{where}: forward reads self.{divide[0]}, a size that must become per-rank, "
+                "but auto() found no head count to check it against; write the plan by hand"
             )
         return None
-    n_heads, n_kv = heads[1], (kv_heads or heads)[1]
-    _check_heads(group, where, n_heads, n_kv)
-    group.heads = (n_heads, n_kv)
-    divide: tuple[str, ...] = ()
-    if fused:
-        divide = _attributes_to_divide(blocks, group, where, n_heads)
     return AttentionHeads(heads[0], None if kv_heads is None else kv_heads[0], divide=divide)
+
+
+def _where(group: _Group) -> str:
+    return f"'{group.key}'" if group.parent else f"the block '{group.key}'"
 
 
 def _count(
@@ -450,15 +523,10 @@ def _check_heads(group: _Group, where: str, heads: int, kv_heads: int) -> None:
                     f"{layer.name} writes {layer.out_features} features, neither {heads} nor "
                     f"{kv_heads} heads of size {head_dim}"
                 )
-            elif layer.parts == 3 and kv_heads != heads:
+            elif layer.parts > 1 and kv_heads != heads:
                 problem = (
-                    f"the fused {layer.name} has three equal parts, which needs as many "
+                    f"the fused {layer.name} has {layer.parts} equal parts, which needs as many "
                     "key/value heads as query heads"
-                )
-            elif layer.parts == 2 and kv_heads != heads:
-                problem = (
-                    f"the fused key/value {layer.name} is split in two equal parts by "
-                    f"{wide} features, which needs as many key/value heads as query heads"
                 )
     if problem is not None:
         raise ValueError(
@@ -467,59 +535,183 @@ def _check_heads(group: _Group, where: str, heads: int, kv_heads: int) -> None:
         )
 
 
-def _attributes_to_divide(
-    blocks: nn.ModuleList, group: _Group, where: str, heads: int
-) -> tuple[str, ...]:
-    attentions = [block.get_submodule(group.parent) for block in blocks]
-    kind = type(attentions[0])
-    try:
-        names = _names_read(kind)
-    except (OSError, TypeError) as err:
+def _fused_split_sizes(attention: nn.Module, group: _Group, source: str, where: str) -> set[str]:
+    """The attributes by which forward splits a fused q/k/v (to be divided), or refuse.
+
+    Only two layouts are recognized as ``[q | k | v]`` blocks (what
+    :class:`PackedColwiseParallel` shards): a split by an attribute equal to one part's width
+    (GPT-2's ``.split(self.split_size, dim=2)``), and ``self.<fused>(x).chunk(n, ...)``. A
+    reshape to ``(..., heads, 3, head_dim)`` first (GPT-NeoX, Bloom) interleaves the parts
+    per head, which this style would shard wrongly.
+    """
+    width = group.row.in_features
+    names = set(re.findall(r"\.split\(\s*self\.(\w+)", source))
+    names |= set(re.findall(r"torch\.split\([^,()]+,\s*self\.(\w+)", source))
+    split = {name for name in names if getattr(attention, name, None) == width}
+    chunked = all(
+        re.search(
+            rf"self\.{re.escape(layer.name.rpartition('.')[2])}\([^()]*\)\s*\.chunk\(\s*"
+            rf"{layer.parts}\b",
+            source,
+        )
+        for layer in group.columns
+        if layer.parts > 1
+    )
+    if not split and not chunked:
+        fused = next(layer for layer in group.columns if layer.parts > 1)
         raise ValueError(
-            f"{where} ({kind.__qualname__}) has a fused q/k/v projection, and its forward may "
-            "read sizes from attributes that must become per-rank, but its source is "
-            f"unavailable ({err}); write the plan by hand (AttentionHeads(divide=...))"
-        ) from None
-    hidden, head_dim = group.row.out_features, group.row.in_features // heads
+            f"{where}: cannot tell how forward splits the fused '{fused.key}' into q, k and "
+            f"v: auto() recognizes a split by an attribute equal to {width} (GPT-2's "
+            f"'.split(self.split_size, dim=2)') or 'self.{fused.name.rpartition('.')[2]}(x)"
+            f".chunk({fused.parts}, ...)'; a layout interleaved per head (GPT-NeoX, Bloom) "
+            "needs a different plan: write it by hand"
+        )
+    return split
+
+
+def _sizes_to_divide(
+    blocks: nn.ModuleList,
+    group: _Group,
+    source: str,
+    counts: tuple[int, int] | None,
+    split: set[str],
+    where: str,
+) -> tuple[str, ...]:
+    """The integer attributes forward reads that hold the query width or a head count."""
+    attentions = [block.get_submodule(group.parent) for block in blocks]
+    sizes = {group.row.in_features: "the width of the query heads"}
+    if counts is not None:
+        sizes.setdefault(counts[1], "the key/value head count")
+        sizes[counts[0]] = "the head count"
     divide = []
-    for name in sorted(names):
+    for name in sorted(set(_SELF_ATTRIBUTE.findall(source))):
         values = [getattr(a, name, None) for a in attentions]
         value = values[0]
-        if not _is_int(value) or value not in (hidden, heads):
+        if not _is_int(value) or value not in sizes:
             continue
-        if any(other != value for other in values):
-            continue  # a per-block value (layer_idx): not a size
-        if value == head_dim:
+        if name in split:
+            divide.append(name)
+        elif name in _KEEP_NAMES or any(other != value for other in values):
+            continue  # a head size, a ratio, a per-block index (layer_idx)
+        elif name in _SIZE_NAMES:
+            divide.append(name)
+        else:
             raise ValueError(
-                f"{where}: forward reads self.{name} = {value}, which is both the "
-                f"{'hidden size' if value == hidden else 'head count'} (to divide by the TP "
-                f"degree) and the head size (to keep): ambiguous; write the plan by hand"
+                f"{where}: forward reads self.{name} = {value}, which equals {sizes[value]}; "
+                "auto() cannot tell whether it is a size that must become per-rank (divided "
+                "by the TP degree) or not: write the plan by hand"
             )
-        divide.append(name)
     return tuple(divide)
 
 
-def _names_read(kind: type) -> set[str]:
-    """The ``self.<name>`` that ``kind.forward`` reads, and the methods of ``kind`` it calls
-    (transitively; torch.nn's own methods excluded)."""
+def _check_fused_mlp(blocks: nn.ModuleList, group: _Group) -> None:
+    """A fused gate/up must be split in two halves by forward, with no size read from an
+    attribute (no style makes an MLP's attributes per-rank)."""
+    where = _where(group)
+    module = blocks[0].get_submodule(group.parent)
+    source = _source(type(module), where, "MLP")
+    fused = next(layer for layer in group.columns if layer.parts > 1)
+    if not re.search(r"\.chunk\(\s*2\b|torch\.chunk\([^,()]+,\s*2\b", source):
+        raise ValueError(
+            f"{where}: cannot tell how forward splits the fused '{fused.key}': auto() "
+            "recognizes '.chunk(2, ...)' into two contiguous halves; write the plan by hand"
+        )
+    width = group.row.in_features
+    for name in sorted(set(_SELF_ATTRIBUTE.findall(source))):
+        if name not in _KEEP_NAMES and getattr(module, name, None) == width:
+            raise ValueError(
+                f"{where}: forward reads self.{name} = {width}, the width of each half of the "
+                f"fused '{fused.key}', which would have to become per-rank: write the plan by "
+                "hand"
+            )
+
+
+def _source(kind: type, where: str, what: str) -> str:
+    """The source of ``kind.forward`` and of the methods of ``kind`` it calls (transitively;
+    torch.nn's own methods excluded), or refuse."""
     seen: set[str] = set()
     todo = ["forward"]
-    names: set[str] = set()
+    sources = []
     while todo:
         method = todo.pop()
         seen.add(method)
         function = inspect.getattr_static(kind, method)
-        source = inspect.getsource(getattr(function, "__func__", function))
+        try:
+            source = inspect.getsource(getattr(function, "__func__", function))
+        except (OSError, TypeError) as err:
+            raise ValueError(
+                f"{where} ({kind.__qualname__}): auto() reads the {what}'s forward to find "
+                "the sizes it takes from attributes (which must become per-rank), but its "
+                f"source is unavailable ({err}); write the plan by hand"
+            ) from None
+        sources.append(source)
         for name in _SELF_ATTRIBUTE.findall(source):
-            names.add(name)
             found = inspect.getattr_static(kind, name, None)
             if (
                 name not in seen
+                and name not in todo
                 and isinstance(found, (Callable, staticmethod, classmethod))
                 and not hasattr(nn.Module, name)
             ):
                 todo.append(name)
-    return names
+    return "\n".join(sources)
+
+
+# ------------------------------------------------------------------------------------------
+# the other parameters of a block
+# ------------------------------------------------------------------------------------------
+
+
+def _other_parameters(
+    block: nn.Module, groups: list[_Group], hidden: int, prefix: str
+) -> dict[str, ParallelStyle]:
+    """Styles for the parameters of a block outside its Linear layers, or refuse.
+
+    Outside the attention and MLP modules, a module whose parameters are 1-D of the hidden
+    size (a norm) or scalars sees whole activations: it stays out of the plan (replicated).
+    Inside an attention, a module whose parameters are 1-D of the head size (per-head
+    ``q_norm``/``k_norm``) sees this rank's heads: ``ReplicateParallel(sum_gradients=True)``
+    sums its gradient over the ranks. Anything else is refused.
+    """
+    planned = {layer.name for group in groups for layer in group.layers}
+    parents = [group for group in groups if group.parent]
+    styles: dict[str, ParallelStyle] = {}
+    for path, module in block.named_modules():
+        params = list(module.named_parameters(recurse=False))
+        if path in planned or not params:
+            continue
+        key = _join(prefix, path)
+        shapes = ", ".join(f"{name} {list(p.shape)}" for name, p in params)
+        inside = next(
+            (g for g in parents if path == g.parent or path.startswith(f"{g.parent}.")), None
+        )
+        if inside is None:
+            if all(p.ndim == 0 or tuple(p.shape) == (hidden,) for _, p in params):
+                continue
+            raise ValueError(
+                f"'{key}' ({type(module).__name__}) holds parameters auto() does not know how "
+                f"to lay out ({shapes}): outside the Linear layers it leaves only 1-D "
+                f"parameters of the hidden size {hidden} (norms) and scalars replicated; write "
+                "the plan by hand"
+            )
+        heads = inside.heads
+        head_dim = None if heads is None else inside.row.in_features // heads[0]
+        if (
+            inside.kind == "attention"
+            and path != inside.parent
+            and head_dim is not None
+            and all(tuple(p.shape) == (head_dim,) for _, p in params)
+        ):
+            styles[key] = ReplicateParallel(sum_gradients=True)
+            continue
+        raise ValueError(
+            f"'{key}' ({type(module).__name__}, {shapes}) is inside the {inside.kind} "
+            f"{_where(inside)}, whose activations are split over the ranks: auto() only "
+            "knows per-head norms there (1-D parameters of the head size"
+            + (f" {head_dim}" if head_dim else ", and no head count was found")
+            + "); write the plan by hand"
+        )
+    return styles
 
 
 def _is_int(value: object) -> bool:
@@ -560,46 +752,39 @@ def _input_embedding(model: nn.Module, blocks_path: str) -> tuple[str, nn.Embedd
 
 
 def _output_head(
-    model: nn.Module, blocks_path: str, hidden: int, embedding: tuple | None
+    model: nn.Module, blocks_path: str, embedding: tuple | None
 ) -> tuple[str, nn.Module, tuple | None] | None:
-    """``(path, head, embedding found by it)``: the Linear outside the blocks from the
-    embedding's width (the hidden size) to the vocabulary, if there is one."""
+    """``(path, head, embedding found by it)``: the Linear outside the blocks from the input
+    embedding's width to its vocabulary, if there is one. Without ``embedding``, the
+    embeddings outside the blocks are tried, each with the Linear layers that match it."""
     linears = [
         (path, module, _linear_shape(module))
         for path, module in model.named_modules()
         if _outside(path, blocks_path) and _linear_shape(module) is not None
     ]
     if embedding is not None:
-        emb = embedding[1]
-        found = [
-            (path, m, None)
-            for path, m, (i, o) in linears
-            if (i, o) == (emb.embedding_dim, emb.num_embeddings)
-        ]
+        embeddings = [embedding]
     else:
         embeddings = [
             (path, m)
             for path, m in model.named_modules()
             if isinstance(m, nn.Embedding) and _outside(path, blocks_path)
         ]
-        found = []
-        for path, m, (i, o) in linears:
-            vocab = [e for e in embeddings if e[1].num_embeddings == o]
-            if i != hidden or not vocab:
-                continue
-            if len(vocab) > 1:
-                names = ", ".join(f"'{e[0]}'" for e in vocab)
-                raise ValueError(
-                    f"the output head '{path}' writes {o} features, the size of several "
-                    f"embeddings ({names}): cannot tell which is the input embedding; give "
-                    "the model a get_input_embeddings() or write the plan by hand"
-                )
-            found.append((path, m, vocab[0]))
+    found = [
+        (path, m, None if embedding is not None else emb)
+        for path, m, shape in linears
+        for emb in embeddings
+        if shape == (emb[1].embedding_dim, emb[1].num_embeddings)
+    ]
     if len(found) > 1:
-        names = ", ".join(f"'{path}'" for path, _, _ in found)
+        pairs = ", ".join(
+            f"'{path}'" + (f" (with '{emb[0]}')" if emb is not None else "")
+            for path, _, emb in found
+        )
         raise ValueError(
-            f"several Linear layers outside the blocks look like the output head ({names}): "
-            "write the plan by hand"
+            f"several Linear layers outside the blocks look like the output head: {pairs}; "
+            "cannot tell which is the head (and which embedding is the input): give the "
+            "model a get_input_embeddings() or write the plan by hand"
         )
     return found[0] if found else None
 
