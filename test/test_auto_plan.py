@@ -15,13 +15,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
+import torch_tp.plans
 from torch_tp import (
     AttentionHeads,
     ColwiseParallel,
     PackedColwiseParallel,
-    RowwiseParallel,
+    ReplicateParallel,
 )
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plan import from_dict, planned_placement, resolve_plan, to_dict
@@ -108,23 +109,6 @@ def _hf_model(family: str) -> nn.Module:
     return model_class(_hf_config(family))
 
 
-def _gpt2_ready_plan():
-    from torch_tp.plans.hf import PLANS
-
-    if "gpt2" in PLANS:
-        return PLANS["gpt2"]()
-    # the layout torch_tp.plans.hf gives GPT-2 (kept here until it lands there)
-    return {
-        "transformer.wte": RowwiseParallel(input_layouts=Replicate()),
-        "transformer.h.*.attn": AttentionHeads("num_heads", divide=("num_heads", "split_size")),
-        "transformer.h.*.attn.c_attn": PackedColwiseParallel(3),
-        "transformer.h.*.attn.c_proj": RowwiseParallel(),
-        "transformer.h.*.mlp.c_fc": ColwiseParallel(),
-        "transformer.h.*.mlp.c_proj": RowwiseParallel(),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    }
-
-
 @needs_transformers
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2"])
 def test_transformers_models_match_ready_plans(family):
@@ -133,9 +117,8 @@ def test_transformers_models_match_ready_plans(family):
     with torch.device("meta"):
         model = _hf_model(family)
     plan = auto(model, tp_degree=2)
-    ready = _gpt2_ready_plan() if family == "gpt2" else plan_for(model)
     placements = _placements(model, plan)
-    assert placements == _placements(model, ready)
+    assert placements == _placements(model, plan_for(model))
     assert any(p is not None for p in placements.values())
     if family == "gpt2":
         # the fused q/k/v: GPT2Attention.forward splits it by split_size, made per-rank
@@ -147,12 +130,24 @@ def test_transformers_models_match_ready_plans(family):
         )
 
 
+@needs_transformers
+def test_per_head_norms_sum_their_gradients():
+    # Qwen3's q_norm/k_norm normalize each head: they see this rank's heads only
+    with torch.device("meta"):
+        config = _hf_config("llama").to_dict()
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config))
+    plan = auto(model, tp_degree=2)
+    assert plan["model.layers.*.self_attn.q_norm"] == ReplicateParallel(sum_gradients=True)
+    assert plan["model.layers.*.self_attn.k_norm"] == ReplicateParallel(sum_gradients=True)
+
+
 def test_plan_is_plain_data():
     with torch.device("meta"):
         model = Llama(tiny_config())
     plan = auto(model)
     data = json.loads(json.dumps(to_dict(plan)))
     assert from_dict(data) == plan
+    assert torch_tp.plans.auto is auto  # exported as torch_tp.plans.auto(model)
     assert data["layers.*.attention.wo"] == "rowwise"
     assert data["output"] == "colwise_gather_output"
 
@@ -233,11 +228,11 @@ class _MLP(nn.Module):
 
 
 class _Stack(nn.Module):
-    def __init__(self, *blocks: nn.Module) -> None:
+    def __init__(self, *blocks: nn.Module, dim: int = 8) -> None:
         super().__init__()
-        self.embed = nn.Embedding(32, 8)
+        self.embed = nn.Embedding(32, dim)
         self.layers = nn.ModuleList(blocks)
-        self.head = nn.Linear(8, 32)
+        self.head = nn.Linear(dim, 32)
 
 
 def test_refuses_model_without_repeated_blocks():
@@ -256,7 +251,8 @@ def test_refuses_shapes_that_do_not_chain():
     # up writes 24 features, down reads 16
     model = _Stack(_MLP(8, 24, down_in=16), _MLP(8, 24, down_in=16))
     with pytest.raises(
-        ValueError, match=r"shapes in the block 'layers.\*' do not chain: the row-parallel down reads 16"
+        ValueError,
+        match=r"shapes in the block 'layers.\*' do not chain: the row-parallel down reads 16",
     ):
         auto(model)
 
@@ -315,4 +311,57 @@ def test_refuses_fused_attention_without_source():
     )
     model = _Stack(namespace["Attention"](), namespace["Attention"]())
     with pytest.raises(ValueError, match=r"the block 'layers.\*' .*source is unavailable"):
+        auto(model)
+
+
+class _WindowAttention(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.n_heads = 2
+        self.window = dim  # equal to the query width by chance: a size, or not?
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.q(x)[..., -self.window :] + self.k(x) + self.v(x))
+
+
+def test_refuses_ambiguous_attribute():
+    model = _Stack(_WindowAttention(), _WindowAttention(), dim=16)
+    with pytest.raises(
+        ValueError,
+        match=r"the block 'layers.\*': forward reads self.window = 16, which equals the width "
+        r"of the query heads; auto\(\) cannot tell",
+    ):
+        auto(model)
+
+
+class _Gated(_MLP):
+    def __init__(self) -> None:
+        super().__init__(8, 16)
+        self.mix = nn.Parameter(torch.ones(8, 8))  # a 2-D parameter auto() knows nothing of
+
+
+def test_refuses_unknown_parameters():
+    with pytest.raises(ValueError, match=r"'layers.\*' \(_Gated\) holds parameters .*mix \[8, 8\]"):
+        auto(_Stack(_Gated(), _Gated()))
+
+
+@needs_transformers
+def test_refuses_fused_qkv_interleaved_per_head():
+    # GPT-NeoX reshapes its fused projection to (..., heads, 3 * head_size): not [q | k | v]
+    with torch.device("meta"):
+        model = transformers.GPTNeoXForCausalLM(
+            transformers.GPTNeoXConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+            )
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"'gpt_neox.layers.\*.attention': cannot tell how forward splits the fused "
+        r"'gpt_neox.layers.\*.attention.query_key_value'",
+    ):
         auto(model)

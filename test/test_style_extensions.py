@@ -442,8 +442,8 @@ def test_layers_reading_one_tensor_share_one_region_entry(sequence_parallel):
 def _counting_collectives(counts: Counter[str]):
     names = {
         "all_reduce": "all_reduce",
-        "all_gather_into_tensor": "all_gather",
-        "reduce_scatter_tensor": "reduce_scatter",
+        "all_gather_single": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
     }
     originals = {name: getattr(dist, name) for name in names}
 

@@ -189,7 +189,7 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     n = mesh.size()
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=mesh.get_group())
+    dist.all_gather_single(out, x, group=mesh.get_group())
     whole = out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
     return whole.contiguous()
 
@@ -200,7 +200,7 @@ def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor
     n = mesh.size()
     chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(chunks.shape[1:])
-    dist.reduce_scatter_tensor(out, chunks.flatten(0, 1), group=mesh.get_group())
+    dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=mesh.get_group())
     return out
 
 
