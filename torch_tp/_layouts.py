@@ -288,6 +288,19 @@ _PARTIAL_LOCAL = "_torch_tp_partial_local"
 # the "tiny" benchmark model went to those two DTensor round trips).
 
 
+def _dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
+    """``DTensor(local, spec, requires_grad=...)``, for the hot paths (one per parameter per
+    step): DTensor's ``__init__`` only calls ``Tensor.__init__`` through a dynamo-disabling
+    and an export-marking decorator, which cost as much as the construction itself; its
+    ``__new__`` is the C++ constructor, called here directly when torch has it."""
+    if _DTENSOR_NEW is None:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    return _DTENSOR_NEW(DTensor, local, spec, requires_grad=requires_grad)
+
+
+_DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
+
+
 def _replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """``local`` (the same on every rank) as a replicated DTensor whose gradient the caller
     sums over the ranks: the backward hands back this rank's share of the gradient."""
@@ -301,7 +314,7 @@ class _ReplicatedFromLocal(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
         ctx.mesh = mesh
         spec = _replicated_spec(mesh, local.shape, local.stride(), local.dtype)
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        return _dtensor(local.view_as(local), spec, local.requires_grad)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -341,7 +354,7 @@ class _LocalOfReplicated(torch.autograd.Function):
         if grad.stride() != spec.tensor_meta.stride:
             meta = TensorMeta(grad.shape, grad.stride(), grad.dtype)
             spec = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=meta)
-        return DTensor(grad, spec, requires_grad=False)
+        return _dtensor(grad, spec, False)
 
 
 def enter_sharded(value: torch.Tensor, mesh: DeviceMesh, layout: Placement, want: Shard):
@@ -477,7 +490,7 @@ class _LocalValue(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> DTensor:
         # the parameter's local shard is contiguous; so must its gradient be, to share its spec
-        return DTensor(grad.contiguous(), ctx.spec, requires_grad=False)
+        return _dtensor(grad.contiguous(), ctx.spec, False)
 
 
 def partial_local(param: nn.Parameter) -> torch.Tensor:

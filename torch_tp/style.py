@@ -152,7 +152,7 @@ def _distribute_parameters(
         if param is None:
             continue
         tied = getattr(param, _DISTRIBUTED_AS, None)
-        if tied is not None and tied.placements == (placement,):
+        if tied is not None and tied.device_mesh is device_mesh and tied.placements == (placement,):
             module.register_parameter(name, tied)
             continue
         # src_data_rank=None keeps each rank's local values (no scatter or broadcast)
@@ -265,6 +265,10 @@ class _ShardLinearEmbedding(ParallelStyle):
         """The placement of each parameter of ``module`` this style shards or replicates."""
         raise NotImplementedError
 
+    def _shard(self, dim: int) -> Placement:
+        """How a sharded dimension of a parameter is split (the packed styles stride it)."""
+        return Shard(dim)
+
     def _desired_input(self, module: nn.Module) -> Placement:
         """The layout ``module``'s own forward needs its input in (DTensor fallback path)."""
         return Replicate()
@@ -332,9 +336,6 @@ class ColwiseParallel(_ShardLinearEmbedding):
         # the output features: dim 0 of a Linear's weight, dim 1 of a Conv1D's
         out_dim = 0 if isinstance(module, nn.Linear) else 1
         return {"weight": self._shard(out_dim), "bias": self._shard(0)}
-
-    def _shard(self, dim: int) -> Placement:
-        return Shard(dim)
 
     def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
@@ -415,9 +416,6 @@ class RowwiseParallel(_ShardLinearEmbedding):
         # the input features: dim 1 of a Linear's weight, dim 0 of a Conv1D's
         in_dim = 1 if isinstance(module, nn.Linear) else 0
         return {"weight": self._shard(in_dim), "bias": Replicate()}
-
-    def _shard(self, dim: int) -> Placement:
-        return Shard(dim)
 
     def _desired_input(self, module: nn.Module) -> Placement:
         return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
