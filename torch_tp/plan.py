@@ -171,6 +171,7 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
     (tied weights would silently come apart).
     """
     owners = parameter_owners(root) if entries else {}
+    by_path = {entry.path: entry for entry in entries}
     for entry in entries:
         where = f"{entry.style!r} on {_describe(entry.path)} ({type(entry.module).__name__})"
         previous = getattr(entry.module, _APPLIED_STYLE, None)
@@ -179,7 +180,7 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
                 f"cannot apply {where}: the module was already parallelized with "
                 f"{previous!r}; a module takes one style"
             )
-        tied = tied_parameters(entry, owners, entries)
+        tied = tied_parameters(entry, owners, by_path)
         if tied is not None:
             raise ValueError(f"cannot apply {where}: {tied}")
         validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
@@ -206,19 +207,19 @@ def planned_placement(entry: PlanEntry, name: str) -> Placement | None:
 
 
 def tied_parameters(
-    entry: PlanEntry, owners: dict[int, list[str]], entries: list[PlanEntry] | None = None
+    entry: PlanEntry, owners: dict[int, list[str]], by_path: Mapping[str, PlanEntry]
 ) -> str | None:
     """Why ``entry`` would untie a weight shared with another module (``None`` if it would
-    not); ``owners`` is :func:`parameter_owners` of the root.
+    not); ``owners`` is :func:`parameter_owners` of the root, ``by_path`` the plan's entries
+    by module path.
 
-    A tied weight may be distributed when every module holding it is in the plan
-    (``entries``) with a style that lays it out the same way (GPT-2's vocabulary-sharded
-    ``wte`` and column-parallel ``lm_head``, both ``Shard(0)``): it is then distributed
-    once and stays tied.
+    A tied weight may be distributed when every module holding it is in the plan with a
+    style that lays it out the same way (GPT-2's vocabulary-sharded ``wte`` and
+    column-parallel ``lm_head``, both ``Shard(0)``): it is then distributed once and stays
+    tied.
     """
     if not isinstance(entry.style, _PARAMETER_STYLES):
         return None
-    by_path = {e.path: e for e in entries or ()}
     for name, param in entry.module.named_parameters(recurse=False):
         placement = planned_placement(entry, name)
         if placement is None:

@@ -1106,8 +1106,9 @@ def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[i
     invalid: set[int] = set()
     problems = []
     owners = parameter_owners(model)
+    by_path = {entry.path: entry for entry in entries}
     for entry in entries:
-        tied = tied_parameters(entry, owners, entries)
+        tied = tied_parameters(entry, owners, by_path)
         if tied is not None:
             invalid.add(id(entry.module))
             problems.append(Problem("error", entry.key, tied))
