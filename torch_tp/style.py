@@ -152,7 +152,7 @@ def _distribute_parameters(
         if param is None:
             continue
         tied = getattr(param, _DISTRIBUTED_AS, None)
-        if tied is not None and tied.device_mesh is device_mesh and tied.placements == (placement,):
+        if tied is not None and tied.device_mesh == device_mesh and tied.placements == (placement,):
             module.register_parameter(name, tied)
             continue
         # src_data_rank=None keeps each rank's local values (no scatter or broadcast)
