@@ -515,10 +515,21 @@ class _PartialLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> DTensor:
         param = ctx.param
-        partial = DTensor.from_local(
-            grad, param.device_mesh, (Partial(),), shape=param.shape, stride=param.stride()
-        )
+        partial = _dtensor(grad.contiguous(), _respec(param._spec, Partial()), False)
         return _on_partial_gradient(param, partial)
+
+
+def _respec(spec: DTensorSpec, placement: Placement) -> DTensorSpec:
+    """``spec`` (a parameter's, on a 1-D mesh) with another placement; remembered on the
+    spec itself (specs are immutable, and a parameter keeps its own across steps)."""
+    cache = spec.__dict__.setdefault(_RESPEC, {})
+    new = cache.get(placement)
+    if new is None:
+        new = cache[placement] = DTensorSpec(spec.mesh, (placement,), tensor_meta=spec.tensor_meta)
+    return new
+
+
+_RESPEC = "_torch_tp_respec"
 
 
 def _on_partial_gradient(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
@@ -556,10 +567,5 @@ def _reduce_pending() -> None:
         flat = _all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)
         for param, piece in zip(group, flat.split([t.numel() for t in locals_]), strict=True):
             grad = param.grad
-            param.grad = DTensor.from_local(
-                piece.view_as(grad.to_local()),
-                mesh,
-                (Replicate(),),
-                shape=grad.shape,
-                stride=grad.stride(),
-            )
+            local = piece.view_as(grad._local_tensor)
+            param.grad = _dtensor(local, _respec(grad._spec, Replicate()), False)
