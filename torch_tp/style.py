@@ -486,7 +486,12 @@ class _Packed:
         # tensor (a checkpoint, full_tensor()) is the single-device one, parts in order
         return _StridedShard(dim, split_factor=self.parts)
 
-    def _check_stock_forward(self, module: nn.Module) -> None:
+    def _check_module(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Embedding):
+            raise NotImplementedError(
+                f"{type(self).__name__} supports nn.Linear and transformers' Conv1D, found "
+                "nn.Embedding"
+            )
         # a module with its own forward would run on DTensors, which have no rule for a
         # strided-shard weight in a matmul
         if (isinstance(module, nn.Linear) or _conv1d_base(module)) and not _uses_stock_forward(
@@ -572,12 +577,7 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
         )
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        if isinstance(module, nn.Embedding):
-            raise NotImplementedError(
-                f"{type(self).__name__} supports nn.Linear and transformers' Conv1D, found "
-                "nn.Embedding"
-            )
-        self._check_stock_forward(module)
+        self._check_module(module)
         super()._validate(module, device_mesh)
         self._validate_parts(_out_features(module), "the output features", device_mesh)
 
@@ -631,12 +631,7 @@ class PackedRowwiseParallel(_Packed, RowwiseParallel):
         )
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        if isinstance(module, nn.Embedding):
-            raise NotImplementedError(
-                f"{type(self).__name__} supports nn.Linear and transformers' Conv1D, found "
-                "nn.Embedding"
-            )
-        self._check_stock_forward(module)
+        self._check_module(module)
         super()._validate(module, device_mesh)
         in_features = module.in_features if isinstance(module, nn.Linear) else module.nx
         self._validate_parts(in_features, "the input features", device_mesh)
