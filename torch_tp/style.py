@@ -297,6 +297,8 @@ class ColwiseParallel(_ShardLinearEmbedding):
 
     ``nn.Linear``: ``weight`` and ``bias`` are sharded on the output features (``Shard(0)``).
     ``nn.Embedding``: ``weight`` is sharded on the embedding dimension (``Shard(1)``).
+    transformers' ``Conv1D`` (GPT-2's projections, weight stored ``(in, out)``): ``weight`` is
+    sharded on the output features (``Shard(1)``), ``bias`` too (``Shard(0)``).
     The module computes with the whole (replicated) input and produces its output sharded on
     the last dimension; that output is then moved to ``output_layouts``. Pair it with
     :class:`RowwiseParallel` to shard an MLP or an attention block with one reduction.
@@ -367,9 +369,11 @@ class RowwiseParallel(_ShardLinearEmbedding):
     ``nn.Linear``: ``weight`` is sharded on the input features (``Shard(1)``) and ``bias`` is
     replicated; the input must be sharded on its last dimension. ``nn.Embedding``: ``weight``
     is sharded on the vocabulary (``Shard(0)``) and the input ids are replicated; each rank
-    looks up the ids it owns. Either way every rank holds a partial sum, which is reduced
-    to ``output_layouts`` (an all-reduce for ``Replicate()``, a reduce-scatter for
-    ``Shard(d)``). Sizes need not divide by the mesh size.
+    looks up the ids it owns. transformers' ``Conv1D`` (weight stored ``(in, out)``):
+    ``weight`` is sharded on the input features (``Shard(0)``), ``bias`` is replicated. Either
+    way every rank holds a partial sum, which is reduced to ``output_layouts`` (an all-reduce
+    for ``Replicate()``, a reduce-scatter for ``Shard(d)``). Sizes need not divide by the mesh
+    size.
 
     Keyword Args:
         input_layouts (Placement, optional): the layout of the module's input when it arrives
