@@ -541,6 +541,25 @@ def test_cli_user_model_and_json_plan(tmp_path):
     assert status == 0 and by_module != by_flag
 
 
+def test_cli_automatic_plan():
+    """``--plan auto`` reports the inferred plan; on the reference model it shards every
+    parameter as the ready plan does, so the memory table is the same."""
+    status, by_auto = _run_cli("--model", "llama-tiny", "--plan", "auto", "--tp", "2",
+                               "--seq-len", "16")  # fmt: skip
+    assert status == 0
+    status, by_ready = _run_cli("--model", "llama-tiny", "--tp", "2", "--seq-len", "16")
+    assert status == 0
+
+    def parameters(out: str) -> str:
+        return out[out.index("\nParameters") : out.index("\nCollectives")]
+
+    assert parameters(by_auto) == parameters(by_ready)
+    # refused with the reason when the degree does not divide the heads
+    status, out = _run_cli("--model", "llama-tiny", "--plan", "auto", "--tp", "4",
+                           "--seq-len", "16")  # fmt: skip
+    assert status == 2
+
+
 def test_cli_errors(capsys):
     assert cli(["plan", "--model", "nope", "--tp", "2"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err

@@ -9,8 +9,10 @@ Models: ``llama-tiny`` (:func:`torch_tp.models.tiny_config`), ``llama3-8b`` (the
 Llama 3 8B), or ``module:factory`` for your own: ``factory()`` is called under
 ``torch.device("meta")``. Plans: ``llama`` (:func:`torch_tp.plans.llama.llama_plan`, the
 default for the built-in models, shaped by ``--sequence-parallel`` and ``--loss-parallel``),
-``module:attribute`` (a plan dict, or a function returning one), or a JSON file written by
-:func:`torch_tp.plan.to_dict` (a transformers ``tp_plan`` dict works too).
+``auto`` (:func:`torch_tp.plans.auto`, inferred from the model's structure), ``hf``
+(:func:`torch_tp.plans.hf.plan_for`, for a transformers model), ``module:attribute`` (a plan
+dict, or a function returning one), or a JSON file written by :func:`torch_tp.plan.to_dict`
+(a transformers ``tp_plan`` dict works too).
 
 Example::
 
@@ -18,6 +20,7 @@ Example::
           --sequence-parallel
     $ python -m torch_tp plan --model mypackage.model:build --plan mypackage.model:PLAN --tp 4
     $ python -m torch_tp plan --model llama-tiny --plan my_plan.json --tp 2 --seq-len 64
+    $ python -m torch_tp plan --model mypackage.model:build --plan auto --tp 8
 """
 
 from __future__ import annotations
@@ -89,8 +92,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan",
         default=None,
-        help="'llama', module:attribute (a dict or a function returning one), or a JSON file "
-        "(default: 'llama' for the built-in models)",
+        help="'llama', 'auto' (inferred from the model's structure), 'hf' (the ready plan of a "
+        "transformers model), module:attribute (a dict or a function returning one), or a JSON "
+        "file (default: 'llama' for the built-in models)",
     )
     parser.add_argument("--tp", type=int, required=True, help="the TP degree")
     parser.add_argument(
@@ -154,7 +158,7 @@ def _build_model(spec: str, seq_len: int) -> nn.Module:
         return _load(spec)()
 
 
-def _plan(args: argparse.Namespace) -> Any:
+def _plan(args: argparse.Namespace, model: nn.Module) -> Any:
     from torch_tp.plan import from_dict
 
     spec = args.plan or ("llama" if args.model in BUILT_IN_MODELS else None)
@@ -166,6 +170,14 @@ def _plan(args: argparse.Namespace) -> Any:
         return llama_plan(
             sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel
         )
+    if spec == "auto":
+        from torch_tp.plans import auto
+
+        return auto(model, tp_degree=args.tp)
+    if spec == "hf":
+        from torch_tp.plans.hf import plan_for
+
+        return plan_for(model)
     if spec.endswith(".json") or Path(spec).is_file():
         return from_dict(json.loads(Path(spec).read_text(encoding="utf-8")))
     plan = _load(spec)
@@ -178,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         model = _build_model(args.model, args.seq_len)
-        plan = _plan(args)
+        plan = _plan(args, model)
         inputs = _load(args.inputs) if args.inputs else None
         report = plan_report(
             model,
