@@ -554,10 +554,14 @@ def test_cli_automatic_plan():
         return out[out.index("\nParameters") : out.index("\nCollectives")]
 
     assert parameters(by_auto) == parameters(by_ready)
-    # refused with the reason when the degree does not divide the heads
-    status, out = _run_cli("--model", "llama-tiny", "--plan", "auto", "--tp", "4",
-                           "--seq-len", "16")  # fmt: skip
-    assert status == 2
+
+
+def test_cli_automatic_plan_refusal(capsys):
+    """``--plan auto`` refuses, with the reason, a degree that does not divide the heads."""
+    argv = ["plan", "--model", "llama-tiny", "--plan", "auto", "--tp", "4", "--seq-len", "16"]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: ValueError" in err and "layers.*.attention" in err, err
 
 
 def test_cli_errors(capsys):

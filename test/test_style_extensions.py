@@ -202,6 +202,41 @@ def test_packed_names():
     run_distributed(_packed_names, 2)
 
 
+def _packed_pair_collectives() -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    model = parallelize_module(PackedDown(8, 12), _mesh(), _PACKED_PAIR)
+    x = torch.randn(2, 3, 8) * 1.0
+    forward, backward = Counter(), Counter()
+    with _counting_collectives(forward):
+        y = model(x.requires_grad_())
+    with _counting_collectives(backward):
+        y.sum().backward()
+    return dict(forward), dict(backward)
+
+
+_PACKED_PAIR = {"gate_up_proj": "packed_colwise", "down_proj": "packed_rowwise"}
+
+
+def test_report_follows_packed_layouts():
+    """The dry-run report chains a packed column-parallel output into a packed row-parallel
+    input (no false error, no extra collective) and predicts what the run issues."""
+    from torch_tp.report import plan_report
+
+    forward, backward = run_distributed(_packed_pair_collectives, 2)[0]
+    with torch.device("meta"):
+        model = PackedDown(8, 12)
+
+    def inputs(batch: int, seq: int) -> torch.Tensor:
+        return torch.randn(batch, seq, 8, requires_grad=True)
+
+    report = plan_report(
+        model, _PACKED_PAIR, 2, batch_size=2, seq_len=3, device_type="cpu", example_inputs=inputs
+    )
+    assert not report.errors, report.errors
+    assert report.counts("forward") == forward == {"all_reduce": 1}
+    assert report.counts("backward") == backward == {"all_reduce": 1}
+
+
 def _packed_gathered_output() -> None:
     torch.manual_seed(0)
     style = PackedColwiseParallel(3, output_layouts=Replicate())

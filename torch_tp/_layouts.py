@@ -10,6 +10,7 @@ layouts; they are the only place where styles touch DTensor's layout machinery, 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,7 +79,8 @@ def prepare(
                 local = _CopyToRegion.apply(value, mesh) if value.requires_grad else value
                 return _replicated(local, mesh)
             if isinstance(layout, Shard):
-                local = _GatherFromSequenceRegion.apply(value, mesh, layout.dim)
+                dim = normalize(layout, value.ndim).dim
+                local = _GatherFromSequenceRegion.apply(value, mesh, dim)
                 return _replicated(local, mesh)
     dt = annotate(value, mesh, layout)
     if desired is not None:
@@ -114,11 +116,8 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        if x._base is None and x.is_contiguous() and not torch.compiler.is_compiling():
-            # the partial sums are a fresh result nothing else holds: reduce them in place
-            ctx.mark_dirty(x)
-            dist.all_reduce(x, group=mesh.get_group())
-            return x
+        # out of place: the partial sums may be saved elsewhere (selective activation
+        # checkpointing keeps matmul outputs), and must stay partial there
         return _all_reduce(x, mesh)
 
     @staticmethod
@@ -186,7 +185,7 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # before ``dim`` and merge the two. One copy at most, none when ``dim`` leads (or the
     # dims before it have size 1); the result is contiguous either way, once here rather
     # than in every consumer (q, k and v would each copy it, and each save its own copy)
-    n = mesh.size()
+    n, dim = mesh.size(), dim % x.ndim
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     dist.all_gather_single(out, x, group=mesh.get_group())
@@ -197,7 +196,7 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # c10d scatters along dim 0: bring the ranks' chunks of ``dim`` to the front (one copy,
     # none when ``dim`` leads); this rank's chunk then comes out contiguous
-    n = mesh.size()
+    n, dim = mesh.size(), dim % x.ndim
     chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(chunks.shape[1:])
     dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=mesh.get_group())
@@ -233,34 +232,49 @@ def _shared_entry(value: torch.Tensor, mesh: DeviceMesh, dim: int | None, enter)
     activation be gathered once, as if the plan had declared the block's input with
     ``PrepareModuleInput``.
 
-    The entry is kept on the tensor itself, so it lives exactly as long as the activation
-    (it holds no reference back to it: no cycle). It is reused only for the same mesh and
-    dim, the same version of the tensor (no in-place change since), and the same autograd
-    graph: under grad mode the entry's backward must feed the tensor's current ``grad_fn``,
-    which a tensor reused across steps would not have (leaves are never shared).
+    An entry is reused only for the same tensor, mesh and dim, the same version of the
+    tensor (no in-place change since), and the same autograd graph: under grad mode the
+    entry's backward must feed the tensor's current ``grad_fn``, which a tensor reused across
+    steps would not have (leaves are never shared). A replicated entry is an alias of the
+    tensor (no memory) kept on the tensor itself, without a reference back to it. A gathered
+    entry is a whole activation: only the latest one is kept, so that consecutive readers
+    share it and no gathered tensor outlives the next gather (a tensor kept alive for
+    longer, such as a checkpointed block's input, must not keep its gathered copy too).
 
     Sharing needs the very same tensor object. Modules with full backward hooks (and
     ``CommDebugMode``'s module tracker, which installs them) receive a fresh alias of their
     input on every call: their layers then reduce one by one, still exactly. A plan that
     declares the block's input with ``PrepareModuleInput`` shares the reduction in every case.
     """
-    if torch.compiler.is_compiling():
-        return enter()  # a compiled graph has no Python state to keep between calls
+    if torch.compiler.is_compiling() or value.is_inference():
+        # a compiled graph keeps no Python state between calls; inference tensors have no
+        # version counter to check
+        return enter()
     grad = torch.is_grad_enabled() and value.requires_grad
     if grad and value.grad_fn is None:
         return enter()
     key = (dim, value._version, grad)
-    cached = value.__dict__.get(_ENTRY)
+    if dim is None:
+        cached = value.__dict__.get(_ENTRY)
+    else:
+        cached = _last_gathered[0]
+        if cached is not None and cached[3]() is not value:
+            cached = None
     if cached is not None and cached[0] is mesh and cached[1] == key:
         entered = cached[2]
         if not grad or entered.grad_fn.next_functions[0][0] is value.grad_fn:
             return entered
     entered = enter()
-    value.__dict__[_ENTRY] = (mesh, key, entered)
+    if dim is None:
+        value.__dict__[_ENTRY] = (mesh, key, entered)
+    else:
+        _last_gathered[0] = (mesh, key, entered, weakref.ref(value))
     return entered
 
 
 _ENTRY = "_torch_tp_region_entry"
+# the latest gathered entry: (mesh, key, gathered tensor, weak reference to its input)
+_last_gathered: list[tuple | None] = [None]
 
 
 def _partial_local(value: DTensor) -> torch.Tensor:

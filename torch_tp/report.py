@@ -344,6 +344,8 @@ def _neg(layout: Placement, ndim: int) -> Placement:
     """``Shard(d)`` counted from the end, so that it survives ops that add leading dims."""
     if isinstance(layout, Shard) and layout.dim >= 0:
         return Shard(layout.dim - ndim)
+    if isinstance(layout, _StridedShard) and layout.dim >= 0:
+        return _StridedShard(layout.dim - ndim, split_factor=layout.split_factor)
     return layout
 
 
@@ -579,7 +581,8 @@ class _Trace:
                 self.node(Replicate(), t, entry.key, parent=state).grads.append(Partial())
         elif isinstance(state, _Local):
             layout = normalize(layout, t.ndim)
-            if isinstance(layout, (Replicate, Shard)):
+            # a leaf is never shared (its graph cannot tell one step from the next)
+            if isinstance(layout, (Replicate, Shard)) and not (t.requires_grad and t.is_leaf):
                 if (id(t), layout) in self.entered:
                     return
                 self.entered.add((id(t), layout))
@@ -656,12 +659,14 @@ class _Trace:
         elif isinstance(style, RowwiseParallel) and x is not None:
             layout = style.input_layouts[0]
             # a local input already sharded on the last dim is used as it is, even if uneven
-            used_as_is = normalize(layout, x.ndim) == Shard(x.ndim - 1)
+            # the local shard it computes on: the last dim, split plainly or part by part
+            want = normalize(style._shard(x.ndim - 1), x.ndim)
+            used_as_is = normalize(layout, x.ndim) == want
             state = self.arrive(entry, x, layout, "the input", annotated=not used_as_is)
             if isinstance(module, nn.Embedding):
                 self.enter_replicated(entry, x, state, layout)
             else:
-                self.enter_sharded(entry, x, state, layout, Shard(x.ndim - 1))
+                self.enter_sharded(entry, x, state, layout, want)
         elif isinstance(style, SequenceParallel) and x is not None:
             layout = style.sequence_sharding[0]
             state = self.arrive(entry, x, layout, "the input")
@@ -728,10 +733,11 @@ class _Trace:
                 return
         if isinstance(style, ColwiseParallel):
             y = output
-            layout = style.output_layouts[0]
+            layout, computed = style.output_layouts[0], Shard(y.ndim - 1)
             if isinstance(style, PackedColwiseParallel) and not isinstance(layout, Replicate):
-                layout = Shard(-1)  # this rank's slice of every part: moved nowhere
-            self.leave(entry, y, Shard(y.ndim - 1), layout, style.use_local_output)
+                # this rank's slice of every part, moved nowhere
+                computed = layout = normalize(style._shard(y.ndim - 1), y.ndim)
+            self.leave(entry, y, computed, layout, style.use_local_output)
             state = self.states.get(id(y))
             if isinstance(state, _Local) and state.layout == Shard(-1):
                 self.colwise_outputs[id(y)] = entry.key

@@ -524,9 +524,13 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
     :class:`ColwiseParallel` would give the first rank all of q; this style gives every rank
     its slice of each part, so that rank ``r`` computes ``[q_r, k_r, v_r]``: its own heads of
     q, k and v, which the module then splits locally. The weight (and bias) become DTensors
-    with DTensor's strided-shard placement, so gathering them (``full_tensor()``, a
-    checkpoint) gives the single-device tensor. Supports ``nn.Linear`` and transformers'
-    ``Conv1D``.
+    with DTensor's strided-shard placement, so gathering them (``full_tensor()``,
+    :mod:`torch_tp.checkpoint`) gives the single-device tensor. Supports ``nn.Linear`` and
+    transformers' ``Conv1D``.
+
+    .. note:: Not supported under FSDP2 yet: ``fully_shard`` on top of a strided shard gives
+        placements that do not describe what each rank holds (training runs, but gathered
+        values are scrambled), and :mod:`torch_tp.checkpoint` refuses such parameters.
 
     Args:
         parts (int, optional): the number of packed blocks. Default: 2 (``gate_up_proj``).

@@ -1,0 +1,144 @@
+"""The runtime's shortcuts under the conditions that could break them.
+
+Selective activation checkpointing (saved matmul outputs must stay partial sums), inference
+mode (no version counters), negative sequence dims at module boundaries, an in-place change
+between two readers of one tensor, and the lifetime of a gathered activation.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.testing import assert_close
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from torch_tp import ColwiseParallel, PrepareModuleInput, parallelize_module
+from torch_tp.models import Llama, tiny_config
+from torch_tp.plans.llama import llama_plan
+from torch_tp.testing import device_type, gather_full, run_distributed
+
+
+def _mesh():
+    return init_device_mesh(device_type(), (dist.get_world_size(),))
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    # torchtitan's op-level selective checkpointing: matmul outputs are saved, not recomputed
+    if op is torch.ops.aten.mm.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_checkpointing(sequence_parallel: bool) -> None:
+    torch.manual_seed(0)
+    reference = Llama(tiny_config(max_seq_len=16))
+    model = copy.deepcopy(reference)
+    parallelize_module(model, _mesh(), llama_plan(sequence_parallel=sequence_parallel))
+    context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    for block in model.layers:
+        checkpoint(block, context_fn=context)
+    ids, targets = torch.randint(0, 100, (2, 8)), torch.randint(0, 100, (2, 8))
+    F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
+    F.cross_entropy(reference(ids).flatten(0, 1), targets.flatten()).backward()
+    for (name, param), expected in zip(
+        model.named_parameters(), reference.parameters(), strict=True
+    ):
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        assert_close(grad, expected.grad, msg=name)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_selective_activation_checkpointing(sequence_parallel):
+    run_distributed(_selective_checkpointing, 2, sequence_parallel)
+
+
+def _inference_mode() -> None:
+    torch.manual_seed(0)
+    reference = Llama(tiny_config(max_seq_len=16))
+    model = copy.deepcopy(reference)
+    parallelize_module(model, _mesh(), llama_plan(sequence_parallel=True))
+    ids = torch.randint(0, 100, (2, 8))
+    with torch.inference_mode():
+        assert_close(model(ids), reference(ids))
+
+
+def test_inference_mode_with_sequence_parallel():
+    run_distributed(_inference_mode, 2)
+
+
+class _TwoReaders(nn.Module):
+    def __init__(self, in_place: bool = False) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0
+        a = self.q(h)
+        if self.in_place:
+            h.mul_(2)  # between the two readers: the second must see the new values
+        return a + self.k(h)
+
+
+def _negative_sequence_dim(dim: int) -> None:
+    torch.manual_seed(0)
+    model = _TwoReaders()
+    reference = copy.deepcopy(model)
+    prepare = PrepareModuleInput(input_layouts=Shard(dim), desired_input_layouts=Replicate())
+    plan = {"": prepare, "q": ColwiseParallel(), "k": ColwiseParallel()}
+    parallelize_module(model, _mesh(), plan)
+    x = torch.randn(2, 4, 8)
+    local = x.chunk(dist.get_world_size(), dim=dim)[dist.get_rank()]
+    out = gather_full(model(local), _mesh(), Shard(-1))
+    assert_close(out, reference(x))
+
+
+@pytest.mark.parametrize("dim", [1, -2])
+def test_sequence_sharded_input_with_a_negative_dim(dim):
+    run_distributed(_negative_sequence_dim, 2, dim)
+
+
+def _in_place_between_readers() -> None:
+    torch.manual_seed(0)
+    model = _TwoReaders(in_place=True)
+    reference = copy.deepcopy(model)
+    gathered = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(model, _mesh(), {"q": gathered, "k": copy.deepcopy(gathered)})
+    x = torch.randn(2, 4, 8)
+    local = x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]
+    with torch.no_grad():
+        assert_close(model(local), reference(x))
+
+
+def test_an_in_place_change_between_readers_is_seen():
+    run_distributed(_in_place_between_readers, 2)
+
+
+def _gathered_input_is_not_kept() -> None:
+    from torch_tp import _layouts
+
+    mesh = _mesh()
+    plan = {name: ColwiseParallel(input_layouts=Shard(1)) for name in ("q", "k")}
+    blocks = [parallelize_module(_TwoReaders(), mesh, copy.deepcopy(plan)) for _ in range(3)]
+    inputs = [torch.randn(2, 4, 8, requires_grad=True) * 1.0 for _ in blocks]
+    for block, x in zip(blocks, inputs, strict=True):
+        block(x).sum().backward(retain_graph=True)
+    # the inputs (kept alive here, as checkpointing keeps a block's input) hold no gathered
+    # copy of themselves: only the latest gather is remembered, for its next readers
+    for x in inputs:
+        assert _layouts._ENTRY not in x.__dict__
+    latest = _layouts._last_gathered[0]
+    assert latest is not None and latest[3]() is not inputs[0]
+
+
+def test_a_gathered_activation_does_not_outlive_the_next_gather():
+    run_distributed(_gathered_input_is_not_kept, 2)
