@@ -431,6 +431,17 @@ class _Node:
 _State = _Local | _Node | _DTensorAfterOps | _Broken
 
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
+# ops that cut a packed output into its parts: each part is a plain shard (q_r, k_r, v_r)
+_SPLITS = {
+    torch.split,
+    torch.Tensor.split,
+    torch.chunk,
+    torch.Tensor.chunk,
+    torch.tensor_split,
+    torch.Tensor.tensor_split,
+    torch.unbind,
+    torch.Tensor.unbind,
+}
 _LOCAL_COMPUTE = _PARAMETER_STYLES
 _BUILT_IN = (
     *_LOCAL_COMPUTE,
@@ -855,6 +866,8 @@ class _Trace:
                 new = _Broken()
             else:
                 new = local[0]
+                if func in _SPLITS and isinstance(new.layout, _StridedShard):
+                    new = _Local(Shard(new.layout.dim), new.origin, new.ndim)
         for t in outputs:
             if not any(t is i for i in inputs):  # an in-place op keeps its state
                 self.set_state(t, new)
