@@ -16,6 +16,14 @@ Trust: a full state dict is read from ``safetensors`` (no code, only tensors) or
 tensors you pass in; nothing here unpickles a file for it. DCP directories are a different
 matter: DCP pickles its metadata and the optimizer's hyperparameters, so load only DCP
 checkpoints your own jobs wrote.
+
+Packed parameters (:class:`~torch_tp.PackedColwiseParallel`,
+:class:`~torch_tp.PackedRowwiseParallel`) are DTensors with DTensor's strided-shard
+placement: each rank holds its slice of each of the packed parts, not one block. On a 1-D
+tensor-parallel mesh every function here handles them exactly. Under FSDP2 (a mesh with
+more than one dimension) their placements do not say what each rank holds, so every
+function here refuses them with ``NotImplementedError`` rather than read or write wrong
+values.
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+from torch.distributed.tensor import empty as dtensor_empty
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.modules.module import _IncompatibleKeys
 
 from torch_tp import random as tp_random
@@ -83,6 +93,10 @@ def full_state_dict(
         ``{name: tensor}`` with plain (not DTensor) tensors, or ``{}`` on ranks other than 0
         with ``rank0_only``.
 
+    Raises:
+        NotImplementedError: a packed parameter under FSDP2 (see the module docstring);
+            raised on every rank before anything is gathered.
+
     Example::
         >>> # xdoctest: +SKIP("distributed")
         >>> state = torch_tp.checkpoint.full_state_dict(model, rank0_only=True)
@@ -91,7 +105,9 @@ def full_state_dict(
     """
     keep = not rank0_only or _rank() == 0
     out: dict[str, Tensor] = {}
-    for name, value in model.state_dict().items():
+    state = model.state_dict()
+    _refuse_packed_on_nd_mesh(state)
+    for name, value in state.items():
         if isinstance(value, DTensor):
             value = value.full_tensor()  # a collective: every rank, in the same order
         if not keep:
@@ -150,7 +166,9 @@ def load_full_state_dict(
         TypeError: ``state_dict`` is neither a mapping nor a path, or holds non-tensors.
         FileNotFoundError: ``state_dict`` is a path with no file.
         NotImplementedError: a parameter whose local shard is not one block of the whole
-            tensor (e.g. ``Partial``).
+            tensor (e.g. ``Partial``), or a packed parameter under FSDP2. A packed
+            parameter on a 1-D mesh is loaded exactly: its shard is one block per part
+            (one ``get_slice`` read each from a ``safetensors`` file).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -161,6 +179,7 @@ def load_full_state_dict(
         >>> torch_tp.checkpoint.load_full_state_dict(model, "llama.safetensors")
     """
     targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
+    _refuse_packed_on_nd_mesh(targets)  # on every rank, before any communication
     if broadcast_from_rank0:
         return _load_broadcast(model, targets, state_dict, strict)
     source = _Source(state_dict)
@@ -170,7 +189,7 @@ def load_full_state_dict(
             if name not in source.shapes:
                 continue
             if isinstance(target, DTensor):
-                source.copy_to(name, _local_region(name, target), target.to_local())
+                source.copy_to(name, _local_pieces(name, target), target.to_local())
             else:
                 source.copy_to(name, None, target)
     return result
@@ -213,8 +232,10 @@ def _load_broadcast(
             if _distributed():
                 dist.broadcast(full, src=0)  # one whole tensor at a time
             if isinstance(target, DTensor):
-                full = full[_local_region(name, target)]
-            local.copy_(full)
+                for whole, mine in _local_pieces(name, target):
+                    local[mine].copy_(full[whole])
+            else:
+                local.copy_(full)
             del full
     return result
 
@@ -247,22 +268,115 @@ def _check_keys(
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _local_region(name: str, target: DTensor) -> tuple[slice, ...]:
-    """The block of the whole tensor that this rank's shard of ``target`` holds."""
+# A piece: a region of the whole tensor and the region of the local shard it is copied to.
+_Piece = tuple[tuple[slice, ...], tuple[slice, ...]]
+
+
+def _local_pieces(name: str, target: DTensor) -> list[_Piece]:
+    """The regions of the whole tensor that this rank's shard of ``target`` holds, and where.
+
+    One piece for a shard that is one block of the whole tensor; for a packed parameter
+    (a strided shard on a 1-D mesh), one piece per packed part.
+    """
     if any(isinstance(p, Partial) for p in target.placements):
         raise NotImplementedError(
             f"{name}: cannot load a full tensor into a Partial DTensor ({target.placements})"
         )
+    local_shape = tuple(target.to_local().shape)
+    everything = tuple(slice(0, s) for s in local_shape)
+    if _packed_placement(target) is not None:
+        return _strided_pieces(name, target, local_shape)
     shape, offset = compute_local_shape_and_global_offset(
         target.shape, target.device_mesh, target.placements
     )
-    local_shape = tuple(target.to_local().shape)
     if tuple(shape) != local_shape:
         raise NotImplementedError(
             f"{name}: the local shard of shape {list(local_shape)} is not one block of the "
             f"{list(target.shape)} tensor with placements {target.placements}"
         )
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    return [(tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True)), everything)]
+
+
+def _strided_pieces(name: str, target: DTensor, local_shape: tuple[int, ...]) -> list[_Piece]:
+    """The pieces of a strided shard on a 1-D mesh: the runs of consecutive indices along
+    its dim that this rank holds, found the way DTensor itself splits (on an ``arange``), so
+    that the shard equals ``distribute_tensor(full, mesh, [_StridedShard(d, k)])``'s."""
+    (placement,) = target.placements
+    mesh = target.device_mesh
+    dim = placement.dim % target.ndim
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: nothing to hold
+        return []
+    along = _StridedShard(0, split_factor=placement.split_factor)
+    chunks, _ = along._split_tensor(
+        torch.arange(target.shape[dim]), mesh.size(), with_padding=False, contiguous=False
+    )
+    indices = chunks[coordinate[0]].tolist()
+    if len(indices) != local_shape[dim]:
+        raise NotImplementedError(
+            f"{name}: the local shard of shape {list(local_shape)} does not match the "
+            f"{list(target.shape)} tensor with placements {target.placements}"
+        )
+    pieces: list[_Piece] = []
+    start = 0  # the local index where the current run begins
+    for i in range(1, len(indices) + 1):
+        if i == len(indices) or indices[i] != indices[i - 1] + 1:
+            whole = [slice(0, s) for s in target.shape]
+            mine = [slice(0, s) for s in local_shape]
+            whole[dim] = slice(indices[start], indices[i - 1] + 1)
+            mine[dim] = slice(start, i)
+            pieces.append((tuple(whole), tuple(mine)))
+            start = i
+    return pieces
+
+
+def _packed_placement(value: DTensor) -> _StridedShard | None:
+    """The strided-shard placement of a packed parameter, or ``None``.
+
+    FSDP2 on top of tensor parallelism also uses strided shards: ``_StridedShard(d)`` on
+    the data-parallel dim, followed by the tensor-parallel ``Shard(d)``; such a shard is one
+    block of the whole tensor. A strided shard that no later ``Shard`` of its dim follows
+    is a packed one: its rank holds one slice of each part.
+    """
+    placements = value.placements
+    for i, placement in enumerate(placements):
+        if not isinstance(placement, _StridedShard):
+            continue
+        dim = placement.dim % value.ndim
+        if not any(
+            type(later) is Shard and later.dim % value.ndim == dim for later in placements[i + 1 :]
+        ):
+            return placement
+    return None
+
+
+def _refuse_packed_on_nd_mesh(state: Any, path: str = "") -> None:
+    """Raise ``NotImplementedError`` for a packed parameter on a mesh of more than one dim.
+
+    Under FSDP2 a packed parameter's placements nest two strided shards that do not describe
+    what each rank holds: global values read or written through them would be scrambled.
+    """
+    for name, value in _dtensors(state, path):
+        if value.device_mesh.ndim > 1 and _packed_placement(value) is not None:
+            raise NotImplementedError(
+                f"{name}: a packed parameter (PackedColwiseParallel / PackedRowwiseParallel, "
+                f"placements {value.placements}) on a {value.device_mesh.ndim}-D mesh: packed "
+                "styles are not supported under FSDP2 yet, their placements do not describe "
+                "what each rank holds; checkpoint the model without FSDP2 (a 1-D "
+                "tensor-parallel mesh)"
+            )
+
+
+def _dtensors(state: Any, path: str = "") -> Iterator[tuple[str, DTensor]]:
+    """Every DTensor in a nested state dict (dicts and lists), with its dotted path."""
+    if isinstance(state, DTensor):
+        yield path, state
+    elif isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from _dtensors(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _dtensors(value, f"{path}.{i}" if path else str(i))
 
 
 class _Source:
@@ -297,23 +411,30 @@ class _Source:
 
         return safe_open(str(self._path), framework="pt", device="cpu")
 
-    def copy_to(self, name: str, region: tuple[slice, ...] | None, dst: Tensor) -> None:
-        """Copy the whole tensor ``name`` (``region=None``), or just ``region`` of it, into
-        ``dst``."""
+    def copy_to(self, name: str, pieces: list[_Piece] | None, dst: Tensor) -> None:
+        """Copy the whole tensor ``name`` (``pieces=None``) into ``dst``, or just some
+        regions of it (each ``(whole, mine)`` piece: ``dst[mine] = name[whole]``)."""
         if self._dict is not None:
             value = self._dict[name]
-            dst.copy_(value if region is None else value[region])
+            if pieces is None:
+                dst.copy_(value)
+            for whole, mine in pieces or ():
+                dst[mine].copy_(value[whole])
             return
         # Open the file for each tensor: safetensors maps the file, and the pages a read
         # touches stay resident in this process while the mapping lives. Closing it after
         # each tensor keeps that to one tensor's pages (all of them for a column slice).
         with self._open() as file:
-            if not region:
+            if pieces is None or (len(pieces) == 1 and not pieces[0][0]):  # whole, or 0-d
                 value = file.get_tensor(name)
-            else:
-                value = file.get_slice(name)[region]  # reads only these bytes
-            dst.copy_(value)
-            del value
+                dst.copy_(value)
+                del value
+                return
+            tensor_slice = file.get_slice(name)
+            for whole, mine in pieces:
+                value = tensor_slice[whole]  # reads only these bytes
+                dst[mine].copy_(value)
+                del value
 
     def read(self, name: str) -> Tensor:
         """The whole tensor ``name``."""
@@ -361,6 +482,12 @@ def save(
     is installed. Must be called on every rank. ``checkpoint_dir`` must be one directory
     shared by all ranks (one filesystem).
 
+    A packed parameter (and its optimizer state) is saved as the plain ``Shard`` DTensor
+    with the same global value, so the checkpoint holds the single-device tensor and loads on
+    any layout. The conversion all-gathers each such tensor once (DTensor redistributes a
+    strided shard through a replicated one): a few tensors per layer, each whole for a
+    moment on every rank.
+
     Args:
         checkpoint_dir (str or os.PathLike): the directory holding the checkpoints.
         model (:class:`nn.Module`): the model (TP, 2-D or single-device).
@@ -372,6 +499,9 @@ def save(
     Returns:
         The path of the completed checkpoint.
 
+    Raises:
+        NotImplementedError: a packed parameter under FSDP2 (nothing is written).
+
     Example::
         >>> # xdoctest: +SKIP("distributed")
         >>> if step % 1000 == 0:
@@ -382,6 +512,7 @@ def save(
     root = Path(checkpoint_dir)
     final = root / f"step-{step}"
     partial = root / f"step-{step}{_PARTIAL}"
+    _refuse_packed_on_nd_mesh(model.state_dict())  # before anything is written
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # the leftover of a failed save
@@ -390,6 +521,8 @@ def save(
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
         state["optim"] = optim_state
+    with torch.no_grad():
+        state = _map_dtensors(state, _as_plain_shard)  # packed: the same values, as Shard
     rng = _rng_state()
     if rng is not None:
         state["rng"] = rng
@@ -435,9 +568,13 @@ def load(
         The step loaded, or ``None`` when ``checkpoint_dir`` holds no complete checkpoint
         (nothing is changed then).
 
+    A packed parameter (and its optimizer state) is read into a plain ``Shard`` DTensor and
+    redistributed into it in place: one all-gather per such tensor, as for :func:`save`.
+
     Raises:
         FileNotFoundError: ``step`` was given and there is no complete checkpoint for it.
         ValueError: ``rng`` and the checkpoint has no RNG state for this layout.
+        NotImplementedError: a packed parameter under FSDP2 (nothing is changed).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -452,6 +589,7 @@ def load(
     path = root / f"step-{step}"
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no complete checkpoint for step {step} in {str(root)!r}")
+    _refuse_packed_on_nd_mesh(model.state_dict())
     model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
@@ -470,8 +608,31 @@ def load(
                 "another layout; pass rng=False to keep the current ones"
             )
         state["rng"] = {rng_key: _empty_rng_entry()}
+    # packed tensors are read into plain Shard templates (the layout save wrote), then
+    # redistributed into the packed tensors in place
+    packed: dict[int, tuple[DTensor, DTensor]] = {}
+
+    def template(name: str, value: DTensor) -> DTensor:
+        if _packed_placement(value) is None:
+            return value
+        plain = dtensor_empty(
+            value.shape,
+            dtype=value.dtype,
+            device_mesh=value.device_mesh,
+            placements=_plain_placements(value),
+        )
+        packed[id(plain)] = (plain, value)
+        return plain
+
+    state = _map_dtensors(state, template)
     with _single_process_is_intended():
         dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    with torch.no_grad():
+        for plain, value in packed.values():  # in the same order on every rank
+            value.to_local().copy_(
+                plain.redistribute(value.device_mesh, value.placements).to_local()
+            )
+    state = _map_dtensors(state, lambda name, v: packed[id(v)][1] if id(v) in packed else v)
     set_state_dict(
         model,
         [] if optimizer is None else optimizer,
@@ -481,6 +642,39 @@ def load(
     if rng_key is not None:
         _restore_rng(state["rng"][rng_key])
     return step
+
+
+def _plain_placements(value: DTensor) -> tuple[Placement, ...]:
+    return tuple(
+        Shard(p.dim % value.ndim) if isinstance(p, _StridedShard) else p for p in value.placements
+    )
+
+
+def _as_plain_shard(name: str, value: DTensor) -> DTensor:
+    """A packed DTensor as the plain ``Shard`` DTensor with the same global value, which DCP
+    can save: DCP takes each rank's shard for one block, which a strided shard is not."""
+    if _packed_placement(value) is None:
+        return value
+    return value.redistribute(value.device_mesh, _plain_placements(value))
+
+
+def _map_dtensors(state: Any, fn, path: str = "") -> Any:
+    """``state`` with each DTensor replaced by ``fn(path, dtensor)``, in a deterministic
+    order (every rank calls ``fn`` for the same tensors in the same order). Containers with
+    nothing replaced are returned as they are."""
+    if isinstance(state, DTensor):
+        return fn(path, state)
+    if isinstance(state, Mapping):
+        out = {k: _map_dtensors(v, fn, f"{path}.{k}" if path else str(k)) for k, v in state.items()}
+        if all(out[k] is v for k, v in state.items()):
+            return state
+        return out
+    if isinstance(state, list):
+        items = [
+            _map_dtensors(v, fn, f"{path}.{i}" if path else str(i)) for i, v in enumerate(state)
+        ]
+        return state if all(a is b for a, b in zip(items, state, strict=True)) else items
+    return state
 
 
 def latest_step(checkpoint_dir: str | os.PathLike) -> int | None:
