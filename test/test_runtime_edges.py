@@ -24,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch_tp import ColwiseParallel, PrepareModuleInput, parallelize_module
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plans.llama import llama_plan
-from torch_tp.testing import device_type, gather_full, run_distributed
+from torch_tp.testing import check_parity, device_type, gather_full, run_distributed
 
 
 def _mesh():
@@ -142,3 +142,28 @@ def _gathered_input_is_not_kept() -> None:
 
 def test_a_gathered_activation_does_not_outlive_the_next_gather():
     run_distributed(_gathered_input_is_not_kept, 2)
+
+
+class _NoGradThenGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            gate = torch.sigmoid(self.q(x))  # a reader of x without a graph
+        return gate * self.k(x)  # then one with
+
+
+def _no_grad_reader_first() -> None:
+    torch.manual_seed(0)
+    # ``pre``'s gradient flows through the block's input: only if k's read kept the graph
+    model = nn.Sequential(nn.Linear(8, 8), _NoGradThenGrad())
+    prepare = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
+    plan = {"1": prepare, "1.q": ColwiseParallel(), "1.k": ColwiseParallel()}
+    x = torch.randn(2, 4, 8)
+    check_parity(model, _mesh(), plan, (x,), output_placements=Shard(-1))
+
+
+def test_a_reader_without_grad_does_not_cut_the_graph_of_the_next():
+    run_distributed(_no_grad_reader_first, 2)

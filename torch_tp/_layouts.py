@@ -284,10 +284,13 @@ def _partial_local(value: DTensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         # compiled graphs have no per-op overhead to save (and the cache is Python state)
         return value.to_local(grad_placements=(Partial(),))
-    local = getattr(value, _PARTIAL_LOCAL, None)
-    if local is None:
-        local = _LocalOfReplicated.apply(value)
-        setattr(value, _PARTIAL_LOCAL, local)
+    # a view made without grad has no graph: never hand it to a reader under grad
+    grad = torch.is_grad_enabled()
+    cached = getattr(value, _PARTIAL_LOCAL, None)
+    if cached is not None and cached[1] == grad:
+        return cached[0]
+    local = _LocalOfReplicated.apply(value)
+    setattr(value, _PARTIAL_LOCAL, (local, grad))
     return local
 
 
