@@ -658,7 +658,26 @@ _SEQUENCE_PARALLEL_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
 
-class SequenceParallel(ParallelStyle):
+class _ReplicatedParameters(ParallelStyle):
+    """What :class:`SequenceParallel` and :class:`ReplicateParallel` share: the module's own
+    parameters become replicated DTensors, and its own forward runs inside ``_forward``."""
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        params = self._parameter_placements(module)
+        _distribute_parameters(module, device_mesh, params, self.src_data_rank)
+        own_forward = type(module).forward
+        module.forward = functools.partial(self._forward, module, device_mesh, own_forward)
+        return module
+
+    @abstractmethod
+    def _forward(self, module: nn.Module, mesh: DeviceMesh, own_forward, *inputs, **kwargs):
+        """The module's forward, given its own (unbound) ``own_forward``."""
+
+
+class SequenceParallel(_ReplicatedParameters):
     """Run a normalization or dropout layer on a sequence shard of its input.
 
     The module's parameters are replicated (broadcast from ``src_data_rank``, so they need
@@ -716,16 +735,6 @@ class SequenceParallel(ParallelStyle):
             )
         _check_not_distributed(module)
 
-    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
-        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        params = self._parameter_placements(module)
-        _distribute_parameters(module, device_mesh, params, self.src_data_rank)
-        own_forward = type(module).forward
-        module.forward = functools.partial(self._forward, module, device_mesh, own_forward)
-        return module
-
     def _forward(self, module: nn.Module, mesh: DeviceMesh, own_forward, *inputs, **kwargs):
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             found = type(inputs[0]).__name__ if inputs else "no input"
@@ -762,7 +771,7 @@ class SequenceParallel(ParallelStyle):
         return DTensor.from_local(out, mesh, (layout,))
 
 
-class ReplicateParallel(ParallelStyle):
+class ReplicateParallel(_ReplicatedParameters):
     """Replicate a module's parameters as DTensors; the module computes on local tensors.
 
     Every rank keeps the whole module, and its parameters become ``Replicate()`` DTensors,
@@ -803,17 +812,7 @@ class ReplicateParallel(ParallelStyle):
             )
         _check_not_distributed(module)
 
-    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
-        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        params = self._parameter_placements(module)
-        _distribute_parameters(module, device_mesh, params, self.src_data_rank)
-        own_forward = type(module).forward
-        module.forward = functools.partial(self._forward, module, own_forward)
-        return module
-
-    def _forward(self, module: nn.Module, own_forward, *inputs, **kwargs):
+    def _forward(self, module: nn.Module, mesh: DeviceMesh, own_forward, *inputs, **kwargs):
         view = _layouts.partial_local if self.sum_gradients else _layouts.local_value
         with _local_parameters(module, view):
             return own_forward(module, *inputs, **kwargs)
@@ -1059,7 +1058,7 @@ class PrepareModuleInput(ParallelStyle):
         prepared = {
             key: self._prepare_one(
                 module,
-                f"keyword input {key!r}",
+                key,
                 value,
                 mesh,
                 self.input_kwarg_layouts.get(key),
@@ -1080,14 +1079,19 @@ class PrepareModuleInput(ParallelStyle):
                 f"length! found {len(inputs)} inputs for {len(self.input_layouts)} layouts"
             )
         return tuple(
-            self._prepare_one(module, f"input {i}", value, mesh, layout, desired)
+            self._prepare_one(module, i, value, mesh, layout, desired)
             for i, (value, layout, desired) in enumerate(
                 zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
             )
         )
 
-    def _prepare_one(self, module: nn.Module, what: str, value: Any, mesh: DeviceMesh, *layouts):
+    def _prepare_one(
+        self, module: nn.Module, where: int | str, value: Any, mesh: DeviceMesh, *layouts
+    ):
+        """Prepare one input; ``where`` is its position, or its keyword (named on error only:
+        this runs for every input of every call)."""
         if layouts[0] is not None and not isinstance(value, torch.Tensor):
+            what = f"input {where}" if isinstance(where, int) else f"keyword input {where!r}"
             # AssertionError, as upstream raises
             raise AssertionError(
                 f"{_where(self, module)}: expecting {what} to be a torch.Tensor for layout "
