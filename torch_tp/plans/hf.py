@@ -129,49 +129,15 @@ def llama_plan(*, base_model: bool = False) -> dict[str, ParallelStyle]:
 
 
 def mistral_plan(*, base_model: bool = False) -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan of transformers' ``MistralForCausalLM``.
-
-    Keyword Args:
-        base_model (bool, optional): return the plan of the base ``MistralModel`` instead:
-            the keys lose their ``model.`` prefix and there is no ``lm_head``.
-            Default: ``False``.
-
-    Returns:
-        A dict from module paths (with ``*`` over the decoder layers) to styles, for
-        :func:`torch_tp.parallelize_module`.
-
-    Example::
-        >>> # xdoctest: +SKIP("distributed")
-        >>> from transformers import MistralConfig, MistralForCausalLM
-        >>> from torch_tp import parallelize_module
-        >>> from torch_tp.plans.hf import mistral_plan
-        >>> model = MistralForCausalLM(MistralConfig())
-        >>> parallelize_module(model, tp_mesh, mistral_plan())
-    """
+    """The tensor-parallel plan of transformers' ``MistralForCausalLM`` (``MistralModel`` with
+    ``base_model=True``): the same layout and arguments as :func:`llama_plan`."""
     return _decoder_plan(base_model)
 
 
 def qwen2_plan(*, base_model: bool = False) -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan of transformers' ``Qwen2ForCausalLM``.
-
-    The q/k/v biases are sharded with their weights (``Shard(0)``).
-
-    Keyword Args:
-        base_model (bool, optional): return the plan of the base ``Qwen2Model`` instead: the
-            keys lose their ``model.`` prefix and there is no ``lm_head``. Default: ``False``.
-
-    Returns:
-        A dict from module paths (with ``*`` over the decoder layers) to styles, for
-        :func:`torch_tp.parallelize_module`.
-
-    Example::
-        >>> # xdoctest: +SKIP("distributed")
-        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
-        >>> from torch_tp import parallelize_module
-        >>> from torch_tp.plans.hf import qwen2_plan
-        >>> model = Qwen2ForCausalLM(Qwen2Config())
-        >>> parallelize_module(model, tp_mesh, qwen2_plan())
-    """
+    """The tensor-parallel plan of transformers' ``Qwen2ForCausalLM`` (``Qwen2Model`` with
+    ``base_model=True``): the same layout and arguments as :func:`llama_plan`; the q/k/v
+    biases are sharded with their weights (``Shard(0)``)."""
     return _decoder_plan(base_model)
 
 
