@@ -284,13 +284,18 @@ def _partial_local(value: DTensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         # compiled graphs have no per-op overhead to save (and the cache is Python state)
         return value.to_local(grad_placements=(Partial(),))
-    # a view made without grad has no graph: never hand it to a reader under grad
-    grad = torch.is_grad_enabled()
-    cached = getattr(value, _PARTIAL_LOCAL, None)
-    if cached is not None and cached[1] == grad:
+    if not torch.is_grad_enabled():
+        return value._local_tensor  # no graph to join
+    if value.is_inference():
+        return _LocalOfReplicated.apply(value)  # no version counter to check
+    # never share a view made before an in-place change of the DTensor: its graph would miss
+    # the change
+    version = value._local_tensor._version
+    cached = value.__dict__.get(_PARTIAL_LOCAL)
+    if cached is not None and cached[1] == version:
         return cached[0]
     local = _LocalOfReplicated.apply(value)
-    setattr(value, _PARTIAL_LOCAL, (local, grad))
+    value.__dict__[_PARTIAL_LOCAL] = (local, version)
     return local
 
 
@@ -323,7 +328,12 @@ def _replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     sums over the ranks: the backward hands back this rank's share of the gradient."""
     if torch.compiler.is_compiling():
         return DTensor.from_local(local, mesh, (Replicate(),), grad_placements=(Partial(),))
-    return _ReplicatedFromLocal.apply(local, mesh)
+    value = _ReplicatedFromLocal.apply(local, mesh)
+    if torch.is_grad_enabled() and not local.is_inference():
+        # its partial local value (what a column-parallel reader computes with) is ``local``
+        # itself: the readers' gradients then reach ``local`` directly, no DTensor between
+        value.__dict__[_PARTIAL_LOCAL] = (local, local._version)
+    return value
 
 
 class _ReplicatedFromLocal(torch.autograd.Function):
@@ -477,27 +487,48 @@ def sum_partial_gradient_at_end_of_backward(param: nn.Parameter) -> None:
     backward passes (micro-batches) without extra communication. This hook covers the
     parameter wherever it is used; it is lost when ``module.to()`` or ``to_empty()`` swaps the
     parameter's contents, which is why the styles' own local paths use
-    :func:`partial_local` instead, which needs no hook.
+    :func:`local_parameter` instead, which needs no hook.
     """
     # a strong reference (a weak one would make the parameter unswappable by module.to())
     param.register_hook(functools.partial(_on_partial_gradient, param))
 
 
-def local_value(param: nn.Parameter) -> torch.Tensor:
-    """``param.to_local()``, for a parameter read on the hot path (every Linear, every step).
+def local_parameter(module: nn.Module, name: str, *, partial: bool = False) -> torch.Tensor | None:
+    """The local value of ``module``'s DTensor parameter ``name``, for its own computation.
 
-    The same value and the same gradient (a DTensor laid out like the parameter), at a third
-    of the cost (80 against 230 us for a forward and backward on CPU): the gradient's spec
-    is the parameter's own, known at forward time, instead of being rebuilt and checked in
-    every backward. It relies on two DTensor internals, ``_local_tensor`` and ``_spec``, and
-    on its constructor; the parity tests exercise it on every torch version we pin.
+    ``param.to_local()``, with the same value and the same gradient (a DTensor laid out like
+    the parameter), for the hot path: every Linear, every step. With ``partial`` the
+    parameter is replicated and the computation sees only this rank's share of the data:
+    each rank's gradient is then a partial sum, summed over the ranks at the end of
+    backward, with every other such gradient, in one all-reduce.
+
+    The gradient's spec is the parameter's own, known at forward time, instead of being
+    rebuilt and checked in every backward: a third of ``to_local()``'s cost (80 against
+    230 us for a forward and backward on CPU). Without grad it is the local tensor itself.
+
+    (A view kept across steps would save the autograd Function too, but not correctly: its
+    node would keep the sequence number of the step that made it, so the engine would run it
+    after every node of later steps, and FSDP2's post-backward would find no gradient.)
     """
+    param = getattr(module, name)
+    if not isinstance(param, DTensor):
+        return param
     if torch.compiler.is_compiling():
-        return param.to_local()  # compiled graphs have no per-op cost to save
-    return _LocalValue.apply(param)
+        # compiled graphs have no per-op cost to save (and a compiled backward cannot
+        # schedule the reduction of a partial gradient: the parameter's hook does it)
+        return param.to_local(grad_placements=(Partial(),) if partial else None)
+    local = param._local_tensor
+    if not (param.requires_grad and torch.is_grad_enabled()):
+        return local  # nothing flows back
+    return (_PartialLocal if partial else _LocalValue).apply(param)
 
 
 class _LocalValue(torch.autograd.Function):
+    """The local tensor of a DTensor parameter; its gradient is a DTensor with the parameter's
+    own spec (known at forward time, instead of being rebuilt and checked in every backward).
+    It relies on two DTensor internals, ``_local_tensor`` and ``_spec``, and on its
+    constructor; the parity tests exercise it on every torch version we pin."""
+
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
         ctx.spec = param._spec
@@ -510,19 +541,10 @@ class _LocalValue(torch.autograd.Function):
         return _dtensor(grad.contiguous(), ctx.spec, False)
 
 
-def partial_local(param: nn.Parameter) -> torch.Tensor:
-    """The local value of a replicated parameter, for a computation on a shard of the tokens.
-
-    Each rank's gradient is then a partial sum; it is summed over ranks at the end of
-    backward, with every other such gradient, in one all-reduce.
-    """
-    if torch.compiler.is_compiling():
-        # a compiled backward cannot schedule the reduction: the hook does it
-        return param.to_local(grad_placements=(Partial(),))
-    return _PartialLocal.apply(param)
-
-
 class _PartialLocal(torch.autograd.Function):
+    """The local tensor of a replicated DTensor parameter read on a shard of the data: its
+    gradient is labelled Partial and summed over the ranks at the end of backward."""
+
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
         ctx.param = param

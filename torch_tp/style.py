@@ -14,10 +14,8 @@ parameter.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -341,8 +339,8 @@ class ColwiseParallel(_ShardLinearEmbedding):
 
     def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
-        bias = None if module.bias is None else _layouts.local_value(module.bias)
-        y = _project(module, x, _layouts.local_value(module.weight), bias)
+        weight = _layouts.local_parameter(module, "weight")
+        y = _project(module, x, weight, _layouts.local_parameter(module, "bias"))
         return self._leave(y, mesh, (*x.shape[:-1], _out_features(module)))
 
     def _embedding(
@@ -351,7 +349,7 @@ class ColwiseParallel(_ShardLinearEmbedding):
         ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
         y = F.embedding(
             ids,
-            _layouts.local_value(module.weight),
+            _layouts.local_parameter(module, "weight"),
             module.padding_idx,
             scale_grad_by_freq=module.scale_grad_by_freq,
         )
@@ -427,7 +425,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
     def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         layout = _layouts.normalize(self.input_layouts[0], input.ndim)
         x = _layouts.enter_sharded(input, mesh, layout, self._shard(input.ndim - 1))
-        partial = _project(module, x, _layouts.local_value(module.weight), None)
+        partial = _project(module, x, _layouts.local_parameter(module, "weight"), None)
         y = self._reduce(partial, mesh, module)
         if module.bias is None:
             return y
@@ -436,15 +434,15 @@ class RowwiseParallel(_ShardLinearEmbedding):
             return y + module.bias
         # on a sharded output each rank's bias gradient sums over its shard only: partial
         if isinstance(self.output_layouts[0], Shard):
-            return y + _layouts.partial_local(module.bias)
-        return y + _layouts.local_value(module.bias)
+            return y + _layouts.local_parameter(module, "bias", partial=True)
+        return y + _layouts.local_parameter(module, "bias")
 
     def _embedding(
         self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
     ) -> torch.Tensor:
         ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
         start, stop = _layouts.shard_range(module.num_embeddings, mesh)
-        weight = _layouts.local_value(module.weight)
+        weight = _layouts.local_parameter(module, "weight")
         # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
         # (the reduction below) then holds exactly one real row per id
         foreign = (ids < start) | (ids >= stop)
@@ -764,8 +762,7 @@ class SequenceParallel(_ReplicatedParameters):
         else:
             # the module's own forward, on the local sequence shard: a norm treats every
             # position alike, so the shard's result is the shard of the whole result
-            with _local_parameters(module):
-                out = own_forward(module, x, *inputs[1:], **kwargs)
+            out = _run_on_local_parameters(module, True, own_forward, x, *inputs[1:], **kwargs)
         if self.use_local_output or not isinstance(out, torch.Tensor):
             return out
         return DTensor.from_local(out, mesh, (layout,))
@@ -813,9 +810,7 @@ class ReplicateParallel(_ReplicatedParameters):
         _check_not_distributed(module)
 
     def _forward(self, module: nn.Module, mesh: DeviceMesh, own_forward, *inputs, **kwargs):
-        view = _layouts.partial_local if self.sum_gradients else _layouts.local_value
-        with _local_parameters(module, view):
-            return own_forward(module, *inputs, **kwargs)
+        return _run_on_local_parameters(module, self.sum_gradients, own_forward, *inputs, **kwargs)
 
 
 class AttentionHeads(ParallelStyle):
@@ -914,22 +909,22 @@ class AttentionHeads(ParallelStyle):
         return module
 
 
-@contextlib.contextmanager
-def _local_parameters(module: nn.Module, view=None) -> Iterator[None]:
-    """Let ``module``'s own forward see its replicated DTensor parameters as local tensors.
+def _run_on_local_parameters(
+    module: nn.Module, partial: bool, forward, *inputs: Any, **kwargs: Any
+) -> Any:
+    """Run ``forward`` (``module``'s own, unbound) with its DTensor parameters seen as local
+    tensors.
 
-    By default (``view`` :func:`_layouts.partial_local`) the module computes on a shard of
-    the data, so the gradient each rank gets for a parameter is a partial sum: it is
-    labelled so, and summed at the end of backward. :func:`_layouts.local_value` gives
-    the full (replicated) gradient instead.
+    With ``partial`` the module computes on a shard of the data, so the gradient each rank
+    gets for a parameter is a partial sum: it is labelled so, and summed at the end of
+    backward. Without, each rank gets the full (replicated) gradient.
     """
-    view = view or _layouts.partial_local
     params = module._parameters
     module.__dict__["_parameters"] = {
-        name: view(p) if isinstance(p, DTensor) else p for name, p in params.items()
+        name: _layouts.local_parameter(module, name, partial=partial) for name in params
     }
     try:
-        yield
+        return forward(module, *inputs, **kwargs)
     finally:
         module.__dict__["_parameters"] = params
 
