@@ -167,3 +167,28 @@ def _no_grad_reader_first() -> None:
 
 def test_a_reader_without_grad_does_not_cut_the_graph_of_the_next():
     run_distributed(_no_grad_reader_first, 2)
+
+
+class _InPlaceThenTwoReaders(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)  # the readers must see the new values, and the gradient must go through it
+        return self.q(x) + self.k(x)
+
+
+def _in_place_on_a_prepared_input() -> None:
+    torch.manual_seed(0)
+    # the block's input is the replicated DTensor PrepareModuleInput made: its readers use
+    # the local tensor under it directly unless it changed since
+    model = nn.Sequential(nn.Linear(8, 8), _InPlaceThenTwoReaders())
+    prepare = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
+    plan = {"1": prepare, "1.q": ColwiseParallel(), "1.k": ColwiseParallel()}
+    x = torch.randn(2, 4, 8)
+    check_parity(model, _mesh(), plan, (x,), output_placements=Shard(-1))
+
+
+def test_an_in_place_change_of_a_prepared_input_is_differentiated():
+    run_distributed(_in_place_on_a_prepared_input, 2)

@@ -289,8 +289,8 @@ def _partial_local(value: DTensor) -> torch.Tensor:
     if value.is_inference():
         return _LocalOfReplicated.apply(value)  # no version counter to check
     # never share a view made before an in-place change of the DTensor: its graph would miss
-    # the change
-    version = value._local_tensor._version
+    # the change (the DTensor's own version counts it; its local tensor's does not)
+    version = value._version
     cached = value.__dict__.get(_PARTIAL_LOCAL)
     if cached is not None and cached[1] == version:
         return cached[0]
@@ -329,10 +329,10 @@ def _replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     if torch.compiler.is_compiling():
         return DTensor.from_local(local, mesh, (Replicate(),), grad_placements=(Partial(),))
     value = _ReplicatedFromLocal.apply(local, mesh)
-    if torch.is_grad_enabled() and not local.is_inference():
+    if torch.is_grad_enabled() and not value.is_inference():
         # its partial local value (what a column-parallel reader computes with) is ``local``
         # itself: the readers' gradients then reach ``local`` directly, no DTensor between
-        value.__dict__[_PARTIAL_LOCAL] = (local, local._version)
+        value.__dict__[_PARTIAL_LOCAL] = (local, value._version)
     return value
 
 
