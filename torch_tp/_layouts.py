@@ -211,7 +211,9 @@ def enter_replicated(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -
     in sharded).
     """
     if isinstance(value, DTensor):
-        return _partial_local(redistribute(value, Replicate()))
+        if value.placements != _REPLICATED:
+            value = redistribute(value, Replicate())
+        return _partial_local(value)
     if isinstance(layout, Replicate):
         if not value.requires_grad:
             return value  # nothing to gather now, no gradient to reduce later
@@ -222,6 +224,9 @@ def enter_replicated(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -
             value, mesh, dim, lambda: _GatherFromSequenceRegion.apply(value, mesh, dim)
         )
     return _partial_local(redistribute(annotate(value, mesh, layout), Replicate()))
+
+
+_REPLICATED = (Replicate(),)
 
 
 def _shared_entry(value: torch.Tensor, mesh: DeviceMesh, dim: int | None, enter) -> torch.Tensor:
@@ -510,9 +515,9 @@ def local_parameter(module: nn.Module, name: str, *, partial: bool = False) -> t
     node would keep the sequence number of the step that made it, so the engine would run it
     after every node of later steps, and FSDP2's post-backward would find no gradient.)
     """
-    param = getattr(module, name)
+    param = module._parameters.get(name)
     if not isinstance(param, DTensor):
-        return param
+        return getattr(module, name)  # not (or no longer) a DTensor parameter: as it is
     if torch.compiler.is_compiling():
         # compiled graphs have no per-op cost to save (and a compiled backward cannot
         # schedule the reduction of a partial gradient: the parameter's hook does it)

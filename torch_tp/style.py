@@ -341,7 +341,7 @@ class ColwiseParallel(_ShardLinearEmbedding):
         x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
         weight = _layouts.local_parameter(module, "weight")
         y = _project(module, x, weight, _layouts.local_parameter(module, "bias"))
-        return self._leave(y, mesh, (*x.shape[:-1], _out_features(module)))
+        return self._leave(y, mesh, _out_features(module))
 
     def _embedding(
         self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
@@ -353,12 +353,16 @@ class ColwiseParallel(_ShardLinearEmbedding):
             module.padding_idx,
             scale_grad_by_freq=module.scale_grad_by_freq,
         )
-        return self._leave(y, mesh, (*ids.shape, module.embedding_dim))
+        return self._leave(y, mesh, module.embedding_dim)
 
-    def _leave(self, y: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...]) -> torch.Tensor:
-        computed = Shard(y.ndim - 1)
-        layout = _layouts.normalize(self.output_layouts[0], y.ndim)
-        return _layouts.leave(y, mesh, computed, layout, self.use_local_output, torch.Size(shape))
+    def _leave(self, y: torch.Tensor, mesh: DeviceMesh, features: int) -> torch.Tensor:
+        """``y``, computed sharded on its last dim (``features`` in all), as the output."""
+        layout = self.output_layouts[0]
+        if self.use_local_output and type(layout) is Shard and layout.dim in (-1, y.ndim - 1):
+            return y  # the common case: as computed
+        layout = _layouts.normalize(layout, y.ndim)
+        shape = torch.Size((*y.shape[:-1], features))
+        return _layouts.leave(y, mesh, Shard(y.ndim - 1), layout, self.use_local_output, shape)
 
 
 class RowwiseParallel(_ShardLinearEmbedding):
@@ -587,7 +591,7 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
         super()._validate(module, device_mesh)
         self._validate_parts(_out_features(module), "the output features", device_mesh)
 
-    def _leave(self, y: torch.Tensor, mesh: DeviceMesh, shape: tuple[int, ...]) -> torch.Tensor:
+    def _leave(self, y: torch.Tensor, mesh: DeviceMesh, features: int) -> torch.Tensor:
         computed = _StridedShard(y.ndim - 1, split_factor=self.parts)
         if isinstance(self.output_layouts[0], Replicate):
             layout = Replicate()
@@ -595,7 +599,8 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
             return y  # the packed slices, as the module splits them
         else:
             layout = computed
-        return _layouts.leave(y, mesh, computed, layout, self.use_local_output, torch.Size(shape))
+        shape = torch.Size((*y.shape[:-1], features))
+        return _layouts.leave(y, mesh, computed, layout, self.use_local_output, shape)
 
 
 class PackedRowwiseParallel(_Packed, RowwiseParallel):
