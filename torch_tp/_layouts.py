@@ -174,9 +174,28 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 # functional collectives all the same.
 
 
+def _group(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, int]:
+    """A 1-D mesh's process group and size, looked up once per mesh: ``mesh.get_group()``
+    resolves the group by name and ``mesh.size()`` recomputes it from the layout on every
+    call, some microseconds each on every collective."""
+    if torch.compiler.is_compiling():
+        return mesh.get_group(), mesh.size()  # traced once anyway; no Python state
+    key = id(mesh)
+    entry = _GROUPS.get(key)
+    if entry is None or entry[0]() is not mesh:
+        group = mesh.get_group()
+        forget = functools.partial(_GROUPS.pop, key, None)
+        entry = _GROUPS[key] = (weakref.ref(mesh, lambda _: forget()), group, group.size())
+    return entry[1], entry[2]
+
+
+# id(mesh) -> (weak reference to the mesh, its group, its size); an entry goes with its mesh
+_GROUPS: dict[int, tuple[weakref.ref, dist.ProcessGroup, int]] = {}
+
+
 def _all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     out = x.contiguous().clone()  # out of place: autograd may still need x
-    dist.all_reduce(out, group=mesh.get_group())
+    dist.all_reduce(out, group=_group(mesh)[0])
     return out
 
 
@@ -185,10 +204,10 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # before ``dim`` and merge the two. One copy at most, none when ``dim`` leads (or the
     # dims before it have size 1); the result is contiguous either way, once here rather
     # than in every consumer (q, k and v would each copy it, and each save its own copy)
-    n, dim = mesh.size(), dim % x.ndim
+    (group, n), dim = _group(mesh), dim % x.ndim
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=mesh.get_group())
+    dist.all_gather_single(out, x, group=group)
     whole = out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
     return whole.contiguous()
 
@@ -196,10 +215,10 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # c10d scatters along dim 0: bring the ranks' chunks of ``dim`` to the front (one copy,
     # none when ``dim`` leads); this rank's chunk then comes out contiguous
-    n, dim = mesh.size(), dim % x.ndim
+    (group, n), dim = _group(mesh), dim % x.ndim
     chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(chunks.shape[1:])
-    dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=mesh.get_group())
+    dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=group)
     return out
 
 
@@ -590,11 +609,16 @@ def _on_partial_gradient(param: nn.Parameter, grad: torch.Tensor) -> torch.Tenso
             local, mesh, (Partial(),), shape=grad.shape, stride=grad.stride()
         )
     _pending[id(param)] = param
-    # one callback per gradient, not per backward: the first to run reduces everything
-    # pending and the rest find nothing (a flag "already queued" would go stale if a
-    # backward raised before its callbacks ran)
-    Variable._execution_engine.queue_callback(_reduce_pending)
+    # one callback per backward pass (a pass that raised never ran its callbacks; the next
+    # one has another id)
+    task = torch._C._current_graph_task_id()
+    if task != _queued_for[0]:
+        _queued_for[0] = task
+        Variable._execution_engine.queue_callback(_reduce_pending)
     return grad
+
+
+_queued_for = [-1]  # the backward pass whose end reduces the pending gradients
 
 
 def _reduce_pending() -> None:

@@ -753,17 +753,20 @@ class SequenceParallel(_ReplicatedParameters):
             global_shape = x.shape
             x = x.to_local()
         if own_forward is nn.Dropout.forward:
-            # a mask of the local shape would be the same on every rank, and not the
-            # single-device one: draw the full mask and keep this rank's slice
-            out = sequence_parallel_dropout(
-                x,
-                module.p,
-                module.training,
-                module.inplace,
-                device_mesh=mesh,
-                sequence_dim=layout.dim,
-                global_shape=global_shape,
-            )
+            if not module.training or module.p == 0.0:
+                out = x  # the identity, as nn.Dropout's
+            else:
+                # a mask of the local shape would be the same on every rank, and not the
+                # single-device one: draw the full mask and keep this rank's slice
+                out = sequence_parallel_dropout(
+                    x,
+                    module.p,
+                    module.training,
+                    module.inplace,
+                    device_mesh=mesh,
+                    sequence_dim=layout.dim,
+                    global_shape=global_shape,
+                )
         else:
             # the module's own forward, on the local sequence shard: a norm treats every
             # position alike, so the shard's result is the shard of the whole result
