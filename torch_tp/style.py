@@ -427,8 +427,11 @@ class RowwiseParallel(_ShardLinearEmbedding):
         return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
 
     def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
-        layout = _layouts.normalize(self.input_layouts[0], input.ndim)
-        x = _layouts.enter_sharded(input, mesh, layout, self._shard(input.ndim - 1))
+        layout, x = self.input_layouts[0], input
+        last = type(layout) is Shard and layout.dim in (-1, x.ndim - 1)
+        if isinstance(x, DTensor) or not last:  # else the local shard the computation needs
+            layout = _layouts.normalize(layout, x.ndim)
+            x = _layouts.enter_sharded(x, mesh, layout, self._shard(x.ndim - 1))
         partial = _project(module, x, _layouts.local_parameter(module, "weight"), None)
         y = self._reduce(partial, mesh, module)
         if module.bias is None:
@@ -460,7 +463,9 @@ class RowwiseParallel(_ShardLinearEmbedding):
         return self._reduce(y, mesh, module)
 
     def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh, module: nn.Module):
-        layout = _layouts.normalize(self.output_layouts[0], partial.ndim)
+        layout = self.output_layouts[0]
+        if type(layout) is not Replicate:
+            layout = _layouts.normalize(layout, partial.ndim)
         if (
             self.use_local_output
             and isinstance(layout, Shard)
