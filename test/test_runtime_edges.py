@@ -2,7 +2,8 @@
 
 Selective activation checkpointing (saved matmul outputs must stay partial sums), inference
 mode (no version counters), negative sequence dims at module boundaries, an in-place change
-between two readers of one tensor, and the lifetime of a gathered activation.
+between two readers of one tensor or of a prepared (DTensor) input, a reader without grad
+before one with, and the lifetime of a gathered activation.
 """
 
 from __future__ import annotations
@@ -155,10 +156,11 @@ class _NoGradThenGrad(nn.Module):
         return gate * self.k(x)  # then one with
 
 
-def _no_grad_reader_first() -> None:
+def _prepared_block_parity(block: str) -> None:
     torch.manual_seed(0)
-    # ``pre``'s gradient flows through the block's input: only if k's read kept the graph
-    model = nn.Sequential(nn.Linear(8, 8), _NoGradThenGrad())
+    # ``0``'s gradient flows through the block's input, the replicated DTensor
+    # PrepareModuleInput makes, to its readers q and k
+    model = nn.Sequential(nn.Linear(8, 8), globals()[block]())
     prepare = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
     plan = {"1": prepare, "1.q": ColwiseParallel(), "1.k": ColwiseParallel()}
     x = torch.randn(2, 4, 8)
@@ -166,7 +168,8 @@ def _no_grad_reader_first() -> None:
 
 
 def test_a_reader_without_grad_does_not_cut_the_graph_of_the_next():
-    run_distributed(_no_grad_reader_first, 2)
+    # only if k's read kept the graph
+    run_distributed(_prepared_block_parity, 2, "_NoGradThenGrad")
 
 
 class _InPlaceThenTwoReaders(nn.Module):
@@ -179,16 +182,6 @@ class _InPlaceThenTwoReaders(nn.Module):
         return self.q(x) + self.k(x)
 
 
-def _in_place_on_a_prepared_input() -> None:
-    torch.manual_seed(0)
-    # the block's input is the replicated DTensor PrepareModuleInput made: its readers use
-    # the local tensor under it directly unless it changed since
-    model = nn.Sequential(nn.Linear(8, 8), _InPlaceThenTwoReaders())
-    prepare = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
-    plan = {"1": prepare, "1.q": ColwiseParallel(), "1.k": ColwiseParallel()}
-    x = torch.randn(2, 4, 8)
-    check_parity(model, _mesh(), plan, (x,), output_placements=Shard(-1))
-
-
 def test_an_in_place_change_of_a_prepared_input_is_differentiated():
-    run_distributed(_in_place_on_a_prepared_input, 2)
+    # the readers use the local tensor under the DTensor directly, unless it changed since
+    run_distributed(_prepared_block_parity, 2, "_InPlaceThenTwoReaders")
