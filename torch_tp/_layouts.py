@@ -534,9 +534,11 @@ def local_parameter(module: nn.Module, name: str, *, partial: bool = False) -> t
     node would keep the sequence number of the step that made it, so the engine would run it
     after every node of later steps, and FSDP2's post-backward would find no gradient.)
     """
-    param = module._parameters.get(name)
+    params = module._parameters
+    # not registered under its name when parametrized: then the computed tensor
+    param = params[name] if name in params else getattr(module, name)
     if not isinstance(param, DTensor):
-        return getattr(module, name)  # not (or no longer) a DTensor parameter: as it is
+        return param
     if torch.compiler.is_compiling():
         # compiled graphs have no per-op cost to save (and a compiled backward cannot
         # schedule the reduction of a partial gradient: the parameter's hook does it)
