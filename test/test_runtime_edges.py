@@ -3,7 +3,7 @@
 Selective activation checkpointing (saved matmul outputs must stay partial sums), inference
 mode (no version counters), negative sequence dims at module boundaries, an in-place change
 between two readers of one tensor or of a prepared (DTensor) input, a reader without grad
-before one with, and the lifetime of a gathered activation.
+before one with, the lifetime of a gathered activation, and a parametrized weight.
 """
 
 from __future__ import annotations
@@ -185,3 +185,29 @@ class _InPlaceThenTwoReaders(nn.Module):
 def test_an_in_place_change_of_a_prepared_input_is_differentiated():
     # the readers use the local tensor under the DTensor directly, unless it changed since
     run_distributed(_prepared_block_parity, 2, "_InPlaceThenTwoReaders")
+
+
+class _Double(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2
+
+
+def _parametrized_weight() -> None:
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model, reference = nn.Linear(8, 8), nn.Linear(8, 8)
+    reference.load_state_dict(model.state_dict())
+    parallelize_module(model, _mesh(), ColwiseParallel(output_layouts=Replicate()))
+    for m in (model, reference):  # the weight is then computed, not registered as "weight"
+        parametrize.register_parametrization(m, "weight", _Double())
+    x = torch.randn(2, 4, 8)
+    assert_close(model(x), reference(x))
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    original = model.parametrizations.weight.original
+    assert_close(original.grad.full_tensor(), reference.parametrizations.weight.original.grad)
+
+
+def test_a_parametrized_weight_is_read_as_computed():
+    run_distributed(_parametrized_weight, 2)
