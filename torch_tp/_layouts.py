@@ -174,28 +174,28 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
 # functional collectives all the same.
 
 
-def _group(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, int]:
-    """A 1-D mesh's process group and size, looked up once per mesh: ``mesh.get_group()``
-    resolves the group by name and ``mesh.size()`` recomputes it from the layout on every
-    call, some microseconds each on every collective."""
+def _size(mesh: DeviceMesh) -> int:
+    """``mesh.size()`` of a 1-D mesh, computed once per mesh (torch recomputes it from the
+    mesh's layout on every call, some microseconds on every collective). Only the size is
+    kept: a process group held here would outlive ``destroy_process_group`` and be torn down
+    at interpreter exit, which can abort the process."""
     if torch.compiler.is_compiling():
-        return mesh.get_group(), mesh.size()  # traced once anyway; no Python state
+        return mesh.size()  # traced once anyway; no Python state
     key = id(mesh)
-    entry = _GROUPS.get(key)
+    entry = _SIZES.get(key)
     if entry is None or entry[0]() is not mesh:
-        group = mesh.get_group()
-        forget = functools.partial(_GROUPS.pop, key, None)
-        entry = _GROUPS[key] = (weakref.ref(mesh, lambda _: forget()), group, group.size())
-    return entry[1], entry[2]
+        forget = functools.partial(_SIZES.pop, key, None)
+        entry = _SIZES[key] = (weakref.ref(mesh, lambda _: forget()), mesh.size())
+    return entry[1]
 
 
-# id(mesh) -> (weak reference to the mesh, its group, its size); an entry goes with its mesh
-_GROUPS: dict[int, tuple[weakref.ref, dist.ProcessGroup, int]] = {}
+# id(mesh) -> (weak reference to the mesh, its size); an entry goes with its mesh
+_SIZES: dict[int, tuple[weakref.ref, int]] = {}
 
 
 def _all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     out = x.contiguous().clone()  # out of place: autograd may still need x
-    dist.all_reduce(out, group=_group(mesh)[0])
+    dist.all_reduce(out, group=mesh.get_group())
     return out
 
 
@@ -204,10 +204,10 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # before ``dim`` and merge the two. One copy at most, none when ``dim`` leads (or the
     # dims before it have size 1); the result is contiguous either way, once here rather
     # than in every consumer (q, k and v would each copy it, and each save its own copy)
-    (group, n), dim = _group(mesh), dim % x.ndim
+    n, dim = _size(mesh), dim % x.ndim
     x = x.contiguous()
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)
+    dist.all_gather_single(out, x, group=mesh.get_group())
     whole = out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
     return whole.contiguous()
 
@@ -215,10 +215,10 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # c10d scatters along dim 0: bring the ranks' chunks of ``dim`` to the front (one copy,
     # none when ``dim`` leads); this rank's chunk then comes out contiguous
-    (group, n), dim = _group(mesh), dim % x.ndim
+    n, dim = _size(mesh), dim % x.ndim
     chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(chunks.shape[1:])
-    dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=group)
+    dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=mesh.get_group())
     return out
 
 
