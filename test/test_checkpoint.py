@@ -7,9 +7,11 @@ training continues with the losses of the run that never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -113,9 +115,9 @@ def test_full_state_dict(dp, tp, sequence_parallel):
 
 
 class _SliceSpy:
-    """Wraps safe_open: counts the elements each read returns."""
+    """Wraps safe_open: records the elements of every read, per tensor name."""
 
-    read = 0
+    reads: dict[str, list[int]] = {}
 
     def __init__(self, real):
         self._real = real
@@ -132,7 +134,7 @@ class _SliceSpy:
 
     def get_tensor(self, name):
         out = self._real.get_tensor(name)
-        _SliceSpy.read += out.numel()
+        _SliceSpy.reads.setdefault(name, []).append(out.numel())
         return out
 
     def get_slice(self, name):
@@ -144,14 +146,24 @@ class _SliceSpy:
 
             def __getitem__(self, index):
                 out = real[index]
-                _SliceSpy.read += out.numel()
+                _SliceSpy.reads.setdefault(name, []).append(out.numel())
                 return out
 
         return Slice()
 
 
-def _load_full(path: str, dp: int, tp: int, sequence_parallel: bool) -> None:
+@contextlib.contextmanager
+def safetensors_reads() -> Iterator[dict[str, list[int]]]:
+    """The elements of every safetensors read inside the block, per tensor name."""
     import safetensors
+
+    real_open = safetensors.safe_open
+    _SliceSpy.reads = {}
+    with mock.patch.object(safetensors, "safe_open", lambda *a, **k: _SliceSpy(real_open(*a, **k))):
+        yield _SliceSpy.reads
+
+
+def _load_full(path: str, dp: int, tp: int, sequence_parallel: bool) -> None:
 
     reference = _reference()
     expected = reference.state_dict()
@@ -164,16 +176,15 @@ def _load_full(path: str, dp: int, tp: int, sequence_parallel: bool) -> None:
 
     # from the file: each rank reads only its own slices
     model = _meta_model(dp, tp, sequence_parallel)
-    real_open = safetensors.safe_open
-    _SliceSpy.read = 0
-    with mock.patch.object(safetensors, "safe_open", lambda *a, **k: _SliceSpy(real_open(*a, **k))):
+    with safetensors_reads() as reads:
         result = checkpoint.load_full_state_dict(model, path)
     assert result.missing_keys == [] and result.unexpected_keys == []
     local = sum(
         v.to_local().numel() if isinstance(v, DTensor) else v.numel()
         for v in model.state_dict().values()
     )
-    assert _SliceSpy.read == local, (_SliceSpy.read, local)
+    read = sum(sum(sizes) for sizes in reads.values())
+    assert read == local, (read, local)
     check(model)
 
     # from a dict every rank holds, and from rank 0 only

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from test_checkpoint import safetensors_reads
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -147,46 +147,7 @@ def _assert_shards(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------ full state dicts
 
 
-class _ReadSpy:
-    """Wraps safe_open: records the elements of every slice read, per tensor."""
-
-    reads: dict[str, list[int]] = {}
-
-    def __init__(self, real):
-        self._real = real
-
-    def __enter__(self):
-        self._real.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._real.__exit__(*exc)
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def get_tensor(self, name):
-        out = self._real.get_tensor(name)
-        _ReadSpy.reads.setdefault(name, []).append(out.numel())
-        return out
-
-    def get_slice(self, name):
-        real = self._real.get_slice(name)
-
-        class Slice:
-            def get_shape(self):
-                return real.get_shape()
-
-            def __getitem__(self, index):
-                out = real[index]
-                _ReadSpy.reads.setdefault(name, []).append(out.numel())
-                return out
-
-        return Slice()
-
-
 def _full_state_dicts(path: str) -> None:
-    import safetensors
 
     reference = _model()
     expected = reference.state_dict()
@@ -216,17 +177,15 @@ def _full_state_dicts(path: str) -> None:
 
     # from a file: one slice per part of a packed tensor, nothing beyond the shard
     model = _tp(seed=1)
-    real_open = safetensors.safe_open
-    _ReadSpy.reads = {}
-    with mock.patch.object(safetensors, "safe_open", lambda *a, **k: _ReadSpy(real_open(*a, **k))):
+    with safetensors_reads() as reads:
         checkpoint.load_full_state_dict(model, path)
     check(model)
     for name, value in model.state_dict().items():
         local = value.to_local() if isinstance(value, DTensor) else value
-        assert sum(_ReadSpy.reads[name]) == local.numel(), (name, _ReadSpy.reads[name])
+        assert sum(reads[name]) == local.numel(), (name, reads[name])
         if name in PACKED:
             parts = 3 if "c_attn" in name else 2
-            assert len(_ReadSpy.reads[name]) == parts, (name, _ReadSpy.reads[name])
+            assert len(reads[name]) == parts, (name, reads[name])
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
