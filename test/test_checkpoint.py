@@ -144,6 +144,9 @@ class _SliceSpy:
             def get_shape(self):
                 return real.get_shape()
 
+            def get_dtype(self):
+                return real.get_dtype()
+
             def __getitem__(self, index):
                 out = real[index]
                 _SliceSpy.reads.setdefault(name, []).append(out.numel())
@@ -372,9 +375,14 @@ def _failed_save(ckpt_dir: str) -> None:
         return out
 
     with mock.patch.object(dcp.FileSystemWriter, "write_data", crash):
-        # DCP raises the same CheckpointException (a BaseException) on every rank
-        with pytest.raises(dcp.api.CheckpointException, match="disk full"):
+        # DCP raises its CheckpointException (a BaseException) on every rank; torch_tp
+        # turns it into an Exception that says what was lost: nothing
+        with pytest.raises(checkpoint.CheckpointError, match="disk full") as info:
             checkpoint.save(ckpt_dir, model, optim, step=2)
+    assert isinstance(info.value, Exception)
+    assert isinstance(info.value.__cause__, dcp.api.CheckpointException)
+    assert "latest complete checkpoint" in str(info.value)
+    assert "is step 1, intact" in str(info.value)
     assert checkpoint.latest_step(ckpt_dir) == 1
     assert (Path(ckpt_dir) / "step-2.partial").is_dir()
 
@@ -397,7 +405,12 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
 def test_load_without_checkpoint(tmp_path):
     model = _reference()
     assert checkpoint.latest_step(tmp_path / "nothing") is None
-    assert checkpoint.load(tmp_path / "nothing", model) is None
+    # a mistyped directory is an error, not a silent fresh start ...
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        checkpoint.load(tmp_path / "nothing", model)
+    # ... while an existing one with no checkpoint yet is a fresh start
+    (tmp_path / "empty").mkdir()
+    assert checkpoint.load(tmp_path / "empty", model) is None
     with pytest.raises(ValueError, match="step"):
         checkpoint.save(tmp_path, model, step=-1)
     # the model alone, in one process without a process group
@@ -410,7 +423,14 @@ def test_load_without_checkpoint(tmp_path):
 # ------------------------------------------------------------------------- peak memory
 
 # 112 MB of float32 weights; on 4 TP ranks a shard is 28 MB and the largest tensor 32 MB
-BIG = {"dim": 512, "n_layers": 4, "n_heads": 8, "vocab_size": 16384, "max_seq_len": 64}
+BIG = {
+    "dim": 512,
+    "n_layers": 4,
+    "n_heads": 8,
+    "n_kv_heads": 4,
+    "vocab_size": 16384,
+    "max_seq_len": 64,
+}
 
 
 def _memory() -> dict[str, float]:

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 from torch.distributed.tensor import empty as dtensor_empty
@@ -51,6 +54,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch_tp import random as tp_random
 
 __all__ = [
+    "CheckpointError",
     "full_state_dict",
     "latest_step",
     "load",
@@ -127,7 +131,7 @@ def load_full_state_dict(
     strict: bool = True,
     broadcast_from_rank0: bool = False,
 ) -> _IncompatibleKeys:
-    """Load a full (single-device) state dict into a TP or 2-D model.
+    """Load a full (single-device) state dict into a TP or 2-D model, all or nothing.
 
     Each rank copies only its own slice of each tensor into its shard; nothing is
     redistributed afterwards. The source is one of:
@@ -139,11 +143,19 @@ def load_full_state_dict(
     * a dict on rank 0 only, with ``broadcast_from_rank0=True``: rank 0 broadcasts one
       tensor at a time and the other ranks may pass ``None``.
 
-    Before anything is copied, the names and the global shapes are checked against the
-    model: missing and unexpected keys (with ``strict``) and any shape mismatch raise
-    ``RuntimeError`` naming every key at fault, and the model is left unchanged. Values are
-    converted to each parameter's dtype. The model may have been built on the meta device
-    and materialized with ``model.to_empty(device=...)``.
+    A load either completes or changes nothing. The names, the global shapes and the dtypes
+    (readable, and convertible to the parameter's) are checked against the model first;
+    then each rank reads its slices into staging buffers (as much memory as its shard);
+    the ranks agree that every one of them read everything (one small collective); and
+    only then are the buffers copied into the model, each freed as soon as it is copied.
+    Any failure raises on every rank, and the model is left bit-identical. Values are
+    converted to each parameter's dtype; a lossy conversion (e.g. integer to floating
+    point, ``float64`` to ``float16``) warns once per call, naming the keys. The model may
+    have been built on the meta device and materialized with ``model.to_empty(...)``.
+
+    With a process group, a model holding DTensors must be loaded on every rank (the
+    agreement is a collective over the default group); a model without DTensors is
+    loaded by each rank on its own.
 
     Args:
         model (:class:`nn.Module`): the parallelized model (and possibly FSDP2-sharded).
@@ -162,13 +174,18 @@ def load_full_state_dict(
         :meth:`nn.Module.load_state_dict` returns.
 
     Raises:
-        RuntimeError: missing or unexpected keys (with ``strict``), or shape mismatches.
+        CheckpointError: missing or unexpected keys (with ``strict``), shape mismatches,
+            dtypes that cannot be read or converted, a file that is not a readable
+            ``safetensors`` file, or a read that failed; the message names the file and
+            every offending key. It derives from ``RuntimeError``.
         TypeError: ``state_dict`` is neither a mapping nor a path, or holds non-tensors.
         FileNotFoundError: ``state_dict`` is a path with no file.
         NotImplementedError: a parameter whose local shard is not one block of the whole
             tensor (e.g. ``Partial``), or a packed parameter under FSDP2. A packed
             parameter on a 1-D mesh is loaded exactly: its shard is one block per part
             (one ``get_slice`` read each from a ``safetensors`` file).
+
+        Each is raised on every rank (the same exception), with the model unchanged.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -181,78 +198,150 @@ def load_full_state_dict(
     targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
     _refuse_packed_on_nd_mesh(targets)  # on every rank, before any communication
     if broadcast_from_rank0:
-        return _load_broadcast(model, targets, state_dict, strict)
-    source = _Source(state_dict)
-    result = _check_keys(model, targets, source.shapes, strict)
-    with torch.no_grad():
-        for name, target in targets.items():
-            if name not in source.shapes:
-                continue
-            if isinstance(target, DTensor):
-                source.copy_to(name, _local_pieces(name, target), target.to_local())
-            else:
-                source.copy_to(name, None, target)
+        result, staged = _stage_broadcast(model, targets, state_dict, strict)
+    else:
+        result, staged, error = None, {}, None
+        try:
+            source = _Source(state_dict)
+            result = _check_keys(model, targets, source, strict)
+            staged = _stage_local(source, targets, result)
+        except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+            error = exc
+        if _distributed() and any(isinstance(t, DTensor) for t in targets.values()):
+            _agree(error, _load_failed("loading a full state dict"))
+        elif error is not None:
+            raise error
+    _copy_staged(targets, staged)
     return result
 
 
-def _load_broadcast(
+def _stage_local(
+    source: _Source, targets: Mapping[str, Tensor], result: _IncompatibleKeys
+) -> dict[str, Tensor]:
+    """Read this rank's part of every present tensor into new buffers; raise naming every
+    tensor that could not be read."""
+    staged: dict[str, Tensor] = {}
+    failed: list[str] = []
+    skip = set(result.missing_keys)
+    for name, target in targets.items():
+        if name in skip:
+            continue
+        local = target.to_local() if isinstance(target, DTensor) else target
+        buffer = torch.empty_like(local)
+        pieces = _local_pieces(name, target) if isinstance(target, DTensor) else None
+        try:
+            source.copy_to(name, pieces, buffer)
+        except Exception as exc:  # noqa: BLE001 - collected, raised below with every key
+            failed.append(f"{name!r}: {_first_line(exc)}")
+            continue
+        staged[name] = buffer
+    if failed:
+        raise CheckpointError(
+            f"could not read from {source.description}: " + "; ".join(failed) + ". The "
+            "model is unchanged."
+        )
+    return staged
+
+
+def _copy_staged(targets: Mapping[str, Tensor], staged: dict[str, Tensor]) -> None:
+    """Copy every staged buffer into the model, freeing each once copied (so that the
+    peak stays near one copy of the shard when the model's memory is untouched)."""
+    with torch.no_grad():
+        for name in list(staged):
+            target = targets[name]
+            local = target.to_local() if isinstance(target, DTensor) else target
+            local.copy_(staged.pop(name))
+
+
+def _stage_broadcast(
     model: nn.Module,
     targets: dict[str, Tensor],
     state_dict: Mapping[str, Tensor] | str | os.PathLike | None,
     strict: bool,
-) -> _IncompatibleKeys:
+) -> tuple[_IncompatibleKeys, dict[str, Tensor]]:
     rank = _rank()
     # rank 0 opens and checks; every rank then raises the same error, or none does
     verdict: list[Any] = [None]
     if rank == 0:
         try:
             source = _Source(state_dict)
-            verdict[0] = _check_keys(model, targets, source.shapes, strict)
+            verdict[0] = tuple(_check_keys(model, targets, source, strict))
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
             verdict[0] = exc
     if _distributed():
         try:
             dist.broadcast_object_list(verdict, src=0)
         except Exception:  # an exception that does not pickle: send its message
-            verdict = [RuntimeError(str(verdict[0]))] if rank == 0 else [None]
+            verdict = [CheckpointError(str(verdict[0]))] if rank == 0 else [None]
             dist.broadcast_object_list(verdict, src=0)
     if isinstance(verdict[0], BaseException):
         raise verdict[0]
     result = _IncompatibleKeys(*verdict[0])
     present = set(targets) - set(result.missing_keys)
-    with torch.no_grad():
-        for name, target in targets.items():
-            if name not in present:
-                continue
-            local = target.to_local() if isinstance(target, DTensor) else target
-            if rank == 0:
+    # Rank 0 reads and broadcasts one whole tensor at a time. A read that fails on rank 0
+    # must not leave the others waiting in a broadcast: rank 0 keeps the protocol going
+    # (broadcasting empty buffers) and the failure is agreed on at the end.
+    error: Exception | None = None
+    staged: dict[str, Tensor] = {}
+    what = "loading a full state dict broadcast from rank 0"
+    for name, target in targets.items():
+        if name not in present:
+            continue
+        local = target.to_local() if isinstance(target, DTensor) else target
+        full = None
+        if rank == 0 and error is None:
+            try:
                 full = source.read(name).to(device=local.device, dtype=local.dtype)
-            else:
-                full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
-            if _distributed():
-                dist.broadcast(full, src=0)  # one whole tensor at a time
-            if isinstance(target, DTensor):
-                for whole, mine in _local_pieces(name, target):
-                    local[mine].copy_(full[whole])
-            else:
-                local.copy_(full)
-            del full
-    return result
+            except Exception as exc:  # noqa: BLE001 - agreed on below
+                error = CheckpointError(
+                    f"could not read {name!r} from {source.description}: {_first_line(exc)}. "
+                    "The model is unchanged."
+                )
+        if full is None:
+            full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
+        if _distributed():
+            # one whole tensor at a time
+            _checked_collective(dist.broadcast, full, src=0, failed=_load_failed(what))
+        buffer = torch.empty_like(local)
+        if isinstance(target, DTensor):
+            for whole, mine in _local_pieces(name, target):
+                buffer[mine].copy_(full[whole])
+        else:
+            buffer.copy_(full)
+        staged[name] = buffer
+        del full
+    if _distributed():
+        _agree(error, _load_failed(what))
+    elif error is not None:
+        raise error
+    return result, staged
 
 
 def _check_keys(
-    model: nn.Module,
-    targets: Mapping[str, Tensor],
-    shapes: Mapping[str, tuple[int, ...]],
-    strict: bool,
+    model: nn.Module, targets: Mapping[str, Tensor], source: _Source, strict: bool
 ) -> _IncompatibleKeys:
+    """Compare the names, shapes and dtypes of ``source`` with the model's; raise naming
+    every key at fault, warn once for lossy conversions."""
+    shapes = source.shapes
     missing = [name for name in targets if name not in shapes]
     unexpected = [name for name in shapes if name not in targets]
-    mismatched = [
-        f"{name}: the checkpoint has shape {list(shapes[name])}, the model {list(target.shape)}"
-        for name, target in targets.items()
-        if name in shapes and tuple(shapes[name]) != tuple(target.shape)
-    ]
+    mismatched, unreadable, lossy = [], [], []
+    for name, target in targets.items():
+        if name not in shapes:
+            continue
+        if tuple(shapes[name]) != tuple(target.shape):
+            mismatched.append(
+                f"{name}: the checkpoint has shape {list(shapes[name])}, the model "
+                f"{list(target.shape)}"
+            )
+            continue
+        dtype = source.dtypes[name]
+        if isinstance(dtype, str):
+            unreadable.append(f"{name}: dtype {dtype!r} cannot be read by this torch")
+        elif not _convertible(dtype, target.dtype):
+            unreadable.append(f"{name}: {dtype} cannot be converted to {target.dtype}")
+        elif _lossy(dtype, target.dtype):
+            lossy.append(f"{name} ({dtype} to {target.dtype})")
     errors = []
     if strict and missing:
         errors.append("Missing key(s) in state_dict: " + ", ".join(map(repr, missing)) + ".")
@@ -260,12 +349,46 @@ def _check_keys(
         errors.append("Unexpected key(s) in state_dict: " + ", ".join(map(repr, unexpected)) + ".")
     if mismatched:
         errors.append("Size mismatch: " + "; ".join(mismatched) + ".")
+    if unreadable:
+        errors.append("Unreadable dtype: " + "; ".join(unreadable) + ".")
     if errors:
-        raise RuntimeError(
-            f"Error(s) in loading the full state dict into {type(model).__name__}:\n\t"
-            + "\n\t".join(errors)
+        raise CheckpointError(
+            f"Error(s) in loading {source.description} into {type(model).__name__} "
+            "(the model is unchanged):\n\t" + "\n\t".join(errors)
+        )
+    if lossy:
+        warnings.warn(
+            f"loading {source.description} converts with a loss of precision or range: "
+            + ", ".join(lossy),
+            stacklevel=3,
         )
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    try:
+        torch.empty(1, dtype=src).to(dst)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _lossy(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether converting ``src`` values to ``dst`` can lose precision or range."""
+    if src == dst or src == torch.bool:
+        return False
+    if dst == torch.bool or (src.is_complex and not dst.is_complex):
+        return True
+    if not (src.is_floating_point or src.is_complex):  # integers
+        if dst.is_floating_point or dst.is_complex:
+            return True  # large integers do not survive
+        s, d = torch.iinfo(src), torch.iinfo(dst)
+        return d.min > s.min or d.max < s.max
+    if not (dst.is_floating_point or dst.is_complex):
+        return True  # floating point to integer
+    s = torch.finfo(src.to_real() if src.is_complex else src)
+    d = torch.finfo(dst.to_real() if dst.is_complex else dst)
+    return d.eps > s.eps or d.max < s.max or d.tiny > s.tiny
 
 
 # A piece: a region of the whole tensor and the region of the local shard it is copied to.
@@ -379,27 +502,63 @@ def _dtensors(state: Any, path: str = "") -> Iterator[tuple[str, DTensor]]:
             yield from _dtensors(value, f"{path}.{i}" if path else str(i))
 
 
+# The dtype names of the safetensors format, as torch reads them.
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
 class _Source:
     """A full state dict to read from: a mapping of tensors or a safetensors file.
 
-    ``shapes`` (name to shape) is known up front; only the file's header is read for it.
+    ``shapes`` and ``dtypes`` (by name) are known up front; only the file's header is read
+    for them. A dtype this torch cannot read is kept as the file's name for it (a ``str``).
     """
 
     def __init__(self, state_dict: Mapping[str, Tensor] | str | os.PathLike | None) -> None:
         self._dict: Mapping[str, Tensor] | None = None
         self._path: Path | None = None
+        self.dtypes: dict[str, torch.dtype | str]
         if isinstance(state_dict, (str, os.PathLike)):
             self._path = Path(state_dict)
+            self.description = f"the safetensors file {str(self._path)!r}"
             if not self._path.is_file():
                 raise FileNotFoundError(f"no safetensors file at {str(self._path)!r}")
-            with self._open() as file:  # a file that is not safetensors fails here
-                self.shapes = {n: tuple(file.get_slice(n).get_shape()) for n in file.keys()}
+            try:
+                with self._open() as file:  # a file that is not safetensors fails here
+                    slices = {n: file.get_slice(n) for n in file.keys()}
+                    self.shapes = {n: tuple(s.get_shape()) for n, s in slices.items()}
+                    self.dtypes = {
+                        n: _SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype())
+                        for n, s in slices.items()
+                    }
+            except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
+                raise CheckpointError(
+                    f"{str(self._path)!r} is not a readable safetensors file: {_first_line(exc)}"
+                ) from exc
         elif isinstance(state_dict, Mapping):
+            self.description = "the state dict"
             bad = [k for k, v in state_dict.items() if not isinstance(v, Tensor)]
             if bad:
                 raise TypeError(f"the full state dict must hold tensors, found others at {bad}")
             self._dict = state_dict
             self.shapes = {n: tuple(t.shape) for n, t in state_dict.items()}
+            self.dtypes = {n: t.dtype for n, t in state_dict.items()}
         else:
             raise TypeError(
                 "state_dict must be a mapping of tensors or the path of a .safetensors file, "
@@ -444,6 +603,86 @@ class _Source:
             return file.get_tensor(name).clone()
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded.
+
+    Raised on every rank, with a message that names the files and every offending key.
+    Unlike DCP's ``CheckpointException`` (a ``BaseException``), ``except Exception``
+    catches it; DCP's exception, when there is one, is its ``__cause__``. A failed save
+    never removes the previous checkpoint; a failed load leaves the model and optimizer
+    as they were.
+    """
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, at most 500 characters (a DCP exception holds
+    every rank's traceback; only its first failure is worth repeating)."""
+    if isinstance(exc, dcp.api.CheckpointException) and exc.failures:
+        rank, (inner, _) = next(iter(sorted(exc.failures.items())))
+        return f"on rank {rank}, {_first_line(inner)}"
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return line if len(line) <= 500 else line[:500] + "..."
+
+
+def _agree(error: Exception | None, failed: Callable[[str], str]) -> None:
+    """Raise, on every rank, the first rank's error if any rank has one (one small
+    collective over the default group). On the rank that failed the original exception is
+    raised, elsewhere a copy of it (or a :class:`CheckpointError` with its message when it
+    does not pickle). ``failed(cause)`` words the error if the collective itself fails."""
+    if not _distributed():
+        if error is not None:
+            raise error
+        return
+    mine: Exception | None = None
+    if error is not None:
+        mine = error
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:  # noqa: BLE001 - send what can be sent
+            mine = CheckpointError(f"{type(error).__name__}: {error}")
+    errors: list[Any] = [None] * dist.get_world_size()
+    _checked_collective(dist.all_gather_object, errors, mine, failed=failed)
+    if error is not None:
+        raise error
+    for other in errors:
+        if other is not None:
+            raise other
+
+
+def _checked_collective(
+    collective: Callable[..., Any], *args: Any, failed: Callable[[str], str], **kwargs: Any
+) -> Any:
+    """Run a collective of a save or load; if it fails (a rank died, the network broke),
+    tear the process group down and raise :class:`CheckpointError` (``failed(cause)``).
+
+    A failed collective means the process group can no longer be trusted. On gloo, the
+    ranks blocked on the dead one see its connections close and fail at once, but a rank
+    blocked on a *survivor* would wait for the group's timeout (30 minutes by default):
+    destroying the group here closes this rank's connections too, so every rank fails
+    within seconds instead. (NCCL detects the failure through its own watchdog and
+    timeout.) The job cannot continue on that group anyway: restart it, and resume from
+    the last complete checkpoint.
+    """
+    try:
+        return collective(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure of the collective itself
+        _tear_down_process_group()
+        raise CheckpointError(failed(_collective_failure(exc))) from exc
+
+
+def _collective_failure(exc: BaseException) -> str:
+    return (
+        f"a collective failed, so a rank has probably died ({_first_line(exc)}); the process "
+        "group was destroyed so that no rank waits for it forever: restart the job"
+    )
+
+
+def _tear_down_process_group() -> None:
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
 def _single_device_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
@@ -461,7 +700,8 @@ def _rank() -> int:
 # ------------------------------------------------------------------------------------------
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_PARTIAL = ".partial"
+_PARTIAL = ".partial"  # a save in progress, or one that failed: never read
+_OLD = ".old"  # the previous checkpoint of a step being saved again, until the new one is in
 
 
 def save(
@@ -473,14 +713,25 @@ def save(
 ) -> Path:
     """Save a distributed checkpoint of the model, the optimizer and the RNG streams.
 
-    Every rank writes its own shards in parallel (:func:`torch.distributed.checkpoint.save`)
-    into ``checkpoint_dir/step-<step>.partial``; when all ranks are done, rank 0 renames it to
-    ``checkpoint_dir/step-<step>``. A save that fails (an exception on any rank, a crash)
-    leaves only a ``.partial`` directory, which :func:`load` and :func:`latest_step` ignore:
-    the previous checkpoint stays the latest. The RNG streams (the default generator and
-    the tensor-parallel stream of :mod:`torch_tp.random`) are saved per rank when a tracker
-    is installed. Must be called on every rank. ``checkpoint_dir`` must be one directory
-    shared by all ranks (one filesystem).
+    Every rank writes its own shards in parallel (:func:`torch.distributed.checkpoint.save`,
+    each file flushed and fsynced) into ``checkpoint_dir/step-<step>.partial``. When every
+    rank is done, rank 0 fsyncs the directory and publishes it with one atomic rename to
+    ``checkpoint_dir/step-<step>``. Saving a step that already exists moves the old one
+    aside to ``step-<step>.old`` first and deletes it only once the new one is published;
+    :func:`load` and :func:`latest_step` read ``step-<step>.old`` while ``step-<step>`` is
+    missing, and the next save restores or deletes it. So a crash at any point (a rank
+    killed while writing, during the renames, between saves) leaves the previous or the new
+    checkpoint loadable, never neither.
+
+    A save that fails raises :class:`CheckpointError` on every rank, saying what failed and
+    which step is the latest complete one (the previous checkpoint is intact). When a rank
+    dies mid-save the others see a failed collective: they destroy the process group (so
+    that none waits for the dead rank forever) and raise; the job must be restarted.
+
+    The RNG streams (the default generator and the tensor-parallel stream of
+    :mod:`torch_tp.random`) are saved per rank when a tracker is installed. Must be called
+    on every rank. ``checkpoint_dir`` must be one directory shared by all ranks (one
+    filesystem).
 
     A packed parameter (and its optimizer state) is saved as the plain ``Shard`` DTensor
     with the same global value, so the checkpoint holds the single-device tensor and loads on
@@ -500,6 +751,9 @@ def save(
         The path of the completed checkpoint.
 
     Raises:
+        CheckpointError: the save failed on some rank (raised on every rank); the previous
+            checkpoint is intact.
+        ValueError: ``step`` is not a non-negative int.
         NotImplementedError: a packed parameter under FSDP2 (nothing is written).
 
     Example::
@@ -513,10 +767,16 @@ def save(
     final = root / f"step-{step}"
     partial = root / f"step-{step}{_PARTIAL}"
     _refuse_packed_on_nd_mesh(model.state_dict())  # before anything is written
+    what = f"saving step {step} to {str(final)!r}"
+    error = None
     if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # the leftover of a failed save
-    _barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _recover(root)
+            shutil.rmtree(partial, ignore_errors=True)  # the leftover of a failed save
+        except OSError as exc:
+            error = CheckpointError(_save_failed(what, root, f"cannot prepare it: {exc}"))
+    _agree(error, lambda cause: _save_failed(what, root, cause))
     model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
@@ -526,15 +786,99 @@ def save(
     rng = _rng_state()
     if rng is not None:
         state["rng"] = rng
-    with _single_process_is_intended():
-        dcp.save(state, checkpoint_id=partial, no_dist=not _distributed())
-    _barrier()  # every rank's shards are on disk (dcp.save wrote the metadata last)
+    try:
+        with _single_process_is_intended():
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+                no_dist=not _distributed(),
+            )
+    except dcp.api.CheckpointException as exc:  # DCP raises it on every rank
+        raise CheckpointError(_save_failed(what, root, _first_line(exc))) from exc
+    except Exception as exc:  # noqa: BLE001 - a failed collective: a rank is gone
+        if not _distributed():
+            raise CheckpointError(_save_failed(what, root, _first_line(exc))) from exc
+        _tear_down_process_group()
+        raise CheckpointError(_save_failed(what, root, _collective_failure(exc))) from exc
     if _rank() == 0:
-        if final.exists():  # saving the same step again: the new one wins
-            shutil.rmtree(final)
-        partial.rename(final)
-    _barrier()
+        try:
+            _publish(partial, final, root / f"step-{step}{_OLD}")
+        except OSError as exc:
+            error = CheckpointError(_save_failed(what, root, f"publishing it: {exc}"))
+    _agree(error, lambda cause: _save_failed(what, root, cause))
     return final
+
+
+def _save_failed(what: str, root: Path, cause: str) -> str:
+    latest = latest_step(root)
+    kept = (
+        f"the latest complete checkpoint in {str(root)!r} is step {latest}, intact"
+        if latest is not None
+        else f"there is no complete checkpoint in {str(root)!r} (there was none before)"
+    )
+    return f"{what} failed: {cause}. Nothing was lost: {kept}."
+
+
+def _publish(partial: Path, final: Path, old: Path) -> None:
+    """Make the complete checkpoint in ``partial`` visible as ``final`` (rank 0 only).
+
+    Every step is atomic and made durable before the next: a crash between two of them
+    leaves ``final``, or ``old`` with ``final`` missing, complete on disk.
+    """
+    _fsync_dir(partial)  # the entries of the files every rank wrote (and fsynced)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        _fsync_dir(final.parent)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover(root: Path) -> None:
+    """Finish what a save that crashed while publishing left (rank 0, before a save): an
+    old checkpoint whose replacement never arrived goes back in place; one whose
+    replacement did is deleted."""
+    for entry in root.iterdir():
+        if not entry.name.endswith(_OLD):
+            continue
+        match = _STEP_DIR.match(entry.name[: -len(_OLD)])
+        if match is None:
+            continue
+        final = root / match.group(0)
+        if _complete(final):
+            shutil.rmtree(entry)
+        elif not final.exists() and _complete(entry):
+            os.rename(entry, final)
+            _fsync_dir(root)
+
+
+def _complete(path: Path) -> bool:
+    # DCP writes .metadata last, fsynced, by renaming a temporary file into place
+    return (path / ".metadata").is_file()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable (where the platform allows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _step_dir(root: Path, step: int) -> Path | None:
+    """The complete checkpoint of ``step``: ``step-<step>``, or, while a save of the same
+    step is being published (or crashed while publishing), the ``.old`` one it replaces."""
+    for path in (root / f"step-{step}", root / f"step-{step}{_OLD}"):
+        if _complete(path):
+            return path
+    return None
 
 
 def load(
@@ -544,13 +888,22 @@ def load(
     *,
     step: int | None = None,
     rng: bool = True,
+    strict: bool = True,
 ) -> int | None:
-    """Load a checkpoint written by :func:`save`, on any layout.
+    """Load a checkpoint written by :func:`save`, on any layout, all or nothing.
 
     The model (and optimizer) may be laid out differently from when it was saved: another
     tensor-parallel size, with or without FSDP2, or a single device. DCP reads each rank's
     new shards from the saved ones. The optimizer must hold the model's parameters (its
     state is created if it has none yet).
+
+    A load either completes or changes nothing. The checkpoint's metadata is checked
+    against the model and optimizer first (names, global shapes, dtypes, and that every
+    data file holds the bytes the metadata points at); every rank then reads into staging
+    tensors (as much memory again as its shards of the model and optimizer state); and only
+    when every rank has read everything are the model, the optimizer and the RNG streams
+    updated. Any failure raises on every rank and leaves them as they were (an optimizer
+    that had no state is given none).
 
     Args:
         checkpoint_dir (str or os.PathLike): the directory :func:`save` wrote to.
@@ -563,18 +916,27 @@ def load(
             layout they were saved on (the same world size and tensor-parallel size);
             pass ``False`` to keep the current streams, e.g. when changing layouts.
             Default: ``True``.
+        strict (bool, optional): raise for checkpoint entries that the model and optimizer
+            do not have (e.g. a checkpoint of a deeper model). Entries the checkpoint lacks
+            are always an error. Default: ``True``.
 
     Returns:
-        The step loaded, or ``None`` when ``checkpoint_dir`` holds no complete checkpoint
-        (nothing is changed then).
+        The step loaded, or ``None`` when ``checkpoint_dir`` exists but holds no complete
+        checkpoint (nothing is changed then).
 
     A packed parameter (and its optimizer state) is read into a plain ``Shard`` DTensor and
-    redistributed into it in place: one all-gather per such tensor, as for :func:`save`.
+    redistributed into its packed layout: one all-gather per such tensor, as for
+    :func:`save`.
 
     Raises:
-        FileNotFoundError: ``step`` was given and there is no complete checkpoint for it.
+        FileNotFoundError: ``checkpoint_dir`` does not exist, or ``step`` was given and
+            there is no complete checkpoint for it.
+        CheckpointError: the checkpoint does not match the model or optimizer, or cannot
+            be read; the message names the files and every offending key.
         ValueError: ``rng`` and the checkpoint has no RNG state for this layout.
         NotImplementedError: a packed parameter under FSDP2 (nothing is changed).
+
+        Each is raised on every rank, with nothing changed.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -582,66 +944,218 @@ def load(
         >>> for step in range(start, total_steps): ...
     """
     root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"no checkpoint directory {str(root)!r} (to start from scratch where there is "
+            "no checkpoint yet, create the directory first, or check latest_step())"
+        )
     if step is None:
         step = latest_step(root)
         if step is None:
             return None
-    path = root / f"step-{step}"
-    if not (path / ".metadata").is_file():
+    path = _step_dir(root, step)
+    if path is None:
         raise FileNotFoundError(f"no complete checkpoint for step {step} in {str(root)!r}")
     _refuse_packed_on_nd_mesh(model.state_dict())
-    model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        state["optim"] = optim_state
-    rng_key = None
-    if rng:
-        rng_key = _rng_key()
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        wanted = f"rng.{rng_key}.tp_state"
-        if rng_key is None or wanted not in saved:
-            layouts = sorted({k.split(".")[1] for k in saved if k.startswith("rng.")})
-            raise ValueError(
-                f"the checkpoint at {str(path)!r} has RNG streams for the layouts "
-                f"{layouts or 'none'} (world size x tensor-parallel size), not for this "
-                f"one ({_layout() or 'no RNG tracker'}): the streams cannot continue on "
-                "another layout; pass rng=False to keep the current ones"
+    had_state = optimizer is not None and bool(optimizer.state)
+    try:
+        _load_dcp(path, model, optimizer, rng, strict)
+    except BaseException:
+        if optimizer is not None and not had_state:
+            optimizer.state.clear()  # get_state_dict created it (a step with lr 0)
+        raise
+    return step
+
+
+def _load_dcp(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    rng: bool,
+    strict: bool,
+) -> None:
+    what = f"loading {str(path)!r}"
+    error, staged, rng_key = None, {}, None
+    packed: dict[int, DTensor] = {}  # id(plain template) -> the packed tensor it stands for
+    try:
+        metadata = _read_metadata(path)
+        saved = metadata.state_dict_metadata
+        model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
+        state: dict[str, Any] = {"model": model_state}
+        if optimizer is not None:
+            state["optim"] = optim_state
+        if rng:
+            rng_key = _rng_key()
+            wanted = f"rng.{rng_key}.tp_state"
+            if rng_key is None or wanted not in saved:
+                layouts = sorted({k.split(".")[1] for k in saved if k.startswith("rng.")})
+                raise ValueError(
+                    f"the checkpoint at {str(path)!r} has RNG streams for the layouts "
+                    f"{layouts or 'none'} (world size x tensor-parallel size), not for this "
+                    f"one ({_layout() or 'no RNG tracker'}): the streams cannot continue on "
+                    "another layout; pass rng=False to keep the current ones"
+                )
+            state["rng"] = {rng_key: _empty_rng_entry()}
+
+        def stage(value: Tensor) -> Tensor:
+            # packed tensors are read into plain Shard DTensors (the layout save wrote)
+            if isinstance(value, DTensor) and _packed_placement(value) is not None:
+                plain = dtensor_empty(
+                    value.shape,
+                    dtype=value.dtype,
+                    device_mesh=value.device_mesh,
+                    placements=_plain_placements(value),
+                )
+                packed[id(plain)] = value
+                return plain
+            return torch.empty_like(value)
+
+        staged = _copy_structure(state, stage)
+        _check_metadata(path, metadata, staged, strict, type(model).__name__)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+        error = exc
+    _agree(error, _load_failed(what))  # one small collective: nobody reads unless all can
+    try:
+        with _single_process_is_intended():
+            dcp.load(
+                staged,
+                storage_reader=dcp.FileSystemReader(path),
+                no_dist=not _distributed(),
             )
-        state["rng"] = {rng_key: _empty_rng_entry()}
-    # packed tensors are read into plain Shard templates (the layout save wrote), then
-    # redistributed into the packed tensors in place
-    packed: dict[int, tuple[DTensor, DTensor]] = {}
-
-    def template(name: str, value: DTensor) -> DTensor:
-        if _packed_placement(value) is None:
-            return value
-        plain = dtensor_empty(
-            value.shape,
-            dtype=value.dtype,
-            device_mesh=value.device_mesh,
-            placements=_plain_placements(value),
-        )
-        packed[id(plain)] = (plain, value)
-        return plain
-
-    state = _map_dtensors(state, template)
-    with _single_process_is_intended():
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    except dcp.api.CheckpointException as exc:  # DCP raises it on every rank
+        raise CheckpointError(_load_failed(what)(_first_line(exc))) from exc
+    except Exception as exc:  # noqa: BLE001 - a failed collective: a rank is gone
+        if not _distributed():
+            raise CheckpointError(_load_failed(what)(_first_line(exc))) from exc
+        _tear_down_process_group()
+        raise CheckpointError(_load_failed(what)(_collective_failure(exc))) from exc
+    # every rank has read everything (DCP gathered every rank's result): apply it
     with torch.no_grad():
-        for plain, value in packed.values():  # in the same order on every rank
-            value.to_local().copy_(
-                plain.redistribute(value.device_mesh, value.placements).to_local()
-            )
-    state = _map_dtensors(state, lambda name, v: packed[id(v)][1] if id(v) in packed else v)
+        staged = _map_dtensors(
+            staged,
+            lambda name, v: (
+                v.redistribute(packed[id(v)].device_mesh, packed[id(v)].placements)
+                if id(v) in packed
+                else v
+            ),
+        )
     set_state_dict(
         model,
         [] if optimizer is None else optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optim", {}),
+        model_state_dict=staged["model"],
+        optim_state_dict=staged.get("optim", {}),
     )
     if rng_key is not None:
-        _restore_rng(state["rng"][rng_key])
-    return step
+        _restore_rng(staged["rng"][rng_key])
+
+
+def _load_failed(what: str) -> Callable[[str], str]:
+    return lambda cause: f"{what} failed: {cause}. Nothing was changed."
+
+
+def _read_metadata(path: Path) -> Any:
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - unpickling a damaged file fails many ways
+        raise CheckpointError(
+            f"{str(path / '.metadata')!r} is not a readable DCP metadata file: "
+            f"{_first_line(exc)}. Nothing was changed."
+        ) from exc
+
+
+def _copy_structure(state: Any, fn) -> Any:
+    """A copy of the nested dicts and lists of ``state`` with every tensor replaced by
+    ``fn(tensor)`` and every other leaf kept: DCP loads into it, not into the model."""
+    if isinstance(state, Tensor):
+        return fn(state)
+    if isinstance(state, Mapping):
+        return {k: _copy_structure(v, fn) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_structure(v, fn) for v in state]
+    return state
+
+
+def _check_metadata(
+    path: Path, metadata: Any, state: dict[str, Any], strict: bool, model_name: str
+) -> None:
+    """Check ``state`` against a checkpoint's metadata before reading anything: the names
+    (as DCP flattens them), the global shapes, the dtypes, and the data files' sizes."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata)  # flattens the names as dcp.load will
+    flat: Mapping[str, Any] = planner.state_dict
+    saved = metadata.state_dict_metadata
+    missing = [k for k in flat if k not in saved]
+    unexpected = [k for k in saved if k not in flat and not k.startswith("rng.")]
+    mismatched, lossy = [], []
+    for key, value in flat.items():
+        entry = saved.get(key)
+        if entry is None:
+            continue
+        if isinstance(entry, TensorStorageMetadata) != isinstance(value, Tensor):
+            kind = "a tensor" if isinstance(entry, TensorStorageMetadata) else "an object"
+            mismatched.append(f"{key}: the checkpoint holds {kind}, the model does not")
+        elif isinstance(value, Tensor):
+            if tuple(entry.size) != tuple(value.shape):
+                mismatched.append(
+                    f"{key}: the checkpoint has shape {list(entry.size)}, the model "
+                    f"{list(value.shape)}"
+                )
+            elif _lossy(entry.properties.dtype, value.dtype):
+                lossy.append(f"{key} ({entry.properties.dtype} to {value.dtype})")
+    errors = []
+    if missing:
+        errors.append("Missing key(s) in the checkpoint: " + ", ".join(map(repr, missing)) + ".")
+    if strict and unexpected:
+        errors.append(
+            "Unexpected key(s) in the checkpoint (strict=False ignores them): "
+            + ", ".join(map(repr, unexpected))
+            + "."
+        )
+    if mismatched:
+        errors.append("Size mismatch: " + "; ".join(mismatched) + ".")
+    errors += _unreadable_data(path, metadata, set(flat))
+    if errors:
+        raise CheckpointError(
+            f"Error(s) in loading the checkpoint {str(path)!r} into {model_name} (nothing was "
+            "changed):\n\t" + "\n\t".join(errors)
+        )
+    if lossy:
+        warnings.warn(
+            f"loading {str(path)!r} converts with a loss of precision or range: "
+            + ", ".join(lossy),
+            stacklevel=4,
+        )
+
+
+def _unreadable_data(path: Path, metadata: Any, keys: set[str]) -> list[str]:
+    """The data files that are missing or shorter than the metadata says, with the keys
+    that would be read from them."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return []
+    needed: dict[str, int] = {}
+    readers: dict[str, set[str]] = {}
+    for index, info in storage.items():
+        fqn, file = getattr(index, "fqn", None), getattr(info, "relative_path", None)
+        if fqn not in keys or file is None:
+            continue
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0) or 0)
+        needed[file] = max(needed.get(file, 0), end)
+        readers.setdefault(file, set()).add(fqn)
+    errors = []
+    for file, end in sorted(needed.items()):
+        try:
+            size = (path / file).stat().st_size
+        except OSError:
+            size = None
+        if size is None or size < end:
+            found = "missing" if size is None else f"truncated: {size} of {end} bytes"
+            errors.append(
+                f"Unreadable data file {str(path / file)!r} ({found}), holding "
+                + ", ".join(map(repr, sorted(readers[file])))
+                + "."
+            )
+    return errors
 
 
 def _plain_placements(value: DTensor) -> tuple[Placement, ...]:
@@ -684,7 +1198,8 @@ def latest_step(checkpoint_dir: str | os.PathLike) -> int | None:
         checkpoint_dir (str or os.PathLike): the directory :func:`save` writes to.
 
     Returns:
-        The largest ``step`` with a complete ``step-<step>`` checkpoint, or ``None``.
+        The largest ``step`` with a complete checkpoint (``step-<step>``, or the previous
+        checkpoint of that step while a new save of it is being published), or ``None``.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -694,12 +1209,12 @@ def latest_step(checkpoint_dir: str | os.PathLike) -> int | None:
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return None
-    steps = [
+    steps = {
         int(match.group(1))
         for entry in root.iterdir()
-        if (match := _STEP_DIR.match(entry.name)) and (entry / ".metadata").is_file()
-    ]
-    return max(steps, default=None)
+        if (match := _STEP_DIR.match(entry.name.removesuffix(_OLD)))
+    }
+    return max((step for step in steps if _step_dir(root, step) is not None), default=None)
 
 
 # The RNG streams are saved per rank, under a key naming the layout and the rank, as
@@ -768,8 +1283,3 @@ def _single_process_is_intended() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
