@@ -337,7 +337,9 @@ def _check_keys(
             continue
         dtype = source.dtypes[name]
         if isinstance(dtype, str):
-            unreadable.append(f"{name}: dtype {dtype!r} cannot be read by this torch")
+            unreadable.append(
+                f"{name}: the checkpoint's dtype {dtype!r} cannot be loaded into {target.dtype}"
+            )
         elif not _convertible(dtype, target.dtype):
             unreadable.append(f"{name}: {dtype} cannot be converted to {target.dtype}")
         elif _lossy(dtype, target.dtype):
@@ -1085,7 +1087,9 @@ def _check_metadata(
     flat: Mapping[str, Any] = planner.state_dict
     saved = metadata.state_dict_metadata
     missing = [k for k in flat if k not in saved]
-    unexpected = [k for k in saved if k not in flat and not k.startswith("rng.")]
+    # entries of parts not being loaded (the optimizer's, when there is none) are not extra
+    parts = tuple(f"{part}." for part in state if part != "rng")
+    unexpected = [k for k in saved if k not in flat and k.startswith(parts)]
     mismatched, lossy = [], []
     for key, value in flat.items():
         entry = saved.get(key)

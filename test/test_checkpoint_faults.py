@@ -1,0 +1,374 @@
+"""torch_tp.checkpoint under faults: nothing lost, nothing half-loaded, nobody left waiting.
+
+Saves are killed at each point of the protocol (a rank dying while writing, between the two
+renames that publish a re-saved step, right after them, and before the final agreement):
+the previous or the new checkpoint must be loadable, never neither, and every surviving
+rank must raise a ``CheckpointError`` saying so within seconds. Loads are fed files that
+are damaged in every way we know (an unreadable dtype, a truncated file, a file that is not
+a checkpoint, a checkpoint of a bigger model, a read failing on one rank only, rank 0
+failing mid-broadcast): each must raise the same error on every rank, naming the file and
+the keys, with the model and optimizer bit-identical to before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from test_checkpoint import _adamw, _meta_model, _parallelize, _reference, _train
+from torch.distributed.tensor import DTensor
+
+from torch_tp import checkpoint
+from torch_tp.checkpoint import CheckpointError
+from torch_tp.testing import RankError, run_distributed
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _snapshot(model, optim=None) -> list[tuple[str, torch.Tensor]]:
+    """Every local tensor of the model and the optimizer state, cloned."""
+    out = []
+    for name, value in model.state_dict().items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        out.append((name, local.detach().clone()))
+    if optim is not None:
+        for i, state in enumerate(optim.state.values()):
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    local = value.to_local() if isinstance(value, DTensor) else value
+                    out.append((f"optim.{i}.{key}", local.detach().clone()))
+    return out
+
+
+def _assert_unchanged(before, model, optim=None) -> None:
+    after = _snapshot(model, optim)
+    assert [n for n, _ in after] == [n for n, _ in before]
+    for (name, old), (_, new) in zip(before, after, strict=True):
+        assert torch.equal(old, new), f"{name} changed"
+
+
+def _safetensors_with_dtype(path: Path, state: dict, name: str, dtype: str, nbytes: int) -> None:
+    """A safetensors file of ``state`` whose tensor ``name`` is stored as ``dtype`` (same
+    shape, ``nbytes`` bytes): a file torch can open and whose header is right."""
+    save_file(state, str(path))
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    body = raw[8 + n :]
+    chunks, offset = [], 0
+    for key, meta in sorted(
+        ((k, v) for k, v in header.items() if k != "__metadata__"),
+        key=lambda kv: kv[1]["data_offsets"][0],
+    ):
+        start, stop = meta["data_offsets"]
+        data = body[start:stop] if key != name else bytes(nbytes)
+        if key == name:
+            meta["dtype"] = dtype
+        meta["data_offsets"] = [offset, offset + len(data)]
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(chunks))
+
+
+# ------------------------------------------------------------ saves killed at each point
+
+
+def _die() -> None:
+    os._exit(17)
+
+
+def _save_and_die(ckpt_dir: str, out_dir: str, point: str) -> None:
+    """Save step 1, train a step, then save step 1 again, with one rank killed at ``point``."""
+    model, mesh = _parallelize(_reference(), 2, 2)
+    optim = _adamw(model)
+    _train(model, mesh, optim, range(1))
+    checkpoint.save(ckpt_dir, model, optim, step=1)
+    before = checkpoint.full_state_dict(model)
+    _train(model, mesh, optim, range(1, 2))
+    after = checkpoint.full_state_dict(model)
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save({"before": before, "after": after}, os.path.join(out_dir, "states.pt"))
+    dist.barrier()
+
+    patches = []
+    if point == "write" and rank == 1:
+        write_data = dcp.FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            write_data(self, plan, planner).wait()  # its files are on disk ...
+            _die()  # ... and the rank is gone before it reports back
+
+        patches.append(mock.patch.object(dcp.FileSystemWriter, "write_data", write_then_die))
+    elif point in ("rename", "renamed") and rank == 0:
+        rename = os.rename
+
+        def rename_and_die(src, dst):
+            if point == "rename" and str(src).endswith(".partial"):
+                _die()  # the old step-1 is already moved aside to step-1.old
+            rename(src, dst)
+            if point == "renamed" and str(src).endswith(".partial"):
+                _die()  # the new step-1 is published, step-1.old still there
+
+        patches.append(mock.patch.object(os, "rename", rename_and_die))
+    elif point == "agree" and rank == 3:
+        agree = checkpoint._agree
+        calls = []
+
+        def agree_or_die(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # after dcp.save, before the final agreement
+                _die()
+            return agree(*args, **kwargs)
+
+        patches.append(mock.patch.object(checkpoint, "_agree", agree_or_die))
+    try:
+        for patch in patches:
+            patch.start()
+        checkpoint.save(ckpt_dir, model, optim, step=1)
+    except CheckpointError as exc:
+        Path(out_dir, f"rank{rank}.txt").write_text(str(exc))
+        raise
+    finally:
+        for patch in patches:
+            patch.stop()
+
+
+@pytest.mark.parametrize(
+    "point, victim, kept",
+    [
+        pytest.param("write", 1, "before", marks=pytest.mark.slow),
+        ("rename", 0, "before"),
+        pytest.param("renamed", 0, "after", marks=pytest.mark.slow),
+        pytest.param("agree", 3, "after", marks=pytest.mark.slow),
+    ],
+)
+def test_killed_save_keeps_a_checkpoint(tmp_path, point, victim, kept):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RankError) as info:
+        run_distributed(_save_and_die, 4, str(ckpt), str(out), point)
+    assert f"the worker process of rank {victim} exited with code 17" in str(info.value)
+
+    # every survivor raised a torch_tp error saying what is intact, within the harness's
+    # grace period after the death (seconds, not a collective's 30-minute timeout)
+    for rank in sorted({0, 1, 2, 3} - {victim}):
+        message = (out / f"rank{rank}.txt").read_text()
+        assert message.startswith(f"saving step 1 to {str(ckpt / 'step-1')!r} failed"), message
+        assert "a rank has probably died" in message, message
+        assert f"the latest complete checkpoint in {str(ckpt)!r} is step 1, intact" in message
+
+    # the old or the new checkpoint of step 1 is loadable, never neither
+    assert checkpoint.latest_step(ckpt) == 1
+    states = torch.load(out / "states.pt")
+    model = _reference(seed=5)
+    assert checkpoint.load(ckpt, model, rng=False) == 1
+    expected = states[kept]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+    # the next save finishes what the crash left: no leftover, one step-1
+    checkpoint.save(ckpt, model, step=1)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-1"]
+
+
+# ------------------------------------------------------- load_full_state_dict under faults
+
+
+def _load_damaged_files(paths: dict[str, str]) -> None:
+    model = _meta_model(1, 2)
+    checkpoint.load_full_state_dict(model, _reference(seed=3).state_dict())  # defined values
+    before = _snapshot(model)
+
+    # one tensor's dtype cannot be converted: nothing is read, both names in the message
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load_full_state_dict(model, paths["dtype"])
+    assert repr(paths["dtype"]) in str(info.value)
+    assert "norm.weight: the checkpoint's dtype 'F4' cannot be loaded" in str(info.value)
+    _assert_unchanged(before, model)
+
+    # files that are not safetensors at all name the file
+    for kind in ("truncated", "empty", "junk"):
+        with pytest.raises(CheckpointError, match="is not a readable safetensors file") as info:
+            checkpoint.load_full_state_dict(model, paths[kind])
+        assert repr(paths[kind]) in str(info.value)
+        with pytest.raises(CheckpointError, match="is not a readable safetensors file"):
+            source = paths[kind] if dist.get_rank() == 0 else None
+            checkpoint.load_full_state_dict(model, source, broadcast_from_rank0=True)
+    _assert_unchanged(before, model)
+
+    # a checkpoint of a deeper model: its extra layers are an error unless strict=False
+    with pytest.raises(CheckpointError, match=r"Unexpected key\(s\).*'layers.2.attention"):
+        checkpoint.load_full_state_dict(model, paths["deeper"])
+    _assert_unchanged(before, model)
+    checkpoint.load_full_state_dict(model, paths["deeper"], strict=False)
+    torch.testing.assert_close(
+        checkpoint.full_state_dict(model)["norm.weight"],
+        _reference(seed=4, n_layers=3).state_dict()["norm.weight"],
+    )
+
+
+def test_load_full_state_dict_from_damaged_files(tmp_path):
+    state = _reference().state_dict()
+    paths = {k: tmp_path / f"{k}.safetensors" for k in ("dtype", "truncated", "empty", "junk")}
+    # F4 packs two values per byte: 64 float4 values in 32 bytes, shape and names unchanged
+    _safetensors_with_dtype(paths["dtype"], state, "norm.weight", "F4", 32)
+    save_file(state, str(paths["truncated"]))
+    paths["truncated"].write_bytes(paths["truncated"].read_bytes()[:-100])
+    paths["empty"].write_bytes(b"")
+    paths["junk"].write_bytes(b"PK\x03\x04 not a safetensors file at all")
+    paths["deeper"] = tmp_path / "deeper.safetensors"
+    save_file(_reference(seed=4, n_layers=3).state_dict(), str(paths["deeper"]))
+    run_distributed(_load_damaged_files, 2, {k: str(v) for k, v in paths.items()})
+
+
+def _load_failing_on_one_rank(path: str) -> None:
+    model = _meta_model(1, 2)
+    checkpoint.load_full_state_dict(model, _reference(seed=3).state_dict())
+    before = _snapshot(model)
+    copy_to = checkpoint._Source.copy_to
+
+    def fail_on_rank_1(self, name, pieces, dst):
+        if dist.get_rank() == 1 and name == "layers.1.feed_forward.w2.weight":
+            raise OSError("Input/output error")
+        return copy_to(self, name, pieces, dst)
+
+    with mock.patch.object(checkpoint._Source, "copy_to", fail_on_rank_1):
+        for source in (path, _reference().state_dict()):
+            # rank 0 read everything it needed, rank 1 did not: nobody copies anything
+            with pytest.raises(CheckpointError, match="Input/output error") as info:
+                checkpoint.load_full_state_dict(model, source)
+            assert "'layers.1.feed_forward.w2.weight'" in str(info.value)
+            _assert_unchanged(before, model)
+
+    # rank 0 fails reading the third tensor it broadcasts: the others are not left waiting
+    read, calls = checkpoint._Source.read, []
+
+    def fail_third(self, name):
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError("Input/output error")
+        return read(self, name)
+
+    with mock.patch.object(checkpoint._Source, "read", fail_third):
+        with pytest.raises(CheckpointError, match="Input/output error") as info:
+            source = path if dist.get_rank() == 0 else None
+            checkpoint.load_full_state_dict(model, source, broadcast_from_rank0=True)
+    if dist.get_rank() == 0:  # the one that read, and knows the tensor it failed on
+        assert f"could not read {calls[2]!r} from the safetensors file {path!r}" in str(info.value)
+    _assert_unchanged(before, model)
+
+
+def test_load_full_state_dict_failing_on_one_rank(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file(_reference().state_dict(), str(path))
+    run_distributed(_load_failing_on_one_rank, 2, str(path), timeout=60)
+
+
+def test_lossy_conversions_warn_once():
+    model = _reference().to(torch.float16)
+    state = {k: v.double() for k, v in _reference(seed=2).state_dict().items()}
+    with pytest.warns(UserWarning, match="loss of precision or range") as record:
+        checkpoint.load_full_state_dict(model, state)
+    assert len([w for w in record if "loss of precision" in str(w.message)]) == 1
+    assert "norm.weight (torch.float64 to torch.float16)" in str(record[0].message)
+    # int to float loses large integers; float32 to float64 loses nothing
+    with pytest.warns(UserWarning, match=r"x \(torch.int64 to torch.float32\)"):
+        checkpoint.load_full_state_dict(
+            torch.nn.ParameterDict({"x": torch.zeros(2)}), {"x": torch.ones(2, dtype=torch.int64)}
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint.load_full_state_dict(_reference(), _reference().double().float().state_dict())
+
+
+# ---------------------------------------------------------------- DCP loads under faults
+
+
+def _save_for_loads(ckpt_dir: str) -> None:
+    model, mesh = _parallelize(_reference(), 2, 2)
+    optim = _adamw(model)
+    _train(model, mesh, optim, range(1))
+    checkpoint.save(ckpt_dir, model, optim, step=1)
+
+
+def _load_damaged_dcp(good: str, truncated: str, corrupt: str, deeper: str, expected: str):
+    model, mesh = _parallelize(_reference(seed=1), 2, 2)
+    optim = _adamw(model)
+    _train(model, mesh, optim, range(3, 4))  # an optimizer with state of its own
+    before = _snapshot(model, optim)
+
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.load(truncated, model, optim)
+    message = str(info.value)
+    assert "Unreadable data file" in message and "truncated" in message, message
+    assert "holding 'model." in message, message
+    _assert_unchanged(before, model, optim)
+
+    with pytest.raises(CheckpointError, match=r"\.metadata' is not a readable DCP metadata"):
+        checkpoint.load(corrupt, model, optim)
+    _assert_unchanged(before, model, optim)
+
+    with pytest.raises(CheckpointError, match=r"Unexpected key\(s\).*'model.layers.2."):
+        checkpoint.load(deeper, model, optim, rng=False)
+    _assert_unchanged(before, model, optim)
+
+    # a read that fails on one rank only, inside dcp.load: nobody applies anything
+    read_data = dcp.FileSystemReader.read_data
+
+    def fail_on_rank_2(self, plan, planner):
+        if dist.get_rank() == 2:
+            raise OSError("Input/output error")
+        return read_data(self, plan, planner)
+
+    with mock.patch.object(dcp.FileSystemReader, "read_data", fail_on_rank_2):
+        with pytest.raises(CheckpointError, match="on rank 2, OSError: Input/output error"):
+            checkpoint.load(good, model, optim)
+    _assert_unchanged(before, model, optim)
+
+    # an optimizer without state is given none by a failed load
+    fresh = _adamw(model)
+    with pytest.raises(CheckpointError):
+        checkpoint.load(truncated, model, fresh)
+    assert not fresh.state
+
+    # strict=False loads the layers the model has from the deeper checkpoint
+    assert checkpoint.load(deeper, model, optim, rng=False, strict=False) == 1
+    loaded = checkpoint.full_state_dict(model)
+    for name, value in torch.load(expected).items():
+        if name in loaded:
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+    # and the good checkpoint still loads
+    assert checkpoint.load(good, model, optim) == 1
+
+
+def test_load_dcp_from_damaged_checkpoints(tmp_path):
+    good = tmp_path / "good"
+    run_distributed(_save_for_loads, 4, str(good))
+    truncated, corrupt = tmp_path / "truncated", tmp_path / "corrupt"
+    for copy in (truncated, corrupt):
+        (copy / "step-1").mkdir(parents=True)
+        for file in (good / "step-1").iterdir():
+            (copy / "step-1" / file.name).write_bytes(file.read_bytes())
+    data = sorted((truncated / "step-1").glob("*.distcp"))[-1]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    (corrupt / "step-1" / ".metadata").write_bytes(b"\x80\x04garbage")
+    deeper, expected = tmp_path / "deeper", tmp_path / "deeper.pt"
+    model = _reference(seed=4, n_layers=3)
+    optim = _adamw(model)
+    _train(model, None, optim, range(1))
+    checkpoint.save(deeper, model, optim, step=1)  # in this process, without a group
+    torch.save(model.state_dict(), expected)
+    paths = (good, truncated, corrupt, deeper, expected)
+    run_distributed(_load_damaged_dcp, 4, *map(str, paths))
