@@ -9,8 +9,14 @@ Two kinds, for two jobs:
   reading only its own slices.
 * **Distributed checkpoints** (:mod:`torch.distributed.checkpoint`, DCP) save each rank's
   shards in parallel, with the optimizer and the RNG streams, and load them on any other
-  layout: :func:`save`, :func:`load`, :func:`latest_step`. A save writes a new directory and
-  renames it when complete, so a save that fails leaves the previous checkpoint loadable.
+  layout: :func:`save`, :func:`load`, :func:`latest_step`.
+
+Failures: a save writes a new directory and publishes it with an atomic rename once every
+rank is done, so a crash at any point leaves the previous or the new checkpoint loadable.
+Every load checks the whole checkpoint against the model, reads into staging buffers and
+copies into the model (and optimizer) only once every rank has read everything, so a load
+completes or changes nothing. Errors are :class:`CheckpointError` (an ``Exception``, unlike
+DCP's ``CheckpointException``), raised on every rank, naming the files and keys at fault.
 
 Trust: a full state dict is read from ``safetensors`` (no code, only tensors) or from
 tensors you pass in; nothing here unpickles a file for it. DCP directories are a different
@@ -942,6 +948,7 @@ def load(
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
+        >>> os.makedirs("checkpoints", exist_ok=True)  # a missing directory is an error
         >>> start = torch_tp.checkpoint.load("checkpoints", model, optimizer) or 0
         >>> for step in range(start, total_steps): ...
     """
