@@ -359,18 +359,23 @@ def _check_keys(
         errors.append("Size mismatch: " + "; ".join(mismatched) + ".")
     if unreadable:
         errors.append("Unreadable dtype: " + "; ".join(unreadable) + ".")
+    _raise_or_warn(errors, lossy, source.description, type(model).__name__)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _raise_or_warn(errors: list[str], lossy: list[str], source: str, model_name: str) -> None:
+    """Raise one error naming everything wrong with ``source``, or warn once of the lossy
+    conversions it needs."""
     if errors:
         raise CheckpointError(
-            f"Error(s) in loading {source.description} into {type(model).__name__} "
-            "(the model is unchanged):\n\t" + "\n\t".join(errors)
+            f"Error(s) in loading {source} into {model_name} (nothing was changed):\n\t"
+            + "\n\t".join(errors)
         )
     if lossy:
         warnings.warn(
-            f"loading {source.description} converts with a loss of precision or range: "
-            + ", ".join(lossy),
-            stacklevel=3,
+            f"loading {source} converts with a loss of precision or range: " + ", ".join(lossy),
+            stacklevel=4,
         )
-    return _IncompatibleKeys(missing, unexpected)
 
 
 def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -1125,17 +1130,7 @@ def _check_metadata(
     if mismatched:
         errors.append("Size mismatch: " + "; ".join(mismatched) + ".")
     errors += _unreadable_data(path, metadata, set(flat))
-    if errors:
-        raise CheckpointError(
-            f"Error(s) in loading the checkpoint {str(path)!r} into {model_name} (nothing was "
-            "changed):\n\t" + "\n\t".join(errors)
-        )
-    if lossy:
-        warnings.warn(
-            f"loading {str(path)!r} converts with a loss of precision or range: "
-            + ", ".join(lossy),
-            stacklevel=4,
-        )
+    _raise_or_warn(errors, lossy, f"the checkpoint {str(path)!r}", model_name)
 
 
 def _unreadable_data(path: Path, metadata: Any, keys: set[str]) -> list[str]:
