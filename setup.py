@@ -4,8 +4,17 @@ All project metadata lives here; ``pyproject.toml`` only declares the build syst
 tool configuration (ruff, pytest).
 
 ``torch`` is a lower bound, never a bare name: CI and the README install ``torch==2.13.0``
-(the CPU build) first, and a requirement that this version already satisfies keeps pip from
-replacing it with another (possibly multi-GB CUDA) build.
+(the CPU build on the project's machine) first, and a requirement that this version already
+satisfies keeps pip from replacing it with another (possibly multi-GB CUDA) build. It stays
+the first requirement.
+
+The other two requirements are small and depend on nothing (in particular not on torch, so
+they never pull a torch build of their own): ``numpy``, without which torch warns at import,
+cannot send Python objects between ranks (``gather_object``, which DCP saves use) and
+cannot import its DTensor debug tools (:mod:`torch_tp.testing` uses them); and
+``safetensors``, which :mod:`torch_tp.checkpoint` reads and writes. The ``checkpoint`` extra,
+which once installed ``safetensors``, is kept so that ``pip install 'torch_tp[checkpoint]'``
+still works.
 """
 
 from pathlib import Path
@@ -25,20 +34,17 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torch_tp", "torch_tp.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.13"],
+    install_requires=["torch>=2.13", "numpy>=1.26,<3", "safetensors>=0.4"],
     extras_require={
         "test": [
             "pytest>=8",
             "expecttest>=0.2",
             "ruff==0.17.6",
-            # torch warns at import when NumPy is missing; keep test output clean
-            "numpy>=1.26,<3",
-            "safetensors>=0.4",
             # test/test_transformers.py checks the plans of torch_tp.plans.hf against the real
             # models; its requirements do not include torch (only its "torch" extra does)
             "transformers==5.23.0",
         ],
-        # torch_tp.checkpoint reads and writes safetensors files
+        # an alias kept for old install lines: safetensors is a plain requirement now
         "checkpoint": ["safetensors>=0.4"],
         "docs": [
             "mkdocs==1.6.1",

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
+from torch_tp import AttentionHeads
 from torch_tp import __main__ as cli
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.plans.llama import llama_plan
@@ -165,7 +166,12 @@ def _partial_to_replicate_in_an_op() -> None:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_upstream_optimal_plan_mirrors_llama_plan(sequence_parallel: bool) -> None:
-    ours = llama_plan(sequence_parallel=sequence_parallel)
+    # AttentionHeads on the root only checks the head counts: upstream has no such style
+    ours = {
+        key: style
+        for key, style in llama_plan(sequence_parallel=sequence_parallel).items()
+        if not isinstance(style, AttentionHeads)
+    }
     theirs = bench_tp.upstream_optimal_plan(sequence_parallel)
     assert theirs.keys() == ours.keys()
     for key, style in ours.items():
@@ -228,6 +234,7 @@ def test_cli_lists_bench(capsys: pytest.CaptureFixture[str]) -> None:
     assert "bench" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_forwards_to_the_script_which_spawns_its_own_ranks() -> None:
     # `python -m torch_tp bench ARGS` runs `python benchmarks/bench_tp.py ARGS`, which spawns
     # the ranks itself: the path users take, at the smallest size

@@ -54,17 +54,30 @@ def _demo_as_torchrun_rank(argv: list[str]) -> tuple[int, str]:
     return status, out.getvalue()
 
 
-def test_cli_spawns_ranks_and_losses_match() -> None:
+def run_demo_cli(python: str = sys.executable) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m torch_tp demo --steps 3`` with every warning shown once per place, in
+    the parent and (through the environment and the spawn flags) in its ranks."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch_tp", "demo", "--steps", "3"],
+    env["PYTHONWARNINGS"] = "default"
+    return subprocess.run(
+        [python, "-W", "default", "-m", "torch_tp", "demo", "--steps", "3"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=180,
     )
+
+
+@pytest.fixture(scope="module")
+def cli_run() -> subprocess.CompletedProcess[str]:
+    """One run of the real command, shared by the tests that read its output."""
+    return run_demo_cli()
+
+
+def test_cli_spawns_ranks_and_losses_match(cli_run: subprocess.CompletedProcess[str]) -> None:
+    proc = cli_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
     assert [step for step, _, _ in rows] == [1, 2, 3], proc.stdout
@@ -73,6 +86,15 @@ def test_cli_spawns_ranks_and_losses_match() -> None:
     assert "tensor parallel over 2 " in proc.stdout
     assert "sequence parallel on" in proc.stdout
     assert "OK: tensor-parallel training matches single-device training" in proc.stdout
+
+
+def test_cli_prints_no_warnings(cli_run: subprocess.CompletedProcess[str]) -> None:
+    # The first thing a new user runs: a warning there (NumPy missing, a deprecated call in a
+    # rank) reads as a broken install. Python's warnings name their category (UserWarning,
+    # FutureWarning, ...); torch's C++ warnings and loggers say "warning" or "WARNING".
+    output = cli_run.stdout + cli_run.stderr
+    warnings = [line for line in output.splitlines() if "warn" in line.lower()]
+    assert not warnings, "\n".join([*warnings, "--- the whole output:", output])
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])

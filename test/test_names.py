@@ -148,6 +148,7 @@ class ToDictTest(expecttest.TestCase):
         self.assertExpectedInline(
             text,
             """\
+: {"style": "AttentionHeads", "num_heads": "config.n_heads", "num_kv_heads": "config.kv_heads"}
 tok_embeddings: {"style": "RowwiseParallel", "input_layouts": "Replicate()", "output_layouts": "Shard(1)"}
 layers.*.attention: {"style": "PrepareModuleInput", "input_layouts": ["Shard(1)", null], "desired_input_layouts": ["Replicate()", null]}
 layers.*.attention.wq: "colwise"

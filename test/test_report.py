@@ -291,6 +291,7 @@ Plan report: Llama, 174.40K parameters, TP degree 2, batch 2 x 16 tokens, float3
 
 Plan
   key                         modules  style
+  ""                                1  AttentionHeads(num_heads=config.n_heads, num_kv_heads=config.kv_heads)
   tok_embeddings                    1  RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
   layers.*.attention                1  PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
   layers.*.attention.wq             1  "colwise"
@@ -364,6 +365,7 @@ Problems
             "\n".join(f"{p.severity} {p.where}: {p.message}" for p in report.problems),
             """\
 error layers.*.atention.wq: parallelize_plan key 'layers.*.atention.wq' matches no submodule: segment 'atention' matches no child of 'layers.0' (children: attention_norm, attention, attention_dropout, ffn_norm, feed_forward, ffn_dropout)
+error : cannot apply AttentionHeads(num_heads=config.n_heads, num_kv_heads=config.kv_heads) on '' (Llama): 2 key/value heads do not split over 4 ranks: each rank must hold whole heads. Use a TP degree that divides 2 (1, 2)
 error layers.*.attention.wo: the input arrives as a local tensor laid out Shard(2) (from layers.*.attention.wq), but "rowwise_split_input" takes it as Replicate(): the layouts do not chain; change this style's input layout or the producer's output layout
 error layers.*.feed_forward.w3: linear gets a DTensor (from layers.*.feed_forward) and a plain tensor of shape (176, 64), which DTensor refuses: give this module a style, or hand it local tensors (use_local_output=True)
 error layers.*.attention.wk: its output is viewed as 2 heads of 16, and 2 heads do not divide by the TP degree 4: a rank would hold part of a head. Use a TP degree that divides 2, such as 2

@@ -7,8 +7,13 @@ new one. The shutdown test comes last for the same reason.
 """
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +45,7 @@ requires_parallelize = pytest.mark.skipif(
 )
 
 SHORT_TIMEOUT = 3.0
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _alive(pid: int) -> bool:
@@ -60,6 +66,10 @@ def _rank_info(scale: float, *, offset: float = 0.0) -> tuple[int, int, float, i
 
 
 def _pid() -> int:
+    return os.getpid()
+
+
+def _pid_of(_: object) -> int:
     return os.getpid()
 
 
@@ -220,6 +230,7 @@ def test_rank_error_while_other_ranks_wait(monkeypatch: pytest.MonkeyPatch) -> N
     assert [r[:3] for r in run_distributed(_rank_info, 2, 1.0)] == [(0, 2, 1.0), (1, 2, 1.0)]
 
 
+@pytest.mark.slow
 def test_hang_times_out_and_the_pool_is_replaced() -> None:
     pids = run_distributed(_pid, 2)
     start = time.monotonic()
@@ -263,6 +274,129 @@ def test_argument_checks(monkeypatch: pytest.MonkeyPatch) -> None:
         _harness._resolve_timeout(None)
     monkeypatch.delenv("TORCH_TP_TEST_TIMEOUT")
     assert _harness._resolve_timeout(None) == 120.0
+
+
+# ---- functions the workers cannot import: refused in the parent, before any worker runs ----
+
+_WHY = "by its module and qualified name"
+_WHAT_TO_DO = 'if __name__ == "__main__":'
+
+
+def _no_pool_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    def get_pool(world_size: int) -> None:
+        raise AssertionError(f"a pool of {world_size} workers was asked for")
+
+    monkeypatch.setattr(_harness, "_get_pool", get_pool)
+
+
+def test_a_lambda_is_refused_before_any_worker_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_pool_may_start(monkeypatch)
+    with pytest.raises(TypeError, match="a lambda has no name") as info:
+        run_distributed(lambda: None, 2)
+    message = str(info.value)
+    assert _WHY in message and _WHAT_TO_DO in message and "module-level function" in message
+
+
+def test_a_nested_function_is_refused_before_any_worker_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def on_rank() -> int:
+        return dist.get_rank()
+
+    _no_pool_may_start(monkeypatch)
+    with pytest.raises(TypeError, match="defined inside test_a_nested_function_is_refused") as info:
+        run_distributed(on_rank, 2)
+    message = str(info.value)
+    assert "on_rank" in message and _WHY in message and _WHAT_TO_DO in message
+
+
+def test_a_function_of_an_interactive_main_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a notebook, the REPL or `python -c` has: a __main__ with no file a worker could run.
+    main = types.ModuleType("__main__")
+    exec("def on_rank():\n    return 1\n\nclass Config:\n    pass\n", main.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    _no_pool_may_start(monkeypatch)
+    with pytest.raises(TypeError, match=r"__main__\.on_rank") as info:
+        run_distributed(main.on_rank, 2)
+    message = str(info.value)
+    assert "interactive" in message and _WHY in message and _WHAT_TO_DO in message
+    # an argument of a class defined there cannot be unpickled by the workers either
+    with pytest.raises(TypeError, match=r"__main__\.Config"):
+        run_distributed(_pid_of, 2, main.Config())
+
+
+def _python(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, *args],
+        input=stdin,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+_MAIN_PROGRAM = textwrap.dedent(
+    """
+    import multiprocessing
+    import torch.distributed as dist
+    from torch_tp.testing import run_distributed
+
+    def on_rank():
+        return dist.get_rank()
+
+    try:
+        run_distributed(on_rank, 2)
+    except TypeError as err:
+        print("TypeError:", err)
+    print("workers started:", len(multiprocessing.active_children()))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_a_function_of_python_c_or_stdin_is_refused(how: str, tmp_path: Path) -> None:
+    if how == "-c":
+        proc = _python(["-c", _MAIN_PROGRAM], tmp_path)
+    else:
+        proc = _python(["-"], tmp_path, stdin=_MAIN_PROGRAM)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TypeError: run_distributed cannot run __main__.on_rank" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
+    assert "workers started: 0" in proc.stdout
+    assert _WHY in proc.stdout and _WHAT_TO_DO in proc.stdout
+
+
+@pytest.mark.slow
+def test_main_of_a_script_file_and_module_functions_from_stdin_still_run(tmp_path: Path) -> None:
+    # A script run as a file: the spawned workers re-run it as __mp_main__ and find on_rank.
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch.distributed as dist
+            from torch_tp.testing import run_distributed
+
+            def on_rank():
+                return dist.get_rank()
+
+            if __name__ == "__main__":
+                print("ranks:", run_distributed(on_rank, 2))
+            """
+        )
+    )
+    proc = _python([str(script)], tmp_path)
+    assert proc.returncode == 0 and "ranks: [0, 1]" in proc.stdout, proc.stdout + proc.stderr
+    # Code read from stdin may run functions of importable modules.
+    program = "import torch.distributed as dist\nfrom torch_tp.testing import run_distributed\n"
+    program += "print('ranks:', run_distributed(dist.get_rank, 2))\n"
+    proc = _python(["-"], tmp_path, stdin=program)
+    assert proc.returncode == 0 and "ranks: [0, 1]" in proc.stdout, proc.stdout + proc.stderr
 
 
 # ---- the parity helper ---------------------------------------------------------------------

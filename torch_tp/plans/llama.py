@@ -10,6 +10,13 @@ locally and reduced once, not once per projection.
 With ``sequence_parallel`` the activations between blocks are sharded on the sequence
 (dim 1): norms and dropouts run on a sequence shard, the all-reduces become an all-gather
 before each block half and a reduce-scatter after it.
+
+Each rank must hold whole heads, so the numbers of query and key/value heads must divide by
+the TP degree. The attention modules read their head counts from tensor shapes and already
+carry a ``PrepareModuleInput`` (a module takes one style), so the check sits on the root
+module, which holds the counts in its ``config``: :class:`~torch_tp.AttentionHeads` refuses
+the plan before anything changes, where a column-parallel ``wk`` alone would be split into
+part-heads and fail mid-forward.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp.style import (
+    AttentionHeads,
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
@@ -40,7 +48,10 @@ def llama_plan(
             tensor. Default: ``False``.
 
     Returns:
-        A dict from module paths (with ``*`` over the layers) to styles.
+        A dict from module paths (with ``*`` over the layers) to styles. Its ``""`` entry,
+        :class:`~torch_tp.AttentionHeads` reading ``config.n_heads`` and ``config.kv_heads``
+        of the root, makes :func:`~torch_tp.parallelize_module` raise ``ValueError`` before
+        anything changes when the TP degree does not divide both head counts.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -53,6 +64,8 @@ def llama_plan(
     # the layout of the residual stream between blocks
     stream = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
+        # whole heads on every rank, or refuse the plan before anything changes
+        "": AttentionHeads("config.n_heads", "config.kv_heads"),
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "layers.*.attention": PrepareModuleInput(
             input_layouts=(stream, None), desired_input_layouts=(Replicate(), None)

@@ -6,15 +6,20 @@ every :func:`run_distributed` call of that size. A failure on one rank comes bac
 :class:`RankError` carrying that rank's traceback; a hang is killed at a timeout and the pool is
 dropped, so the next call gets a fresh one.
 
-Messages between the parent and the workers are pickled explicitly (``pickle.dumps``) before
-they are queued: a value that cannot be pickled then fails where we can report it, instead of in
-a queue's feeder thread where the error would be lost.
+Messages between the parent and the workers are pickled explicitly before they are queued: a
+value that cannot be pickled then fails where we can report it, instead of in a queue's feeder
+thread where the error would be lost. For the same reason a function the workers could not
+import (a lambda, a nested function, one defined in the ``__main__`` of a notebook or of
+``python -c``) is refused in the parent, before any worker runs.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import multiprocessing
+import multiprocessing.process
 import os
 import pickle
 import queue
@@ -25,7 +30,8 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -262,8 +268,9 @@ class _Pool:
             for rank in range(world_size)
         ]
         try:
-            for proc in self.procs:
-                proc.start()
+            with _main_workers_can_start_with():
+                for proc in self.procs:
+                    proc.start()
             self._wait_ready()
         except BaseException:
             self.kill()
@@ -381,8 +388,140 @@ def _resolve_timeout(timeout: float | None) -> float:
 
 
 def _qualname(fn: Callable[..., Any]) -> str:
-    module = getattr(fn, "__module__", None) or "?"
-    return f"{module}.{getattr(fn, '__qualname__', repr(fn))}"
+    qualname = getattr(fn, "__qualname__", None)
+    if qualname is None:  # a callable object (a functools.partial, say): its repr says more
+        return repr(fn)
+    return f"{getattr(fn, '__module__', None) or '?'}.{qualname}"
+
+
+# --------------------------------------------------------------------------------------------
+# What the workers can import
+#
+# The workers are spawned: fresh interpreters that receive fn (and any function or class in
+# its arguments) as a module name and a qualified name, and import it. Before starting, each
+# worker re-runs the parent's __main__ as "__mp_main__" when it can: by module name after
+# `python -m module`, by path after `python script.py`. Anything else defined in __main__ does
+# not exist in a worker, and unpickling it there fails with a bare AttributeError, so it is
+# refused here, with the reason and the fix.
+# --------------------------------------------------------------------------------------------
+
+_IMPORT_BY_NAME = (
+    "The ranks are worker processes started fresh (spawn): they import fn, and every function "
+    "or class in its arguments, by its module and qualified name"
+)
+_WHAT_TO_DO = (
+    "Define it with def at the top level of a module file and import it from there (from a "
+    "notebook: a .py file beside the notebook), or run your code as a script file with the "
+    'run_distributed call under `if __name__ == "__main__":`. Pass the values it needs as '
+    "arguments: run_distributed(fn, world_size, *args, **kwargs)."
+)
+
+
+def _main_file(main: types.ModuleType | None) -> str | None:
+    """The file a spawned worker would re-run as ``__mp_main__``, as multiprocessing finds it
+    (``None`` for a ``__main__`` with no ``__file__``; the path may not exist)."""
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return None
+    origin = multiprocessing.process.ORIGINAL_DIR
+    return path if os.path.isabs(path) or origin is None else os.path.join(origin, path)
+
+
+def _why_main_is_not_importable() -> str | None:
+    """Why the workers cannot import what the parent's ``__main__`` defines (``None``: they
+    can), following what ``multiprocessing``'s spawn does before a worker starts."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        if name == "__main__" or name.endswith(".__main__"):
+            return (
+                f"__main__ is {name}, a package's __main__.py run with python -m, which the "
+                "workers do not re-run"
+            )
+        return None  # `python -m module`: the workers import it by that name
+    path = _main_file(main)
+    if path is None:
+        return (
+            "__main__ is an interactive session (a notebook, the Python prompt, python -c or "
+            "python -) with no file the workers could re-run"
+        )
+    if not os.path.isfile(path):
+        return f"__main__ was read from {main.__file__!r} (python -), which no worker can re-run"
+    if os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return "__main__ is an IPython session, which the workers do not re-run"
+    return None
+
+
+@contextlib.contextmanager
+def _main_workers_can_start_with() -> Iterator[None]:
+    """Hide a ``__main__.__file__`` that names no file while workers are started.
+
+    A spawned worker re-runs the parent's main file before anything else, and ``python -``
+    names it ``'<stdin>'``: every worker would die opening it, even for a function that lives in
+    a proper module. Without the name the workers leave their ``__main__`` alone.
+    """
+    main = sys.modules.get("__main__")
+    path = _main_file(main)
+    if path is None or os.path.isfile(path):
+        yield
+        return
+    name = main.__file__
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = name
+
+
+class _TaskPickler(pickle.Pickler):
+    """A pickler that records the functions and classes it pickles by reference to
+    ``__main__`` (workers can import them only if they can re-run the parent's main)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.from_main: list[str] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (types.FunctionType, type)) and obj.__module__ == "__main__":
+            self.from_main.append(f"__main__.{obj.__qualname__}")
+        return NotImplemented  # pickle it as usual
+
+
+def _pickle_task(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], name: str) -> bytes:
+    """Pickle ``(fn, args, kwargs)`` for the workers, or raise ``TypeError`` saying why they
+    could not unpickle it and what to do."""
+    if isinstance(fn, types.FunctionType):
+        if fn.__name__ == "<lambda>":
+            what = "a lambda has no name"
+        elif "<locals>" in fn.__qualname__:
+            outer = fn.__qualname__.split(".<locals>.")[0]
+            what = f"a function defined inside {outer} has no name"
+        else:
+            what = None
+        if what is not None:
+            raise TypeError(
+                f"run_distributed cannot run {name}: {what} the workers could import it by. "
+                f"{_IMPORT_BY_NAME}, so fn must be a module-level function. {_WHAT_TO_DO}"
+            )
+    buffer = io.BytesIO()
+    pickler = _TaskPickler(buffer)
+    try:
+        pickler.dump((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(
+            f"run_distributed could not pickle {name} or its arguments ({exc}). "
+            f"{_IMPORT_BY_NAME}, so fn must be a module-level function and its arguments "
+            f"picklable. {_WHAT_TO_DO}"
+        ) from exc
+    why = _why_main_is_not_importable() if pickler.from_main else None
+    if why is not None:
+        found = list(dict.fromkeys(pickler.from_main))
+        subject = "it is" if found == [name] else f"it needs {', '.join(found)},"
+        raise TypeError(
+            f"run_distributed cannot run {name}: {subject} defined in __main__, and {why}. "
+            f"{_IMPORT_BY_NAME}. {_WHAT_TO_DO}"
+        )
+    return buffer.getvalue()
 
 
 def run_distributed(
@@ -399,14 +538,18 @@ def run_distributed(
     (gloo on CPU; NCCL, with ``torch.cuda.set_device(rank)``, when there is a GPU per rank; see
     :func:`device_type`). Each worker runs with ``torch.set_num_threads(1)``.
 
-    ``fn``, ``args``, ``kwargs`` and the return values are pickled, so ``fn`` must be picklable
-    by reference: a function defined at module level (in a test file, say), not a lambda or a
-    nested function. The caller's ``sys.path`` is applied in the workers before ``fn`` is
-    unpickled, so the workers find the module ``fn`` lives in. A function defined in a script
-    run as ``__main__`` works as long as the script keeps its top-level code under
-    ``if __name__ == "__main__":`` (workers are spawned and import the main module). Workers
-    are daemonic processes, so ``fn`` cannot start processes of its own (e.g. a ``DataLoader``
-    with ``num_workers > 0``).
+    ``fn``, ``args``, ``kwargs`` and the return values are pickled. The workers are spawned
+    (fresh interpreters), and they import ``fn``, and any function or class in its arguments,
+    by its module and qualified name: ``fn`` must be a function defined at module level (in a
+    test file, say), not a lambda or a nested function. The caller's ``sys.path`` is applied
+    in the workers before ``fn`` is unpickled, so the workers find the module ``fn`` lives in.
+    A function defined in a script run as a file (``python script.py``) or as a module
+    (``python -m script``) works as long as the script keeps its top-level code under
+    ``if __name__ == "__main__":``: the workers re-run the script to find it. The ``__main__``
+    of a notebook, of the Python prompt, of ``python -c`` or of ``python -`` cannot be re-run;
+    a function defined there is refused, before any worker runs: put it in a module file and
+    import it. Workers are daemonic processes, so ``fn`` cannot start processes of its own
+    (e.g. a ``DataLoader`` with ``num_workers > 0``).
 
     Args:
         fn: the function to run on every rank.
@@ -425,7 +568,10 @@ def run_distributed(
             waiting in a collective for the failed rank), the pool is replaced.
         RankTimeout: some ranks did not finish within ``timeout``; the pool is killed and the
             next call spawns a fresh one.
-        TypeError: ``fn`` or its arguments cannot be pickled.
+        TypeError: ``fn`` or its arguments cannot be pickled, or the workers could not import
+            them: ``fn`` is a lambda or a nested function, or it (or a function or class in
+            its arguments) is defined in a ``__main__`` the workers cannot re-run. Raised
+            before any worker runs; the message says why and what to do.
 
     Example::
 
@@ -447,13 +593,7 @@ def run_distributed(
         raise ValueError(f"world_size must be a positive int, found {world_size!r}")
     timeout = _resolve_timeout(timeout)
     name = _qualname(fn)
-    try:
-        payload = pickle.dumps((fn, args, kwargs))
-    except Exception as exc:
-        raise TypeError(
-            f"run_distributed could not pickle {name} or its arguments ({exc}); fn must be "
-            "a module-level function and its arguments picklable"
-        ) from exc
+    payload = _pickle_task(fn, args, kwargs, name)  # before any worker starts
 
     with _LOCK:
         pool = _get_pool(world_size)
