@@ -36,12 +36,32 @@ def annotate(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTenso
     return DTensor.from_local(value, mesh, (layout,), run_check=False)
 
 
+class ShardDimError(ValueError):
+    """A sharded layout names a dimension the tensor it lays out does not have.
+
+    Raised by :func:`normalize`, which knows neither the module nor the style: the styles
+    catch it where they call in and add both to the message.
+    """
+
+
 def normalize(layout: Placement, ndim: int) -> Placement:
-    """``Shard(-1)`` and ``Shard(ndim - 1)`` are the same layout; make them compare equal."""
-    if isinstance(layout, Shard) and layout.dim < 0:
-        return Shard(layout.dim + ndim)
-    if isinstance(layout, _StridedShard) and layout.dim < 0:
-        return _StridedShard(layout.dim + ndim, split_factor=layout.split_factor)
+    """``Shard(-1)`` and ``Shard(ndim - 1)`` are the same layout; make them compare equal.
+
+    Raises:
+        ShardDimError: ``layout`` shards a dimension outside ``[-ndim, ndim)``. Collectives
+            would otherwise wrap it (``Shard(99)`` of a 3-D tensor gathering dim 0).
+    """
+    if isinstance(layout, (Shard, _StridedShard)):
+        dim = layout.dim
+        if not -ndim <= dim < ndim:
+            raise ShardDimError(
+                f"{layout!r} does not fit the {ndim}-D tensor it lays out: a Shard dim must be "
+                f"in [{-ndim}, {ndim})"
+            )
+        if dim < 0:
+            if isinstance(layout, _StridedShard):
+                return _StridedShard(dim + ndim, split_factor=layout.split_factor)
+            return Shard(dim + ndim)
     return layout
 
 
@@ -69,6 +89,10 @@ def prepare(
     if layout is None:
         return value
     if not isinstance(value, DTensor):
+        # checked here, where DTensor would either wrap the dim or fail in its internals
+        normalize(layout, value.ndim)
+        if desired is not None:
+            normalize(desired, value.ndim)
         if use_local and desired in (None, layout):
             return value  # annotate and unwrap: nothing happens, forward or backward
         if not use_local and isinstance(desired or layout, Replicate):

@@ -35,6 +35,7 @@ from torch_tp.style import (
     ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
+    short_repr,
 )
 
 __all__: list[str] = []  # private module: the public entry points are in torch_tp.plan
@@ -115,7 +116,7 @@ def style_from_name(name: str, key: str | None = None) -> ParallelStyle:
         NotImplementedError: a transformers name whose meaning no torch_tp style has yet.
         ValueError: an unknown name; the message lists the valid ones.
     """
-    where = f"plan key {key!r}: " if key is not None else ""
+    where = _where(key)
     factory = STYLE_NAMES.get(name)
     if factory is not None:
         return factory()
@@ -125,11 +126,16 @@ def style_from_name(name: str, key: str | None = None) -> ParallelStyle:
             f"{UNSUPPORTED_NAMES[name]}. Leave the module out of the plan, or write a "
             "ParallelStyle for it"
         )
-    close = difflib.get_close_matches(name, [*STYLE_NAMES, *UNSUPPORTED_NAMES], n=1)
+    close = difflib.get_close_matches(name[:100], [*STYLE_NAMES, *UNSUPPORTED_NAMES], n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(
-        f"{where}unknown style name {name!r}{hint}; valid names: {', '.join(STYLE_NAMES)}"
+        f"{where}unknown style name {short_repr(name)}{hint}; valid names: {', '.join(STYLE_NAMES)}"
     )
+
+
+def _where(key: object) -> str:
+    """``"plan key 'layers.*.wq': "``, the start of an error about one plan entry."""
+    return f"plan key {short_repr(key)}: " if key is not None else ""
 
 
 def name_of(style: object) -> str | None:
@@ -155,9 +161,10 @@ def resolve_names(plan: Mapping[Any, Any]) -> dict[Any, Any]:
 # Placements as strings
 # ------------------------------------------------------------------------------------------
 
-_SHARD = re.compile(r"Shard\((-?\d+)\)")
-_STRIDED = re.compile(r"StridedShard\((-?\d+), split_factor=(\d+)\)")
-_PARTIAL = re.compile(r"Partial\((\w*)\)")
+# ASCII digits only (\d takes any script's), and few of them: no tensor has more dims
+_SHARD = re.compile(r"Shard\((-?[0-9]{1,9})\)")
+_STRIDED = re.compile(r"StridedShard\((-?[0-9]{1,9}), split_factor=([0-9]{1,9})\)")
+_PARTIAL = re.compile(r"Partial\((\w{0,32})\)")
 
 
 def placement_to_str(placement: Placement) -> str:
@@ -176,18 +183,35 @@ def placement_to_str(placement: Placement) -> str:
 
 
 def placement_from_str(text: str) -> Placement:
-    """The inverse of :func:`placement_to_str`."""
+    """The inverse of :func:`placement_to_str`.
+
+    Raises:
+        TypeError: ``text`` is not a string.
+        ValueError: ``text`` is no placement, or a ``StridedShard`` whose ``split_factor`` is
+            not positive. Whether a ``Shard`` dim fits its tensor is checked where the
+            tensor is known (the parameter at validation, the activation at forward).
+    """
+    if not isinstance(text, str):
+        raise TypeError(
+            f"expected a placement string such as 'Shard(1)' or 'Replicate()', found "
+            f"{type(text).__name__} {short_repr(text)}"
+        )
     if text == "Replicate()":
         return Replicate()
     if match := _SHARD.fullmatch(text):
         return Shard(int(match.group(1)))
     if match := _STRIDED.fullmatch(text):
-        return _StridedShard(int(match.group(1)), split_factor=int(match.group(2)))
+        split_factor = int(match.group(2))
+        if split_factor < 1:
+            raise ValueError(
+                f"the split_factor of {text!r} must be a positive int, found {split_factor}"
+            )
+        return _StridedShard(int(match.group(1)), split_factor=split_factor)
     if match := _PARTIAL.fullmatch(text):
         return Partial(match.group(1) or "sum")
     raise ValueError(
-        f"cannot read {text!r} as a placement: expected 'Shard(d)', 'Replicate()', 'Partial()' or "
-        "'StridedShard(d, split_factor=k)'"
+        f"cannot read {short_repr(text)} as a placement: expected 'Shard(d)', 'Replicate()', "
+        "'Partial()' or 'StridedShard(d, split_factor=k)'"
     )
 
 
@@ -306,13 +330,51 @@ def _encode(argument: str, value: Any) -> Any:
 def _decode(argument: str, value: Any) -> Any:
     if not _is_layouts(argument):
         return tuple(value) if isinstance(value, list) else value
-    if isinstance(value, str):
-        return placement_from_str(value)
-    if isinstance(value, list):
-        return tuple(None if v is None else placement_from_str(v) for v in value)
-    if isinstance(value, dict):
-        return {k: placement_from_str(v) for k, v in value.items()}
+    try:
+        if isinstance(value, str):
+            return placement_from_str(value)
+        if isinstance(value, list):
+            return tuple(None if v is None else placement_from_str(v) for v in value)
+        if isinstance(value, dict):
+            return {k: placement_from_str(v) for k, v in value.items()}
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{argument}: {err}") from None
+    if value is not None:
+        raise TypeError(
+            f"{argument} must be a placement string such as 'Shard(1)', a list of them, a dict "
+            f"of them (keyword layouts) or null, found {type(value).__name__} "
+            f"{short_repr(value)}"
+        )
     return value
+
+
+# how deep a style's data may nest (a list of layouts in a dict in a plan is 3 deep): a
+# bound, so that a value nested a million deep (or holding itself) fails clearly, without
+# exhausting the stack
+MAX_DEPTH = 32
+
+
+def _check_depth(value: Any, where: str) -> None:
+    """Raise ``ValueError`` if lists and dicts in ``value`` nest deeper than ``MAX_DEPTH``.
+
+    The walk is iterative, and stops at the first path that goes too deep.
+    """
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise ValueError(
+                f"{where}the style's data nests lists and dicts deeper than {MAX_DEPTH} "
+                "levels; a style is a dict of arguments, each a name, number, placement "
+                "string, or a flat list or dict of them"
+            )
+        stack.extend((child, depth + 1) for child in children)
 
 
 def style_to_data(style: object, key: str | None = None) -> str | dict[str, Any]:
@@ -321,34 +383,70 @@ def style_to_data(style: object, key: str | None = None) -> str | dict[str, Any]
     if name is not None:
         return name
     if type(style).__name__ not in _CLASSES or _CLASSES[type(style).__name__] is not type(style):
-        where = f"plan key {key!r}: " if key is not None else ""
         raise TypeError(
-            f"{where}{style!r} has no plain-data form: only torch_tp's built-in styles "
-            f"({', '.join(_CLASSES)}) can be written as data"
+            f"{_where(key)}{short_repr(style)} has no plain-data form: only torch_tp's "
+            f"built-in styles ({', '.join(_CLASSES)}) can be written as data"
         )
     arguments = {k: _encode(k, v) for k, v in _minimal_arguments(style).items()}
     return {"style": type(style).__name__, **arguments}
 
 
+# what a plan value may be, for the error about one that is not
+_PLAN_VALUE = (
+    "a style name or a dict with a 'style' entry (a str such as 'colwise', or a dict naming "
+    "a style class and its arguments such as {'style': 'RowwiseParallel', 'output_layouts': "
+    "'Shard(1)'})"
+)
+
+
 def style_from_data(value: str | Mapping[str, Any], key: str | None = None) -> ParallelStyle:
-    """The inverse of :func:`style_to_data`."""
+    """The inverse of :func:`style_to_data`.
+
+    The data is checked as strictly as a style object's arguments: flags must be ``bool``
+    (``"false"`` is not false), placements must be strings that read as one, and every
+    error names the plan key and the style, and shows a bounded prefix of the value.
+
+    Raises:
+        TypeError: ``value`` is neither a name nor a dict with a ``"style"`` entry naming a
+            class, or an argument has the wrong type.
+        ValueError: an unknown name or class, an unreadable placement, an argument out of
+            range, or data nested deeper than ``MAX_DEPTH``.
+        NotImplementedError: a transformers style name no torch_tp style expresses yet.
+        AssertionError: layouts of different lengths (as the style objects raise).
+    """
     if isinstance(value, str):
         return style_from_name(value, key)
-    where = f"plan key {key!r}: " if key is not None else ""
+    where = _where(key)
     if not isinstance(value, Mapping) or "style" not in value:
         raise TypeError(
-            f"{where}expected a style name or a dict with a 'style' entry, found {value!r}"
+            f"{where}expected {_PLAN_VALUE}, found {type(value).__name__} {short_repr(value)}"
         )
+    _check_depth(value, where)
     arguments = dict(value)
-    cls = _CLASSES.get(arguments.pop("style"))
+    name = arguments.pop("style")
+    if not isinstance(name, str):
+        raise TypeError(
+            f"{where}expected {_PLAN_VALUE}, found a 'style' entry that is a "
+            f"{type(name).__name__}, {short_repr(name)}; the classes are "
+            f"{', '.join(_CLASSES)}"
+        )
+    cls = _CLASSES.get(name)
     if cls is None:
         raise ValueError(
-            f"{where}unknown style class {value['style']!r}; expected one of {', '.join(_CLASSES)}"
+            f"{where}unknown style class {short_repr(name)}; expected one of {', '.join(_CLASSES)}"
         )
+    for argument in arguments:
+        if not isinstance(argument, str):
+            raise TypeError(
+                f"{where}the arguments of {cls.__name__} are named by strings, found "
+                f"{type(argument).__name__} {short_repr(argument)}"
+            )
     try:
         return cls(**{k: _decode(k, v) for k, v in arguments.items()})
-    except TypeError as err:
-        raise TypeError(f"{where}cannot build {cls.__name__} from {value!r}: {err}") from err
+    except (TypeError, ValueError, AssertionError) as err:
+        raise type(err)(
+            f"{where}cannot build {cls.__name__} from {short_repr(value)}: {err}"
+        ) from err
 
 
 def describe(style: object) -> str:

@@ -179,13 +179,40 @@ def _plan(args: argparse.Namespace, model: nn.Module) -> Any:
 
         return plan_for(model)
     if spec.endswith(".json") or Path(spec).is_file():
-        return from_dict(json.loads(Path(spec).read_text(encoding="utf-8")))
+        return from_dict(_read_json(Path(spec)))
     plan = _load(spec)
     return plan() if callable(plan) else plan
 
 
+def _read_json(path: Path) -> Any:
+    """The data in a JSON plan file; ``ValueError`` naming the file if it cannot be read."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests too deeply to be a plan") from None
+
+
+# the most of one error message printed: the messages of the checks are bounded, but an
+# error from a user's model factory or inputs function may be anything
+_MAX_ERROR_CHARS = 2000
+
+
+def _print_error(err: BaseException) -> None:
+    text = f"error: {type(err).__name__}: {err}"
+    if len(text) > _MAX_ERROR_CHARS:
+        text = f"{text[:_MAX_ERROR_CHARS]}... ({len(text)} chars)"
+    print(text, file=sys.stderr)
+
+
 def main(args: argparse.Namespace) -> int:
-    """Print the report; return 1 if it finds an error, 2 if the arguments are wrong."""
+    """Print the report; return 1 if it finds an error, 2 if the arguments are wrong.
+
+    Wrong arguments, an unreadable or invalid plan, and a forward that fails on the meta
+    device print one error line on stderr, with no traceback.
+    """
     from torch_tp.report import plan_report
 
     try:
@@ -202,8 +229,17 @@ def main(args: argparse.Namespace) -> int:
             example_inputs=inputs,
             device_type=args.device_type,
         )
-    except (ImportError, AttributeError, ValueError, TypeError, NotImplementedError) as err:
-        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+    except (
+        ImportError,
+        AttributeError,
+        OSError,
+        ValueError,
+        TypeError,
+        NotImplementedError,
+        AssertionError,  # layouts of different lengths, as the style objects raise
+        RuntimeError,  # the forward failed on the meta device (the report says why)
+    ) as err:
+        _print_error(err)
         return 2
     print(report)
     return 1 if report.errors else 0

@@ -22,11 +22,13 @@ from torch.distributed.tensor import Placement
 from torch_tp import _names
 from torch_tp.style import (
     MODULE_PATH_ATTR,
+    STYLE_REPR_LIMIT,
     ColwiseParallel,
     ParallelStyle,
     ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
+    short_repr,
 )
 
 __all__ = ["PlanEntry", "from_dict", "resolve_plan", "to_dict", "validate_plan"]
@@ -71,6 +73,19 @@ def _describe(path: str) -> str:
     return f"'{path}'" if path else "the root module ('')"
 
 
+def _style(style: object) -> str:
+    """A style as error messages show it: its repr, bounded (a user's may be anything)."""
+    return short_repr(style, STYLE_REPR_LIMIT)
+
+
+def _check_keys(plan: Mapping[Any, Any]) -> None:
+    for key in plan:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"plan key {short_repr(key)}: module paths must be str, found {type(key).__name__}"
+            )
+
+
 def _match(root: nn.Module, key: str) -> tuple[list[tuple[str, nn.Module]], str | None]:
     """All ``(path, module)`` that ``key`` names, or why it names none."""
     if key == "":
@@ -88,7 +103,7 @@ def _match(root: nn.Module, key: str) -> tuple[list[tuple[str, nn.Module]], str 
             children = [name for name, _ in module.named_children()]
             shown = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "")
             return [], (
-                f"segment {segment!r} matches no child of {_describe(path)} "
+                f"segment {short_repr(segment)} matches no child of {_describe(path)} "
                 f"(children: {shown or 'none'})"
             )
         frontier = found
@@ -128,14 +143,14 @@ def resolve_plan(
             "Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for parallelize_plan, "
             f"{type(parallelize_plan)} found!"
         )
+    _check_keys(parallelize_plan)
     parallelize_plan = _names.resolve_names(parallelize_plan)
     for key, style in parallelize_plan.items():
-        if not isinstance(key, str):
-            raise TypeError(f"plan key {key!r}: module paths must be str, found {type(key)}")
         if not is_style(style):
             raise TypeError(
-                f"plan key {key!r}: expected a ParallelStyle (e.g. ColwiseParallel()), found "
-                f"{type(style).__name__} {style!r}"
+                f"plan key {short_repr(key)}: expected a ParallelStyle (e.g. ColwiseParallel()) "
+                f"or a style name (e.g. 'colwise'), found {type(style).__name__} "
+                f"{short_repr(style)}"
             )
 
     entries: list[PlanEntry] = []
@@ -143,7 +158,7 @@ def resolve_plan(
     for key, style in parallelize_plan.items():
         matches, why = _match(module, key)
         if not matches:
-            message = f"parallelize_plan key {key!r} matches no submodule: {why}"
+            message = f"parallelize_plan key {short_repr(key)} matches no submodule: {why}"
             if strict:
                 raise ValueError(message)
             warnings.warn(message + "; skipping it (strict=False)", stacklevel=3)
@@ -152,8 +167,9 @@ def resolve_plan(
             if id(submodule) in owner:
                 first = owner[id(submodule)]
                 raise ValueError(
-                    f"module {_describe(path)} is matched by plan keys {first.key!r} "
-                    f"({first.style!r}) and {key!r} ({style!r}); a module takes one style"
+                    f"module {_describe(path)} is matched by plan keys {short_repr(first.key)} "
+                    f"({_style(first.style)}) and {short_repr(key)} ({_style(style)}); a module "
+                    "takes one style"
                 )
             entry = PlanEntry(key, path, submodule, style)
             owner[id(submodule)] = entry
@@ -173,12 +189,12 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
     owners = parameter_owners(root) if entries else {}
     by_path = {entry.path: entry for entry in entries}
     for entry in entries:
-        where = f"{entry.style!r} on {_describe(entry.path)} ({type(entry.module).__name__})"
+        where = f"{_style(entry.style)} on {_describe(entry.path)} ({type(entry.module).__name__})"
         previous = getattr(entry.module, _APPLIED_STYLE, None)
         if previous is not None:
             raise ValueError(
                 f"cannot apply {where}: the module was already parallelized with "
-                f"{previous!r}; a module takes one style"
+                f"{_style(previous)}; a module takes one style"
             )
         tied = tied_parameters(entry, owners, by_path)
         if tied is not None:
@@ -304,7 +320,11 @@ def to_dict(plan: ParallelStyle | Mapping[str, ParallelStyle | str]) -> dict[str
     if is_style(plan):
         plan = {"": plan}
     if not isinstance(plan, Mapping):
-        raise TypeError(f"expected a ParallelStyle or a dict of them, found {type(plan)}")
+        raise TypeError(
+            f"expected a ParallelStyle or a dict of them, found {type(plan).__name__} "
+            f"{short_repr(plan)}"
+        )
+    _check_keys(plan)
     return {
         key: _names.style_to_data(style, key) for key, style in _names.resolve_names(plan).items()
     }
@@ -320,11 +340,19 @@ def from_dict(data: Mapping[str, str | Mapping[str, Any]]) -> dict[str, Parallel
     Returns:
         A dict from module paths to style objects, for :func:`parallelize_module`.
 
+    The data is checked as strictly as the styles' own arguments: flags must be JSON
+    booleans (``"false"`` is not false), placements must read as one, and every error names
+    the plan key and the style and shows a bounded prefix of the offending value. Whether a
+    ``Shard`` dim exists is checked where the tensor is known: parameters when
+    :func:`parallelize_module` validates the plan, activations at the forward.
+
     Raises:
-        ValueError: an unknown style name, class or placement string.
+        ValueError: an unknown style name, class or placement string, a ``StridedShard``
+            whose ``split_factor`` is not positive, or data nested deeper than 32 levels.
         NotImplementedError: a transformers style name that no torch_tp style expresses yet.
-        TypeError: a value is neither a name nor a dict with a ``"style"`` entry, or its
-            arguments do not fit the style.
+        TypeError: a key is not a string, a value is neither a name nor a dict whose
+            ``"style"`` entry is a class name, or its arguments do not fit the style (a flag
+            that is not a ``bool``, a dim that is not an ``int``, an unknown argument).
 
     Example::
         >>> wo = {"style": "RowwiseParallel", "output_layouts": "Shard(1)"}
@@ -333,5 +361,9 @@ def from_dict(data: Mapping[str, str | Mapping[str, Any]]) -> dict[str, Parallel
         (True, True)
     """
     if not isinstance(data, Mapping):
-        raise TypeError(f"expected a dict from module paths to styles, found {type(data)}")
+        raise TypeError(
+            f"expected a dict from module paths to styles, found {type(data).__name__} "
+            f"{short_repr(data)}"
+        )
+    _check_keys(data)
     return {key: _names.style_from_data(value, key) for key, value in data.items()}

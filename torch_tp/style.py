@@ -15,7 +15,10 @@ parameter.
 from __future__ import annotations
 
 import functools
+import itertools
+import reprlib
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -97,7 +100,102 @@ def _where(style: ParallelStyle, module: nn.Module) -> str:
     """``ColwiseParallel(...) on 'layers.0.attention.wq' (Linear)``, for error messages."""
     path = getattr(module, MODULE_PATH_ATTR, None)
     place = f"'{path}'" if path else ("the root module" if path == "" else "a module")
-    return f"{style!r} on {place} ({type(module).__name__})"
+    return f"{short_repr(style, STYLE_REPR_LIMIT)} on {place} ({type(module).__name__})"
+
+
+# ------------------------------------------------------------------------------------------
+# Checking arguments. Errors echo user values through short_repr: a plan is data a user may
+# have generated, and an error message must stay readable whatever it holds.
+# ------------------------------------------------------------------------------------------
+
+# the most characters of one user value an error message shows (styles: a little more, so
+# that every ordinary style prints whole)
+REPR_LIMIT = 200
+STYLE_REPR_LIMIT = 500
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``reprlib`` with room for placements and names: a few items, a few levels deep."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = self.maxfrozenset = 8
+        self.maxdeque = self.maxarray = 8
+        self.maxstring = self.maxother = self.maxlong = limit
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        # in insertion order (reprlib sorts): a plan entry reads {'style': ..., arguments}
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = itertools.islice(x.items(), self.maxdict)
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in items]
+        if len(x) > self.maxdict:
+            pieces.append("...")
+        return "{" + ", ".join(pieces) + "}"
+
+
+_BOUNDED_REPRS: dict[int, _BoundedRepr] = {}
+
+
+def short_repr(value: object, limit: int = REPR_LIMIT) -> str:
+    """``repr(value)`` for an error message: at most ``limit`` characters of it, then
+    ``... (N chars)`` or ``... (N items)``.
+
+    Containers are walked only a few items wide and a few levels deep, so neither a huge nor
+    a deeply nested (or self-referential) value is walked whole; a repr that fails is named
+    instead of raising from inside an error message.
+    """
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return repr(value)
+        return f"{value[:limit]!r}... ({len(value)} chars)"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        bounded = _BOUNDED_REPRS.get(limit)
+        if bounded is None:
+            bounded = _BOUNDED_REPRS[limit] = _BoundedRepr(limit)
+        text, size = bounded.repr(value), f"{len(value)} items"
+    else:
+        try:
+            text = repr(value)
+        except Exception as err:  # noqa: BLE001 - any repr may fail; the message must not
+            return f"<{type(value).__name__} object (repr failed: {type(err).__name__})>"
+        size = f"{len(text)} chars"
+    if len(text) <= limit:
+        return text if size.endswith("chars") or len(value) <= 8 else f"{text} ({size})"
+    return f"{text[:limit]}... ({size})"
+
+
+def _check_flag(value: object, what: str) -> bool:
+    """``value`` if it is a ``bool``; a string such as ``"false"`` would be taken as true."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{what} must be a bool (True or False), found {type(value).__name__} "
+            f"{short_repr(value)}"
+        )
+    return value
+
+
+def _check_int(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, found {type(value).__name__} {short_repr(value)}")
+    return value
+
+
+def _check_placement(layout: object, what: str) -> None:
+    """A :class:`Placement` whose own arguments are valid (DTensor does not check them)."""
+    if not isinstance(layout, Placement):
+        raise TypeError(
+            f"{what} must hold Placements (or None), found {type(layout).__name__} "
+            f"{short_repr(layout)}"
+        )
+    if isinstance(layout, _StridedShard) and layout.split_factor < 1:
+        raise ValueError(
+            f"{what}: the split_factor of {layout!r} must be a positive int, found "
+            f"{layout.split_factor}"
+        )
 
 
 def _arguments(style: ParallelStyle) -> dict[str, Any]:
@@ -114,13 +212,33 @@ def _as_tuple(layouts: Placement | tuple[Placement | None, ...] | None, what: st
     if layouts is None:
         return None
     if isinstance(layouts, Placement):
+        _check_placement(layouts, what)
         return (layouts,)
     if not isinstance(layouts, (tuple, list)):
-        raise TypeError(f"{what} must be a Placement or a tuple of them, found {layouts!r}")
+        raise TypeError(
+            f"{what} must be a Placement or a tuple of them, found {type(layouts).__name__} "
+            f"{short_repr(layouts)}"
+        )
     for layout in layouts:
-        if layout is not None and not isinstance(layout, Placement):
-            raise TypeError(f"{what} must hold Placements or None, found {layout!r}")
+        if layout is not None:
+            _check_placement(layout, what)
     return tuple(layouts)
+
+
+def _as_kwarg_layouts(layouts: Mapping[str, Placement] | None, what: str) -> dict[str, Placement]:
+    """Normalize a keyword-layouts argument to a dict, checking every entry."""
+    if layouts is None:
+        return {}
+    if not isinstance(layouts, Mapping):
+        raise TypeError(
+            f"{what} must be a dict from keyword names to Placements, found "
+            f"{type(layouts).__name__} {short_repr(layouts)}"
+        )
+    for name, layout in layouts.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{what} must have str keys, found {short_repr(name)}")
+        _check_placement(layout, f"{what}[{short_repr(name)}]")
+    return dict(layouts)
 
 
 def _single(layout: Placement | None, default: Placement, what: str) -> tuple[Placement]:
@@ -128,8 +246,21 @@ def _single(layout: Placement | None, default: Placement, what: str) -> tuple[Pl
     if layout is None:
         return (default,)
     if not isinstance(layout, Placement):
-        raise TypeError(f"{what} must be a Placement, found {layout!r}")
+        raise TypeError(
+            f"{what} must be a Placement, found {type(layout).__name__} {short_repr(layout)}"
+        )
+    _check_placement(layout, what)
     return (layout,)
+
+
+def _in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> ValueError:
+    """A layout error (:class:`_layouts.ShardDimError`) again, as a ``ValueError`` naming
+    the style and the module it runs on.
+
+    The layout helpers raise without knowing either; the styles catch at their entry points
+    (a ``try`` costs nothing until something raises).
+    """
+    return ValueError(f"{_where(style, module)}: {err}")
 
 
 def _distribute_parameters(
@@ -232,7 +363,7 @@ class _ShardLinearEmbedding(ParallelStyle):
         super().__init__()
         self.input_layouts = _single(input_layouts, self._default_input, "input_layouts")
         self.output_layouts = _single(output_layouts, self._default_output, "output_layouts")
-        self.use_local_output = use_local_output
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
 
     def __repr__(self) -> str:
         return _repr(
@@ -250,6 +381,7 @@ class _ShardLinearEmbedding(ParallelStyle):
                 f"{type(module).__module__}.{type(module).__qualname__}"
             )
         _check_not_distributed(module)
+        _check_parameter_placements(module, self._parameter_placements(module))
         if isinstance(module, nn.Embedding):
             if module.sparse:
                 raise ValueError("sparse embedding gradients are not supported")
@@ -280,6 +412,7 @@ class _ShardLinearEmbedding(ParallelStyle):
             module.forward = functools.partial(forward, module, device_mesh)
         else:
             _hook_dtensor_forward(
+                self,
                 module,
                 device_mesh,
                 self.input_layouts[0],
@@ -338,22 +471,38 @@ class ColwiseParallel(_ShardLinearEmbedding):
         return {"weight": self._shard(out_dim), "bias": self._shard(0)}
 
     def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
-        x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
-        weight = _layouts.local_parameter(module, "weight")
-        y = _project(module, x, weight, _layouts.local_parameter(module, "bias"))
-        return self._leave(y, mesh, _out_features(module))
+        try:
+            x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+            weight = _layouts.local_parameter(module, "weight")
+            y = _project(module, x, weight, _layouts.local_parameter(module, "bias"))
+            return self._leave(y, mesh, _out_features(module))
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
 
     def _embedding(
         self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
     ) -> torch.Tensor:
-        ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
-        y = F.embedding(
-            ids,
-            _layouts.local_parameter(module, "weight"),
-            module.padding_idx,
-            scale_grad_by_freq=module.scale_grad_by_freq,
-        )
-        return self._leave(y, mesh, module.embedding_dim)
+        try:
+            ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        try:
+            # the whole vocabulary on every rank: F.embedding checks the ids itself (on a
+            # GPU, with a device-side assert, as on one device)
+            y = F.embedding(
+                ids,
+                _layouts.local_parameter(module, "weight"),
+                module.padding_idx,
+                scale_grad_by_freq=module.scale_grad_by_freq,
+            )
+        except IndexError as err:
+            raise IndexError(
+                f"{_where(self, module)}: {err}: token ids must be in [0, {module.num_embeddings})"
+            ) from err
+        try:
+            return self._leave(y, mesh, module.embedding_dim)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
 
     def _leave(self, y: torch.Tensor, mesh: DeviceMesh, features: int) -> torch.Tensor:
         """``y``, computed sharded on its last dim (``features`` in all), as the output."""
@@ -429,11 +578,14 @@ class RowwiseParallel(_ShardLinearEmbedding):
     def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         layout, x = self.input_layouts[0], input
         last = type(layout) is Shard and layout.dim in (-1, x.ndim - 1)
-        if isinstance(x, DTensor) or not last:  # else the local shard the computation needs
-            layout = _layouts.normalize(layout, x.ndim)
-            x = _layouts.enter_sharded(x, mesh, layout, self._shard(x.ndim - 1))
-        partial = _project(module, x, _layouts.local_parameter(module, "weight"), None)
-        y = self._reduce(partial, mesh, module)
+        try:
+            if isinstance(x, DTensor) or not last:  # else the local shard it computes with
+                layout = _layouts.normalize(layout, x.ndim)
+                x = _layouts.enter_sharded(x, mesh, layout, self._shard(x.ndim - 1))
+            partial = _project(module, x, _layouts.local_parameter(module, "weight"), None)
+            y = self._reduce(partial, mesh, module)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
         if module.bias is None:
             return y
         # added after the reduction, so that it is added once
@@ -447,7 +599,20 @@ class RowwiseParallel(_ShardLinearEmbedding):
     def _embedding(
         self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
     ) -> torch.Tensor:
-        ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+        try:
+            ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        if ids.numel() and not ids.is_meta and not torch.compiler.is_compiling():
+            # Ids out of the vocabulary would be foreign to every rank: rows of zeros, where
+            # one device raises. Every rank holds all the ids (replicated), so every rank
+            # finds the same ones and raises alike, with no collective. Reading the min and
+            # max back is a host sync on a GPU (one: both are read as one flag). Under
+            # torch.compile the check is left out: a branch on data would break the graph
+            # (meta ids have no values to check).
+            low, high = torch.aminmax(ids)
+            if ((low < 0) | (high >= module.num_embeddings)).item():
+                raise self._ids_out_of_range(module, ids)
         start, stop = _layouts.shard_range(module.num_embeddings, mesh)
         weight = _layouts.local_parameter(module, "weight")
         # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
@@ -460,7 +625,21 @@ class RowwiseParallel(_ShardLinearEmbedding):
             y = y.masked_fill(foreign.unsqueeze(-1), 0.0)
         else:  # an empty shard (tiny vocabulary): contribute zeros, keep the graph
             y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
-        return self._reduce(y, mesh, module)
+        try:
+            return self._reduce(y, mesh, module)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+    def _ids_out_of_range(self, module: nn.Embedding, ids: torch.Tensor) -> IndexError:
+        """The error of one device's ``F.embedding``, naming the module and a few of the ids."""
+        size = module.num_embeddings
+        bad = ids[(ids < 0) | (ids >= size)]
+        values = torch.unique(bad).tolist()
+        shown = ", ".join(map(str, values[:5])) + (", ..." if len(values) > 5 else "")
+        return IndexError(
+            f"{_where(self, module)}: index out of range: token ids must be in [0, {size}), "
+            f"found {shown} ({bad.numel()} of {ids.numel()} ids out of range)"
+        )
 
     def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh, module: nn.Module):
         layout = self.output_layouts[0]
@@ -488,8 +667,8 @@ class _Packed:
     parts: int
 
     def _check_parts(self, parts: int) -> int:
-        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-            raise ValueError(f"parts must be a positive int, found {parts!r}")
+        if _check_int(parts, "parts") < 1:
+            raise ValueError(f"parts must be a positive int, found {parts}")
         return parts
 
     def _shard(self, dim: int) -> Placement:
@@ -572,7 +751,7 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
         if output_layouts is not None and not isinstance(output_layouts, Replicate):
             raise ValueError(
                 f"output_layouts of a packed projection must be None (packed local slices) "
-                f"or Replicate(), found {output_layouts!r}"
+                f"or Replicate(), found {short_repr(output_layouts)}"
             )
         self.parts = self._check_parts(parts)
         super().__init__(
@@ -653,6 +832,20 @@ class PackedRowwiseParallel(_Packed, RowwiseParallel):
         self._validate_parts(in_features, "the input features", device_mesh)
 
 
+def _check_parameter_placements(module: nn.Module, placements: dict[str, Placement]) -> None:
+    """Every placement a style gives a parameter names a dimension the parameter has."""
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if not isinstance(param, torch.Tensor) or not isinstance(placement, (Shard, _StridedShard)):
+            continue
+        if not -param.ndim <= placement.dim < param.ndim:
+            raise ValueError(
+                f"the placement {placement!r} of parameter {name!r} names dim {placement.dim} "
+                f"of a {param.ndim}-D tensor (shape {tuple(param.shape)}): a Shard dim must "
+                f"be in [{-param.ndim}, {param.ndim})"
+            )
+
+
 def _check_not_distributed(module: nn.Module) -> None:
     for name, param in module.named_parameters(recurse=False):
         if isinstance(param, DTensor):
@@ -720,8 +913,8 @@ class SequenceParallel(_ReplicatedParameters):
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         super().__init__()
-        self.sequence_sharding = (Shard(sequence_dim),)
-        self.use_local_output = use_local_output
+        self.sequence_sharding = (Shard(_check_int(sequence_dim, "sequence_dim")),)
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
 
     def __repr__(self) -> str:
         return _repr(
@@ -751,7 +944,10 @@ class SequenceParallel(_ReplicatedParameters):
                 f"DTensor, found {found}"
             )
         x = inputs[0]
-        layout = _layouts.normalize(self.sequence_sharding[0], x.ndim)
+        try:
+            layout = _layouts.normalize(self.sequence_sharding[0], x.ndim)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
         global_shape = None  # a local input: even shards, as everywhere
         if isinstance(x, DTensor):
             x = _layouts.redistribute(x, layout)
@@ -806,7 +1002,7 @@ class ReplicateParallel(_ReplicatedParameters):
 
     def __init__(self, *, sum_gradients: bool = False) -> None:
         super().__init__()
-        self.sum_gradients = sum_gradients
+        self.sum_gradients = _check_flag(sum_gradients, "sum_gradients")
 
     def __repr__(self) -> str:
         return _repr(self, sum_gradients=self.sum_gradients)
@@ -869,13 +1065,32 @@ class AttentionHeads(ParallelStyle):
     ) -> None:
         super().__init__()
         for what, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(value, (int, str, type(None))) or isinstance(value, bool):
-                raise TypeError(f"{what} must be an int or an attribute name, found {value!r}")
-        for name in divide:
-            if not isinstance(name, str) or not name.isidentifier():
+            if value is None or isinstance(value, str) and _is_attribute_path(value):
+                continue
+            if isinstance(value, str):
                 raise ValueError(
-                    f"divide names attributes of the module itself, found {name!r} (a "
-                    "shared object such as the config must not be changed per module)"
+                    f"{what} must be an int or the dotted name of a public attribute of the "
+                    f"module ('num_heads', 'config.num_attention_heads'), found "
+                    f"{short_repr(value)}"
+                )
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"{what} must be an int or an attribute name, found "
+                    f"{type(value).__name__} {short_repr(value)}"
+                )
+            if value < 1:
+                raise ValueError(f"{what} must be a positive int, found {value}")
+        if isinstance(divide, str) or not isinstance(divide, (tuple, list)):
+            raise TypeError(
+                f"divide must be a tuple or list of attribute names, found "
+                f"{type(divide).__name__} {short_repr(divide)}"
+            )
+        for name in divide:
+            if not isinstance(name, str) or not _is_attribute_path(name) or "." in name:
+                raise ValueError(
+                    f"divide names public attributes of the module itself, found "
+                    f"{short_repr(name)} (a shared object such as the config must not be "
+                    "changed per module)"
                 )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -896,8 +1111,8 @@ class AttentionHeads(ParallelStyle):
                     f"{type(module).__name__} has no attribute {value!r} (found no {part!r})"
                 )
             found = getattr(found, part)
-        if not isinstance(found, int):
-            raise ValueError(f"attribute {value!r} is {found!r}, not an int")
+        if not isinstance(found, int) or isinstance(found, bool):
+            raise ValueError(f"attribute {value!r} is a {type(found).__name__}, not an int")
         return found
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
@@ -906,7 +1121,8 @@ class AttentionHeads(ParallelStyle):
         kv_heads = self._count(module, self.num_kv_heads)
         for what, count in (("query heads", heads), ("key/value heads", kv_heads)):
             if count is not None and count % n:
-                divisors = [d for d in range(1, count + 1) if count % d == 0]
+                # the TP degrees worth naming (a count from a plan file may be huge)
+                divisors = [d for d in range(1, min(count, 1024) + 1) if count % d == 0]
                 raise ValueError(
                     f"{count} {what} do not split over {n} ranks: each rank must hold whole "
                     f"heads. Use a TP degree that divides {count} ({', '.join(map(str, divisors))})"
@@ -920,6 +1136,14 @@ class AttentionHeads(ParallelStyle):
         for name in self.divide:
             setattr(module, name, getattr(module, name) // device_mesh.size())
         return module
+
+
+def _is_attribute_path(text: str) -> bool:
+    """``text`` is a dotted path of public attributes (``config.num_attention_heads``): not
+    one that reaches into private or special ones (``forward.__globals__``)."""
+    return len(text) <= REPR_LIMIT and all(
+        part.isidentifier() and not part.startswith("_") for part in text.split(".")
+    )
 
 
 def _run_on_local_parameters(
@@ -943,6 +1167,7 @@ def _run_on_local_parameters(
 
 
 def _hook_dtensor_forward(
+    style: ParallelStyle,
     module: nn.Module,
     mesh: DeviceMesh,
     input_layout: Placement,
@@ -954,13 +1179,19 @@ def _hook_dtensor_forward(
     ``desired_input`` before it, move the output to ``output_layout`` after it."""
 
     def enter(mod: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = _layouts.prepare(inputs[0], mesh, input_layout, desired_input, False)
+        try:
+            x = _layouts.prepare(inputs[0], mesh, input_layout, desired_input, False)
+        except _layouts.ShardDimError as err:
+            raise _in_module(style, mod, err) from None
         return (x, *inputs[1:])
 
     def leave(mod: nn.Module, inputs: Any, output: Any) -> Any:
         if not isinstance(output, DTensor):
             return output
-        out = _layouts.redistribute(output, _layouts.normalize(output_layout, output.ndim))
+        try:
+            out = _layouts.redistribute(output, _layouts.normalize(output_layout, output.ndim))
+        except _layouts.ShardDimError as err:
+            raise _in_module(style, mod, err) from None
         return out.to_local() if use_local_output else out
 
     module.register_forward_pre_hook(enter)
@@ -1018,7 +1249,7 @@ class PrepareModuleInput(ParallelStyle):
     ) -> None:
         self.input_layouts = _as_tuple(input_layouts, "input_layouts")
         self.desired_input_layouts = _as_tuple(desired_input_layouts, "desired_input_layouts")
-        self.use_local_output = use_local_output
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
         if self.input_layouts is not None:
             # AssertionError, as upstream raises: callers may catch it
             if self.desired_input_layouts is None:
@@ -1029,8 +1260,10 @@ class PrepareModuleInput(ParallelStyle):
                     f"found {len(self.input_layouts)} and {len(self.desired_input_layouts)}"
                 )
         self.with_kwargs = input_kwarg_layouts is not None
-        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
-        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        self.input_kwarg_layouts = _as_kwarg_layouts(input_kwarg_layouts, "input_kwarg_layouts")
+        self.desired_input_kwarg_layouts = _as_kwarg_layouts(
+            desired_input_kwarg_layouts, "desired_input_kwarg_layouts"
+        )
         if self.with_kwargs and len(self.input_kwarg_layouts) != len(
             self.desired_input_kwarg_layouts
         ):
@@ -1105,7 +1338,10 @@ class PrepareModuleInput(ParallelStyle):
                 f"{_where(self, module)}: expecting {what} to be a torch.Tensor for layout "
                 f"{layouts[0]}, found {type(value).__name__}"
             )
-        return _layouts.prepare(value, mesh, *layouts, self.use_local_output)
+        try:
+            return _layouts.prepare(value, mesh, *layouts, self.use_local_output)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -1149,7 +1385,7 @@ class PrepareModuleOutput(ParallelStyle):
     ) -> None:
         self.output_layouts = _as_tuple(output_layouts, "output_layouts")
         self.desired_output_layouts = _as_tuple(desired_output_layouts, "desired_output_layouts")
-        self.use_local_output = use_local_output
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
         if self.output_layouts is None or self.desired_output_layouts is None:
             raise AssertionError("output_layouts and desired_output_layouts must be given!")
         if len(self.output_layouts) != len(self.desired_output_layouts):
@@ -1186,7 +1422,12 @@ class PrepareModuleOutput(ParallelStyle):
                     f"{_where(self, module)}: expecting output {i} to be a torch.Tensor for "
                     f"layout {layout}, found {type(value).__name__}"
                 )
-            prepared.append(_layouts.prepare(value, mesh, layout, desired, self.use_local_output))
+            try:
+                prepared.append(
+                    _layouts.prepare(value, mesh, layout, desired, self.use_local_output)
+                )
+            except _layouts.ShardDimError as err:
+                raise _in_module(self, module, err) from None
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
@@ -1246,6 +1487,7 @@ class PrepareModuleInputOutput(ParallelStyle):
         desired_output_layouts: Placement | tuple[Placement, ...],
         use_local_output: bool = True,
     ) -> None:
+        _check_flag(use_local_input, "use_local_input")
         self.prepare_module_input = PrepareModuleInput(
             input_layouts=input_layouts,
             desired_input_layouts=desired_input_layouts,
