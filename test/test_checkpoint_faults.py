@@ -164,6 +164,8 @@ def test_killed_save_keeps_a_checkpoint(tmp_path, point, victim, kept):
     # every survivor raised a torch_tp error saying what is intact, within the harness's
     # grace period after the death (seconds, not a collective's 30-minute timeout)
     for rank in sorted({0, 1, 2, 3} - {victim}):
+        raised = (out / f"rank{rank}.txt").exists()
+        assert raised, f"rank {rank} raised no CheckpointError in time:\n{info.value}"
         message = (out / f"rank{rank}.txt").read_text()
         assert message.startswith(f"saving step 1 to {str(ckpt / 'step-1')!r} failed"), message
         assert "a rank has probably died" in message, message

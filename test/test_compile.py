@@ -42,6 +42,7 @@ def _compiled_matches_eager(sequence_parallel: bool) -> None:
         assert_close(_full(p_compiled.grad), _full(p_eager.grad), rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_compiled_matches_eager(sequence_parallel):
     run_distributed(_compiled_matches_eager, 2, sequence_parallel, timeout=600)

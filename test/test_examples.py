@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 300
@@ -34,6 +36,7 @@ destroy()
 """
 
 
+@pytest.mark.slow
 def test_examples_run_under_torchrun(tmp_path):
     runs = [
         [str(EXAMPLES / "tp_1d.py"), "--steps", "2"],

@@ -154,14 +154,15 @@ def load_full_state_dict(
     then each rank reads its slices into staging buffers (as much memory as its shard);
     the ranks agree that every one of them read everything (one small collective); and
     only then are the buffers copied into the model, each freed as soon as it is copied.
-    Any failure raises on every rank, and the model is left bit-identical. Values are
+    Any failure raises the same exception on every rank (every error listed under
+    ``Raises``), and the model is left bit-identical. Values are
     converted to each parameter's dtype; a lossy conversion (e.g. integer to floating
     point, ``float64`` to ``float16``) warns once per call, naming the keys. The model may
     have been built on the meta device and materialized with ``model.to_empty(...)``.
 
     With a process group, a model holding DTensors must be loaded on every rank (the
-    agreement is a collective over the default group); a model without DTensors is
-    loaded by each rank on its own.
+    agreement is a collective over every rank of the default group); a model without
+    DTensors is loaded by each rank on its own.
 
     Args:
         model (:class:`nn.Module`): the parallelized model (and possibly FSDP2-sharded).
@@ -190,8 +191,6 @@ def load_full_state_dict(
             tensor (e.g. ``Partial``), or a packed parameter under FSDP2. A packed
             parameter on a 1-D mesh is loaded exactly: its shard is one block per part
             (one ``get_slice`` read each from a ``safetensors`` file).
-
-        Each is raised on every rank (the same exception), with the model unchanged.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -307,7 +306,8 @@ def _stage_broadcast(
             full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
         if _distributed():
             # one whole tensor at a time
-            _checked_collective(dist.broadcast, full, src=0, failed=_load_failed(what))
+            group = _group() if full.device.type == "cpu" else None  # gloo moves CPU tensors
+            _coordinate(dist.broadcast, full, src=0, group=group, failed=_load_failed(what))
         buffer = torch.empty_like(local)
         if isinstance(target, DTensor):
             for whole, mine in _local_pieces(name, target):
@@ -640,9 +640,9 @@ def _first_line(exc: BaseException) -> str:
 
 def _agree(error: Exception | None, failed: Callable[[str], str]) -> None:
     """Raise, on every rank, the first rank's error if any rank has one (one small
-    collective over the default group). On the rank that failed the original exception is
-    raised, elsewhere a copy of it (or a :class:`CheckpointError` with its message when it
-    does not pickle). ``failed(cause)`` words the error if the collective itself fails."""
+    collective). On the rank that failed the original exception is raised, elsewhere a copy
+    of it (or a :class:`CheckpointError` with its message when it does not pickle).
+    ``failed(cause)`` words the error if the collective itself fails."""
     if not _distributed():
         if error is not None:
             raise error
@@ -655,7 +655,7 @@ def _agree(error: Exception | None, failed: Callable[[str], str]) -> None:
         except Exception:  # noqa: BLE001 - send what can be sent
             mine = CheckpointError(f"{type(error).__name__}: {error}")
     errors: list[Any] = [None] * dist.get_world_size()
-    _checked_collective(dist.all_gather_object, errors, mine, failed=failed)
+    _coordinate(dist.all_gather_object, errors, mine, failed=failed, group=_group())
     if error is not None:
         raise error
     for other in errors:
@@ -663,37 +663,65 @@ def _agree(error: Exception | None, failed: Callable[[str], str]) -> None:
             raise other
 
 
-def _checked_collective(
+# ------------------------------------------------------------------------------------------
+# The coordination group. Saves and loads coordinate over a gloo group of their own (DCP's
+# plans and results, our agreements, CPU broadcasts), created by the first call that needs
+# it, on every rank, and reused while it lives. Being ours alone, it can be torn down when
+# one of its collectives fails: a rank blocked on a survivor that has given up would
+# otherwise wait for the group's timeout (30 minutes by default), while destroying the group
+# closes its connections, so that every rank blocked in it fails within moments. The user's
+# process groups are never touched. This is the one piece of state this module keeps.
+# ------------------------------------------------------------------------------------------
+
+_coordination: dict[str, dist.ProcessGroup] = {}
+
+
+def _group() -> dist.ProcessGroup:
+    """The coordination group (every rank of the default group; a collective to create)."""
+    group = _coordination.get("group")
+    if group is not None:
+        try:
+            dist.get_backend(group)  # raises once the group was destroyed (or the world was)
+            return group
+        except (ValueError, RuntimeError, KeyError):
+            _coordination.clear()
+    group = dist.new_group(backend="gloo")
+    _coordination["group"] = group
+    return group
+
+
+def _coordinate(
     collective: Callable[..., Any], *args: Any, failed: Callable[[str], str], **kwargs: Any
 ) -> Any:
-    """Run a collective of a save or load; if it fails (a rank died, the network broke),
-    tear the process group down and raise :class:`CheckpointError` (``failed(cause)``).
-
-    A failed collective means the process group can no longer be trusted. On gloo, the
-    ranks blocked on the dead one see its connections close and fail at once, but a rank
-    blocked on a *survivor* would wait for the group's timeout (30 minutes by default):
-    destroying the group here closes this rank's connections too, so every rank fails
-    within seconds instead. (NCCL detects the failure through its own watchdog and
-    timeout.) The job cannot continue on that group anyway: restart it, and resume from
-    the last complete checkpoint.
-    """
+    """Run ``collective`` (a collective, or DCP's save or load) over the coordination group;
+    if a collective in it fails (a rank died, the network broke), tear that group down and
+    raise :class:`CheckpointError` (``failed(cause)``). DCP's own ``CheckpointException``,
+    which it raises on every rank alike, becomes a :class:`CheckpointError` too."""
     try:
         return collective(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - any failure of the collective itself
-        _tear_down_process_group()
-        raise CheckpointError(failed(_collective_failure(exc))) from exc
+    except dcp.api.CheckpointException as exc:  # agreed on every rank: the group is fine
+        raise CheckpointError(failed(_first_line(exc))) from exc
+    except Exception as exc:  # noqa: BLE001 - any failure of the collectives themselves
+        if not _distributed():
+            raise CheckpointError(failed(_first_line(exc))) from exc
+        cause = _first_line(exc)
+        # the traceback's frames (DCP's among them) hold the group: let them go first
+        exc.__traceback__ = None
+        _drop_group()
+        raise CheckpointError(
+            failed(
+                f"a collective failed, so a rank has probably died ({cause}); the job cannot "
+                "go on in this process group: restart it"
+            )
+        ) from exc
 
 
-def _collective_failure(exc: BaseException) -> str:
-    return (
-        f"a collective failed, so a rank has probably died ({_first_line(exc)}); the process "
-        "group was destroyed so that no rank waits for it forever: restart the job"
-    )
-
-
-def _tear_down_process_group() -> None:
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+def _drop_group() -> None:
+    group = _coordination.pop("group", None)
+    if group is not None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
+        del group
 
 
 def _single_device_name(name: str) -> str:
@@ -738,8 +766,11 @@ def save(
 
     A save that fails raises :class:`CheckpointError` on every rank, saying what failed and
     which step is the latest complete one (the previous checkpoint is intact). When a rank
-    dies mid-save the others see a failed collective: they destroy the process group (so
-    that none waits for the dead rank forever) and raise; the job must be restarted.
+    dies mid-save the others see a collective fail: they tear down the gloo group that
+    saves and loads coordinate over (torch_tp's own, created by the first call, on every
+    rank, of any of them that needs one), so that none of them waits for the dead rank, and
+    raise within moments. Your process groups are not touched, but a job that lost a rank
+    must be restarted.
 
     The RNG streams (the default generator and the tensor-parallel stream of
     :mod:`torch_tp.random`) are saved per rank when a tracker is installed. Must be called
@@ -799,20 +830,15 @@ def save(
     rng = _rng_state()
     if rng is not None:
         state["rng"] = rng
-    try:
-        with _single_process_is_intended():
-            dcp.save(
-                state,
-                storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                no_dist=not _distributed(),
-            )
-    except dcp.api.CheckpointException as exc:  # DCP raises it on every rank
-        raise CheckpointError(_save_failed(what, root, _first_line(exc))) from exc
-    except Exception as exc:  # noqa: BLE001 - a failed collective: a rank is gone
-        if not _distributed():
-            raise CheckpointError(_save_failed(what, root, _first_line(exc))) from exc
-        _tear_down_process_group()
-        raise CheckpointError(_save_failed(what, root, _collective_failure(exc))) from exc
+    with _single_process_is_intended():
+        _coordinate(
+            dcp.save,
+            state,
+            storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+            process_group=_group() if _distributed() else None,
+            no_dist=not _distributed(),
+            failed=lambda cause: _save_failed(what, root, cause),
+        )
     if _rank() == 0:
         try:
             _publish(partial, final, root / f"step-{step}{_OLD}")
@@ -915,8 +941,8 @@ def load(
     data file holds the bytes the metadata points at); every rank then reads into staging
     tensors (as much memory again as its shards of the model and optimizer state); and only
     when every rank has read everything are the model, the optimizer and the RNG streams
-    updated. Any failure raises on every rank and leaves them as they were (an optimizer
-    that had no state is given none).
+    updated. Any failure (every error listed under ``Raises``) raises on every rank and
+    leaves them as they were (an optimizer that had no state is given none).
 
     Args:
         checkpoint_dir (str or os.PathLike): the directory :func:`save` wrote to.
@@ -948,8 +974,6 @@ def load(
             be read; the message names the files and every offending key.
         ValueError: ``rng`` and the checkpoint has no RNG state for this layout.
         NotImplementedError: a packed parameter under FSDP2 (nothing is changed).
-
-        Each is raised on every rank, with nothing changed.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -1029,20 +1053,15 @@ def _load_dcp(
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = exc
     _agree(error, _load_failed(what))  # one small collective: nobody reads unless all can
-    try:
-        with _single_process_is_intended():
-            dcp.load(
-                staged,
-                storage_reader=dcp.FileSystemReader(path),
-                no_dist=not _distributed(),
-            )
-    except dcp.api.CheckpointException as exc:  # DCP raises it on every rank
-        raise CheckpointError(_load_failed(what)(_first_line(exc))) from exc
-    except Exception as exc:  # noqa: BLE001 - a failed collective: a rank is gone
-        if not _distributed():
-            raise CheckpointError(_load_failed(what)(_first_line(exc))) from exc
-        _tear_down_process_group()
-        raise CheckpointError(_load_failed(what)(_collective_failure(exc))) from exc
+    with _single_process_is_intended():
+        _coordinate(
+            dcp.load,
+            staged,
+            storage_reader=dcp.FileSystemReader(path),
+            process_group=_group() if _distributed() else None,
+            no_dist=not _distributed(),
+            failed=_load_failed(what),
+        )
     # every rank has read everything (DCP gathered every rank's result): apply it
     with torch.no_grad():
         staged = _map_dtensors(
