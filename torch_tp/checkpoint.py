@@ -273,12 +273,13 @@ def _stage_broadcast(
             verdict[0] = tuple(_check_keys(model, targets, source, strict))
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
             verdict[0] = exc
+    what = "loading a full state dict broadcast from rank 0"
     if _distributed():
-        try:
-            dist.broadcast_object_list(verdict, src=0)
-        except Exception:  # an exception that does not pickle: send its message
-            verdict = [CheckpointError(str(verdict[0]))] if rank == 0 else [None]
-            dist.broadcast_object_list(verdict, src=0)
+        if isinstance(verdict[0], Exception):
+            verdict[0] = _sendable(verdict[0])
+        _coordinate(
+            dist.broadcast_object_list, verdict, src=0, group=_group(), failed=_load_failed(what)
+        )
     if isinstance(verdict[0], BaseException):
         raise verdict[0]
     result = _IncompatibleKeys(*verdict[0])
@@ -288,7 +289,6 @@ def _stage_broadcast(
     # (broadcasting empty buffers) and the failure is agreed on at the end.
     error: Exception | None = None
     staged: dict[str, Tensor] = {}
-    what = "loading a full state dict broadcast from rank 0"
     for name, target in targets.items():
         if name not in present:
             continue
@@ -647,13 +647,7 @@ def _agree(error: Exception | None, failed: Callable[[str], str]) -> None:
         if error is not None:
             raise error
         return
-    mine: Exception | None = None
-    if error is not None:
-        mine = error
-        try:
-            pickle.loads(pickle.dumps(error))
-        except Exception:  # noqa: BLE001 - send what can be sent
-            mine = CheckpointError(f"{type(error).__name__}: {error}")
+    mine = None if error is None else _sendable(error)
     errors: list[Any] = [None] * dist.get_world_size()
     _coordinate(dist.all_gather_object, errors, mine, failed=failed, group=_group())
     if error is not None:
@@ -661,6 +655,15 @@ def _agree(error: Exception | None, failed: Callable[[str], str]) -> None:
     for other in errors:
         if other is not None:
             raise other
+
+
+def _sendable(error: Exception) -> Exception:
+    """``error``, or a :class:`CheckpointError` with its message if it does not pickle."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - send what can be sent
+        return CheckpointError(f"{type(error).__name__}: {error}")
+    return error
 
 
 # ------------------------------------------------------------------------------------------
