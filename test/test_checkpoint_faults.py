@@ -295,6 +295,18 @@ def test_lossy_conversions_warn_once():
         checkpoint.load_full_state_dict(_reference(), _reference().double().float().state_dict())
 
 
+def test_lossy_conversions_of_a_distributed_checkpoint_warn_once(tmp_path):
+    # in this process, without a process group: DCP's checks are the same
+    checkpoint.save(tmp_path, _reference().double(), step=1)
+    model = _reference(seed=1)
+    with pytest.warns(UserWarning, match="loss of precision or range") as record:
+        assert checkpoint.load(tmp_path, model, rng=False) == 1
+    messages = [str(w.message) for w in record if "loss of precision" in str(w.message)]
+    assert len(messages) == 1
+    assert "model.norm.weight (torch.float64 to torch.float32)" in messages[0]
+    torch.testing.assert_close(model.state_dict(), _reference().state_dict())
+
+
 # ---------------------------------------------------------------- DCP loads under faults
 
 
