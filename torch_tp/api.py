@@ -48,9 +48,13 @@ def parallelize_module(
             whatever the other ranks hold. ``None`` keeps each rank's local values and skips
             that communication. Default: 0.
         strict (bool, optional): raise ``ValueError`` for a plan key that matches no
-            submodule. ``False`` warns and skips such keys instead, as
-            ``torch.distributed.tensor.parallel`` does, for one plan applied to several
-            model variants. Default: ``True``.
+            submodule, and for a style that would untie a weight shared with another module
+            (tied weights: the other module not in the plan, or laid out differently).
+            ``False`` warns instead and goes on as ``torch.distributed.tensor.parallel``
+            does: it skips such keys (for one plan applied to several model variants) and
+            unties such weights (for code that parallelizes tied modules in separate calls
+            and ties them again afterwards; a later call that lays the other module's weight
+            out alike on the same mesh shares the same parameter again). Default: ``True``.
 
     Returns:
         The parallelized :class:`nn.Module` (``module`` itself, or what a single style's
@@ -58,9 +62,9 @@ def parallelize_module(
 
     Raises:
         TypeError: the plan is not a style or a dict, or a plan value is not a style.
-        ValueError: a key matches no submodule (when ``strict``), two keys match one module,
-            a module was parallelized before, a style name is unknown, or the mesh is not
-            1-D.
+        ValueError: a key matches no submodule or a tied weight would come apart (when
+            ``strict``), two keys match one module, a module was parallelized before, a
+            style name is unknown, or the mesh is not 1-D.
         NotImplementedError: a style does not support the type of the module it names, or a
             style name has no torch_tp style yet.
 
@@ -85,7 +89,7 @@ def parallelize_module(
         return module
 
     entries = resolve_plan(module, parallelize_plan, strict=strict)
-    validate_plan(entries, device_mesh, module)
+    validate_plan(entries, device_mesh, module, strict=strict)
     # dropout in a fork() region works out of the box; this never reseeds the default stream
     _ensure_tracker(device_mesh)
 

@@ -507,6 +507,44 @@ def _dtensor_cross_entropy(
     )
 
 
+def _check_unsharded_classes(input: DTensor, target: Any, weight: Any) -> None:
+    """Refuse, in ``loss_parallel``'s terms, logits not sharded on the classes that DTensor's
+    own ``cross_entropy`` could not compute either.
+
+    Such logits are not taken over: ``F.cross_entropy`` runs on them as outside the context,
+    which works when the target (and weight) are DTensors too. With a plain tensor DTensor
+    raises its generic "mixed torch.Tensor and DTensor" error (it replicates one-element
+    tensors only), or a shape error when ``(batch, seq, vocab)`` logits are passed as they
+    are; upstream's ``loss_parallel`` raises ``ValueError`` for any such logits. So: the
+    same ``ValueError`` type, saying which layout was expected and which was found.
+    """
+    plain = [
+        name
+        for name, value in (("target", target), ("weight", weight))
+        if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.numel() != 1
+    ]
+    if not plain:
+        return
+    class_dim = _class_dim(input)
+    hint = ""
+    if input.ndim > 2 and any(p.is_shard(input.ndim - 1) for p in input.placements):
+        hint = (
+            " (batch, seq, vocab) logits sharded on the vocabulary are passed as "
+            "logits.flatten(0, 1) with labels.flatten(), or as logits.transpose(1, 2): "
+            "F.cross_entropy's class dimension is 1."
+        )
+    raise ValueError(
+        "loss_parallel(): expected logits sharded on the class dimension, "
+        f"Shard({class_dim}) on one mesh dimension (dimension {class_dim} of logits of shape "
+        f"{tuple(input.shape)}, as ColwiseParallel(output_layouts=Shard(-1), "
+        "use_local_output=False) gives (tokens, vocab) logits); found a DTensor with "
+        f"placements {tuple(input.placements)} on {input.device_mesh}.{hint} Logits not "
+        "sharded on the classes are left to DTensor's own cross_entropy, which cannot mix "
+        f"them with a plain-tensor {' and '.join(plain)} (pass it as a DTensor to compute the "
+        "loss that way, without loss parallelism)"
+    )
+
+
 _CROSS_ENTROPY_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
@@ -528,11 +566,14 @@ class _LossParallelMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         input = args[0] if args else kwargs.get("input")
-        # bind the arguments only for the one call this mode takes over
-        if func is F.cross_entropy and isinstance(input, DTensor) and _class_mesh_dims(input):
+        # bind the arguments only for the one call this mode looks into
+        if func is F.cross_entropy and isinstance(input, DTensor):
             bound = _CROSS_ENTROPY_SIGNATURE.bind(*args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
+            if not _class_mesh_dims(input):
+                _check_unsharded_classes(input, a["target"], a["weight"])
+                return func(*args, **kwargs)
             reduction = a["reduction"]
             if a["size_average"] is not None or a["reduce"] is not None:
                 # F.cross_entropy's deprecated arguments, mapped as it maps them
@@ -559,7 +600,10 @@ def loss_parallel() -> Iterator[None]:
     one to three numbers per token and a backward with no communication, instead of
     gathering ``tokens x vocabulary`` logits. Every other call runs as it does outside the
     context: ``log_softmax`` or ``nll_loss`` on any tensor, and ``cross_entropy`` on plain
-    tensors or on DTensors whose class dimension is not sharded.
+    tensors or on DTensors whose class dimension is not sharded, except that such a DTensor
+    with a plain-tensor ``target`` or ``weight``, which DTensor cannot mix with it, raises
+    ``ValueError`` saying which layout was expected and found (upstream raises
+    ``ValueError`` for every DTensor not sharded on the classes).
 
     The class dimension is ``F.cross_entropy``'s: dimension 1 of ``(N, C)`` or
     ``(N, C, d1, ..., dk)`` logits, dimension 0 of ``(C,)``. Language-model logits
@@ -595,6 +639,11 @@ def loss_parallel() -> Iterator[None]:
 
     Returns:
         A context manager (it yields nothing).
+
+    Raises:
+        ValueError: inside the context, ``F.cross_entropy`` on logits sharded on the
+            classes with a layout or target it cannot take, or on a DTensor not sharded on
+            its class dimension with a plain-tensor ``target`` or ``weight`` (see above).
 
     Example::
 

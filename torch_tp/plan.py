@@ -177,17 +177,21 @@ def resolve_plan(
     return entries
 
 
-def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Module) -> None:
+def validate_plan(
+    entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Module, *, strict: bool = True
+) -> None:
     """Check every entry before any is applied; raise on the first that cannot apply.
 
     Each style's :meth:`ParallelStyle._validate` is asked about its module; its error is
     re-raised with the same type and a message naming the module path and the style. A
     module that already carries a style from an earlier :func:`parallelize_module` call is
     refused, and so is a built-in style that would replace a parameter other modules share
-    (tied weights would silently come apart).
+    (tied weights would silently come apart): with ``strict=False`` that one only warns, and
+    the weights come apart as with ``torch.distributed.tensor.parallel``.
     """
     owners = parameter_owners(root) if entries else {}
     by_path = {entry.path: entry for entry in entries}
+    untying: list[str] = []  # warned about once the whole plan is known to apply
     for entry in entries:
         where = f"{_style(entry.style)} on {_describe(entry.path)} ({type(entry.module).__name__})"
         previous = getattr(entry.module, _APPLIED_STYLE, None)
@@ -196,15 +200,63 @@ def validate_plan(entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Mo
                 f"cannot apply {where}: the module was already parallelized with "
                 f"{_style(previous)}; a module takes one style"
             )
-        tied = tied_parameters(entry, owners, by_path)
-        if tied is not None:
-            raise ValueError(f"cannot apply {where}: {tied}")
+        untied = _untied_parameter(entry, owners, by_path)
+        if untied is not None:
+            untying.append(_refuse_untying(entry, where, untied, strict))
         validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
         try:
             if validate is not None:
                 validate(entry.module, device_mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
             raise type(err)(f"cannot apply {where}: {err}") from err
+    for message in untying:
+        warnings.warn(message, stacklevel=3)
+
+
+def _refuse_untying(entry: PlanEntry, where: str, untied: _Untied, strict: bool) -> str:
+    """Raise (``strict``) or return the warning that applying ``entry`` unties the weight
+    ``untied``.
+
+    Upstream distributes each module's parameters on its own, so code written for it
+    parallelizes tied modules in separate calls and ties the weights again afterwards
+    (PyTorch's test ``Transformer.parallelize``); ``strict=False`` lets that code run.
+    """
+    name, _, layouts = untied
+    here = _join(entry.path, name)
+    paths = list(dict.fromkeys([entry.path, *(other.rpartition(".")[0] for other in layouts)]))
+    modules = " and ".join(
+        filter(None, [", ".join(map(_describe, paths[:-1])), _describe(paths[-1])])
+    )
+    retie = "; ".join(f"{_attribute(other)} = {_attribute(here)}" for other in layouts)
+    if strict:
+        raise ValueError(
+            f"cannot apply {where}: {_untied_message(untied)}. Two ways out: parallelize "
+            f"{modules} in one parallelize_module call with such styles, which keeps the "
+            "weight tied (one DTensor parameter); or pass strict=False to parallelize them in "
+            "separate calls with such styles, as code written for "
+            "torch.distributed.tensor.parallel does, and re-tie the weights after the last "
+            f"call ({retie})"
+        )
+    names = ", ".join(map(repr, layouts))
+    return (
+        f"{where}: {_shared_with(untied)}. strict=False: {name!r} is distributed as this "
+        f"style lays it out and {names} no longer {'shares' if len(layouts) == 1 else 'share'} "
+        "it (the weights are untied, as with torch.distributed.tensor.parallel). A later "
+        f"parallelize_module call that gives {names} the same layout on the same mesh shares "
+        f"this parameter again, and re-tying by hand after the last call ({retie}) is then a "
+        "no-op; weights laid out differently cannot be re-tied (each style computes on the "
+        "local shard of the layout it gave the weight)"
+    )
+
+
+def _attribute(parameter_path: str) -> str:
+    """Python that names the parameter at ``parameter_path`` of a root called ``model``."""
+    module, _, name = parameter_path.rpartition(".")
+    if not module:
+        return f"model.{name}"
+    if all(part.isidentifier() for part in module.split(".")):
+        return f"model.{module}.{name}"
+    return f"model.get_submodule({module!r}).{name}"  # e.g. "layers.0"
 
 
 # the built-in styles that replace their module's parameters by DTensors
@@ -222,6 +274,11 @@ def planned_placement(entry: PlanEntry, name: str) -> Placement | None:
         return None  # a module type the style refuses: its own validation says so
 
 
+# a parameter a style would untie: its name, its placement under the style, and every other
+# path it is reachable by, with the placement the plan gives it there (None: not in the plan)
+_Untied = tuple[str, Placement, dict[str, Placement | None]]
+
+
 def tied_parameters(
     entry: PlanEntry, owners: dict[int, list[str]], by_path: Mapping[str, PlanEntry]
 ) -> str | None:
@@ -234,6 +291,14 @@ def tied_parameters(
     column-parallel ``lm_head``, both ``Shard(0)``): it is then distributed once and stays
     tied.
     """
+    untied = _untied_parameter(entry, owners, by_path)
+    return None if untied is None else _untied_message(untied)
+
+
+def _untied_parameter(
+    entry: PlanEntry, owners: dict[int, list[str]], by_path: Mapping[str, PlanEntry]
+) -> _Untied | None:
+    """The first parameter of ``entry``'s module that applying it would untie, if any."""
     if not isinstance(entry.style, _PARAMETER_STYLES):
         return None
     for name, param in entry.module.named_parameters(recurse=False):
@@ -252,16 +317,24 @@ def tied_parameters(
             )
         if all(layout == placement for layout in layouts.values()):
             continue
-        found = ", ".join(
-            f"{other!r} ({'not in the plan' if layout is None else repr(layout)})"
-            for other, layout in layouts.items()
-        )
-        return (
-            f"its parameter {name!r} ({placement!r} here) is shared with {found} (tied "
-            "weights); sharding it differently, or in one place only, would untie them: give "
-            "every module holding it a style that lays it out alike"
-        )
+        return name, placement, layouts
     return None
+
+
+def _shared_with(untied: _Untied) -> str:
+    name, placement, layouts = untied
+    found = ", ".join(
+        f"{other!r} ({'not in the plan' if layout is None else repr(layout)})"
+        for other, layout in layouts.items()
+    )
+    return f"its parameter {name!r} ({placement!r} here) is shared with {found} (tied weights)"
+
+
+def _untied_message(untied: _Untied) -> str:
+    return (
+        f"{_shared_with(untied)}; sharding it differently, or in one place only, would untie "
+        "them: give every module holding it a style that lays it out alike"
+    )
 
 
 def _join(path: str, name: str) -> str:
