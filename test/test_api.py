@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+from helpers import tp_mesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.testing import assert_close
@@ -27,10 +27,6 @@ from torch_tp import (
 )
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.testing import check_parity, device_type, run_distributed
-
-
-def _mesh():
-    return init_device_mesh(device_type(), (dist.get_world_size(),))
 
 
 def _llama() -> Llama:
@@ -67,7 +63,7 @@ def _assert_unchanged(model: nn.Module, before) -> None:
 
 
 def _expect_error(model, plan, error, match, **kwargs):
-    mesh = _mesh()
+    mesh = tp_mesh()
     before = _snapshot(model)
     with pytest.raises(error, match=match):
         parallelize_module(model, mesh, plan, **kwargs)
@@ -92,7 +88,7 @@ def test_unmatched_key_raises_value_error_and_changes_nothing():
 
 
 def _unmatched_key_not_strict() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     model = _llama()
     plan = {"layers.*.attention.wq": ColwiseParallel(), "missing": RowwiseParallel()}
     with pytest.warns(UserWarning, match="'missing'"):
@@ -176,7 +172,7 @@ def test_module_matched_by_two_keys():
 
 
 def _already_parallelized() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     model = _llama()
     parallelize_module(model, mesh, {"layers.0.attention.wq": ColwiseParallel()})
     _expect_error(
@@ -234,7 +230,7 @@ def test_style_argument_errors_as_upstream():
 
 
 def _wildcards() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     model = _llama()
     plan = {
         "layers.*.attention.w[qkv]": ColwiseParallel(),
@@ -268,7 +264,7 @@ def _wildcard_plan_parity() -> None:
         "layers.*.attention.wv": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(),
     }
-    check_parity(model, _mesh(), plan, (tokens,))
+    check_parity(model, tp_mesh(), plan, (tokens,))
 
 
 def test_wildcard_plan_parity():
@@ -276,7 +272,7 @@ def test_wildcard_plan_parity():
 
 
 def _root_and_mesh_context() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     torch.manual_seed(0)
     x = torch.randn(3, 8)
     # "" names the module itself; the mesh comes from the context when not given
@@ -298,7 +294,7 @@ def test_empty_key_and_mesh_context():
 def _no_plan() -> None:
     model = nn.Linear(4, 4)
     with pytest.warns(UserWarning, match="No parallelize_plan"):
-        assert parallelize_module(model, _mesh()) is model
+        assert parallelize_module(model, tp_mesh()) is model
     assert not isinstance(model.weight, DTensor)
 
 
@@ -308,7 +304,7 @@ def test_no_plan_warns_and_does_nothing():
 
 def _shared_style_object() -> None:
     # one style object may be used for several keys (upstream's plans do it)
-    mesh = _mesh()
+    mesh = tp_mesh()
     colwise = ColwiseParallel()
     model = _llama()
     parallelize_module(
@@ -400,7 +396,7 @@ def test_no_warnings_on_import():
 
 
 def _runtime_errors_name_path_and_style() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     model = _llama()
     # the attention takes (x, rope): one layout for two inputs fails at the first forward
     plan = {
@@ -445,7 +441,7 @@ def test_tied_weights_are_refused():
 
 
 def _uneven_sequence() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     from torch_tp.plans.llama import llama_plan
 
     model = parallelize_module(_llama(), mesh, llama_plan(sequence_parallel=True))

@@ -11,10 +11,9 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import tp_mesh
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import torch_tp.plans
@@ -28,7 +27,7 @@ from torch_tp.models import Llama, tiny_config
 from torch_tp.plan import from_dict, planned_placement, resolve_plan, to_dict
 from torch_tp.plans.auto import auto
 from torch_tp.plans.llama import llama_plan
-from torch_tp.testing import check_parity, device_type, run_distributed
+from torch_tp.testing import check_parity, run_distributed
 
 try:
     import transformers
@@ -166,7 +165,7 @@ def test_gpt2_plan_is_plain_data():
 
 
 def _reference_llama_parity() -> None:
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    mesh = tp_mesh()
     torch.manual_seed(0)
     model = Llama(tiny_config(vocab_size=1001, max_seq_len=16))
     tokens = torch.randint(0, 1001, (2, 8))
@@ -189,7 +188,7 @@ def test_reference_llama_parity():
 
 
 def _gpt2_parity() -> None:
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    mesh = tp_mesh()
     torch.manual_seed(0)
     model = _hf_model("gpt2").float()
     with torch.no_grad():  # GPT-2 zeroes biases and sets norm weights to one: randomize

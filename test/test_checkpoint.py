@@ -7,11 +7,9 @@ training continues with the losses of the run that never stopped.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -19,10 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
+from helpers import (
+    adamw,
+    checkpoint_llama,
+    meta_llama,
+    parallelize_dp_tp,
+    safetensors_reads,
+    tp_mesh,
+    train_llama,
+)
 from safetensors.torch import save_file
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import torch_tp
@@ -31,42 +35,7 @@ from torch_tp.models import Llama, tiny_config
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import device_type, run_distributed
 
-# n_kv_heads=4: whole kv heads on each of up to 4 TP ranks
-CONFIG = {"max_seq_len": 32, "n_kv_heads": 4}
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
-
-
-def _reference(seed: int = 0, **config) -> Llama:
-    torch.manual_seed(seed)
-    model = Llama(tiny_config(**{**CONFIG, **config}))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    return model
-
-
-def _parallelize(model: Llama, dp: int, tp: int, sequence_parallel: bool = False):
-    """TP on mesh["tp"], then FSDP2 per block and at the root on mesh["dp"] (if dp > 1)."""
-    if dp * tp == 1:
-        return model, None
-    mesh = init_device_mesh(device_type(), (dp, tp), mesh_dim_names=("dp", "tp"))
-    torch_tp.parallelize_module(model, mesh["tp"], llama_plan(sequence_parallel=sequence_parallel))
-    if dp > 1:
-        for block in model.layers:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    return model, mesh
-
-
-def _meta_model(dp: int, tp: int, sequence_parallel: bool = False, **config) -> Llama:
-    """A parallelized model built on the meta device, materialized empty (no full copy)."""
-    with torch.device("meta"):
-        model = Llama(tiny_config(**{**CONFIG, **config}))
-    model, _ = _parallelize(model, dp, tp, sequence_parallel)
-    model.to_empty(device=device_type())
-    model.rope_cache = model._rope_table(torch.device(device_type()))
-    return model
 
 
 def _assert_equal_state(actual: dict, expected: dict) -> None:
@@ -80,9 +49,9 @@ def _assert_equal_state(actual: dict, expected: dict) -> None:
 
 
 def _gather(dp: int, tp: int, sequence_parallel: bool) -> None:
-    reference = _reference()
+    reference = checkpoint_llama()
     expected = reference.state_dict()
-    model, _ = _parallelize(_reference(), dp, tp, sequence_parallel)
+    model, _ = parallelize_dp_tp(checkpoint_llama(), dp, tp, sequence_parallel)
     _assert_equal_state(checkpoint.full_state_dict(model), expected)
 
     # rank0_only: the other ranks drop each gathered tensor before the next one is gathered
@@ -114,61 +83,9 @@ def test_full_state_dict(dp, tp, sequence_parallel):
 # ------------------------------------------------------------------- load_full_state_dict
 
 
-class _SliceSpy:
-    """Wraps safe_open: records the elements of every read, per tensor name."""
-
-    reads: dict[str, list[int]] = {}
-
-    def __init__(self, real):
-        self._real = real
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def __enter__(self):
-        self._real.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._real.__exit__(*exc)
-
-    def get_tensor(self, name):
-        out = self._real.get_tensor(name)
-        _SliceSpy.reads.setdefault(name, []).append(out.numel())
-        return out
-
-    def get_slice(self, name):
-        real = self._real.get_slice(name)
-
-        class Slice:
-            def get_shape(self):
-                return real.get_shape()
-
-            def get_dtype(self):
-                return real.get_dtype()
-
-            def __getitem__(self, index):
-                out = real[index]
-                _SliceSpy.reads.setdefault(name, []).append(out.numel())
-                return out
-
-        return Slice()
-
-
-@contextlib.contextmanager
-def safetensors_reads() -> Iterator[dict[str, list[int]]]:
-    """The elements of every safetensors read inside the block, per tensor name."""
-    import safetensors
-
-    real_open = safetensors.safe_open
-    _SliceSpy.reads = {}
-    with mock.patch.object(safetensors, "safe_open", lambda *a, **k: _SliceSpy(real_open(*a, **k))):
-        yield _SliceSpy.reads
-
-
 def _load_full(path: str, dp: int, tp: int, sequence_parallel: bool) -> None:
 
-    reference = _reference()
+    reference = checkpoint_llama()
     expected = reference.state_dict()
     tokens = torch.randint(0, 1001, (2, 16), generator=torch.Generator().manual_seed(0))
     expected_out = reference(tokens)
@@ -178,7 +95,7 @@ def _load_full(path: str, dp: int, tp: int, sequence_parallel: bool) -> None:
         torch.testing.assert_close(model(tokens), expected_out)  # FSDP2 sees the values
 
     # from the file: each rank reads only its own slices
-    model = _meta_model(dp, tp, sequence_parallel)
+    model = meta_llama(dp, tp, sequence_parallel)
     with safetensors_reads() as reads:
         result = checkpoint.load_full_state_dict(model, path)
     assert result.missing_keys == [] and result.unexpected_keys == []
@@ -191,10 +108,10 @@ def _load_full(path: str, dp: int, tp: int, sequence_parallel: bool) -> None:
     check(model)
 
     # from a dict every rank holds, and from rank 0 only
-    model = _meta_model(dp, tp, sequence_parallel)
+    model = meta_llama(dp, tp, sequence_parallel)
     checkpoint.load_full_state_dict(model, expected)
     check(model)
-    model = _meta_model(dp, tp, sequence_parallel)
+    model = meta_llama(dp, tp, sequence_parallel)
     source = expected if dist.get_rank() == 0 else None
     checkpoint.load_full_state_dict(model, source, broadcast_from_rank0=True)
     check(model)
@@ -203,14 +120,14 @@ def _load_full(path: str, dp: int, tp: int, sequence_parallel: bool) -> None:
 @pytest.mark.parametrize("dp, tp, sequence_parallel", [(2, 2, True), (1, 4, False)])
 def test_load_full_state_dict(tmp_path, dp, tp, sequence_parallel):
     path = tmp_path / "model.safetensors"
-    save_file(_reference().state_dict(), str(path))
+    save_file(checkpoint_llama().state_dict(), str(path))
     run_distributed(_load_full, dp * tp, str(path), dp, tp, sequence_parallel)
 
 
 def _load_errors(path: str, evil: str, marker: str) -> None:
-    model = _meta_model(1, 2)
-    good = _reference().state_dict()
-    checkpoint.load_full_state_dict(model, _reference(seed=3).state_dict())  # defined values
+    model = meta_llama(1, 2)
+    good = checkpoint_llama().state_dict()
+    checkpoint.load_full_state_dict(model, checkpoint_llama(seed=3).state_dict())  # defined values
     before = checkpoint.full_state_dict(model)
 
     bad = dict(good)
@@ -260,7 +177,7 @@ def _load_errors(path: str, evil: str, marker: str) -> None:
 
 
 def _meta_sequence_parallel_tp_only() -> None:
-    _meta_model(1, 2, sequence_parallel=True)
+    meta_llama(1, 2, sequence_parallel=True)
 
 
 def test_meta_init_of_a_sequence_parallel_tp_model():
@@ -278,7 +195,9 @@ class _Evil:
 
 def test_load_full_state_dict_errors(tmp_path):
     path = tmp_path / "partial.safetensors"
-    save_file({k: v for k, v in _reference().state_dict().items() if k != "norm.weight"}, path)
+    save_file(
+        {k: v for k, v in checkpoint_llama().state_dict().items() if k != "norm.weight"}, path
+    )
     evil, marker = tmp_path / "evil.safetensors", tmp_path / "marker"
     evil.write_bytes(pickle.dumps({"norm.weight": _Evil(str(marker))}))
     run_distributed(_load_errors, 2, str(path), str(evil), str(marker))
@@ -288,48 +207,23 @@ def test_load_full_state_dict_errors(tmp_path):
 # ---------------------------------------------------------------- distributed checkpoints
 
 
-def _adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
-
-
-def _train(model, mesh, optim, steps: range) -> list[float]:
-    """Global-batch losses; each dp rank trains on its slice of the batch."""
-    dp = 1 if mesh is None else mesh["dp"].size()
-    dp_rank = 0 if mesh is None else mesh["dp"].get_local_rank()
-    losses = []
-    for step in steps:
-        gen = torch.Generator().manual_seed(100 + step)
-        tokens = torch.randint(0, 1001, (4, 16), generator=gen)
-        targets = torch.randint(0, 1001, (4, 16), generator=gen)
-        mine = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
-        loss = F.cross_entropy(model(tokens[mine]).flatten(0, 1), targets[mine].flatten())
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        loss = loss.detach()
-        if dp > 1:
-            dist.all_reduce(loss, group=mesh["dp"].get_group())
-        losses.append(loss.item() / dp)
-    return losses
-
-
 def _train_and_save(ckpt_dir: str, dropout: float) -> list[float]:
-    model, mesh = _parallelize(_reference(dropout=dropout), 2, 2, sequence_parallel=True)
+    model, mesh = parallelize_dp_tp(checkpoint_llama(dropout=dropout), 2, 2, sequence_parallel=True)
     torch_tp.random.manual_seed(7, mesh)
-    optim = _adamw(model)
-    losses = _train(model, mesh, optim, range(2))
+    optim = adamw(model.parameters())
+    losses = train_llama(model, mesh, optim, range(2))
     checkpoint.save(ckpt_dir, model, optim, step=2)
-    return losses + _train(model, mesh, optim, range(2, 4))
+    return losses + train_llama(model, mesh, optim, range(2, 4))
 
 
 def _resume(ckpt_dir: str, dp: int, tp: int, dropout: float, rng: bool) -> list[float]:
     # another init and another seed: everything must come from the checkpoint
-    model, mesh = _parallelize(_reference(seed=1, dropout=dropout), dp, tp, tp > 1)
+    model, mesh = parallelize_dp_tp(checkpoint_llama(seed=1, dropout=dropout), dp, tp, tp > 1)
     if mesh is not None:
         torch_tp.random.manual_seed(123, mesh)
-    optim = _adamw(model)
+    optim = adamw(model.parameters())
     assert checkpoint.load(ckpt_dir, model, optim, rng=rng) == 2
-    return _train(model, mesh, optim, range(2, 4))
+    return train_llama(model, mesh, optim, range(2, 4))
 
 
 def test_save_on_2d_load_on_other_layouts(tmp_path):
@@ -359,12 +253,12 @@ def test_resume_restores_rng_streams(tmp_path):
 
 
 def _failed_save(ckpt_dir: str) -> None:
-    model, mesh = _parallelize(_reference(), 2, 2)
-    optim = _adamw(model)
-    _train(model, mesh, optim, range(1))
+    model, mesh = parallelize_dp_tp(checkpoint_llama(), 2, 2)
+    optim = adamw(model.parameters())
+    train_llama(model, mesh, optim, range(1))
     checkpoint.save(ckpt_dir, model, optim, step=1)
     saved = checkpoint.full_state_dict(model)
-    _train(model, mesh, optim, range(1, 2))
+    train_llama(model, mesh, optim, range(1, 2))
 
     write_data = dcp.FileSystemWriter.write_data
 
@@ -386,8 +280,8 @@ def _failed_save(ckpt_dir: str) -> None:
     assert checkpoint.latest_step(ckpt_dir) == 1
     assert (Path(ckpt_dir) / "step-2.partial").is_dir()
 
-    model, mesh = _parallelize(_reference(seed=1), 2, 2)
-    optim = _adamw(model)
+    model, mesh = parallelize_dp_tp(checkpoint_llama(seed=1), 2, 2)
+    optim = adamw(model.parameters())
     assert checkpoint.load(ckpt_dir, model, optim) == 1
     _assert_equal_state(checkpoint.full_state_dict(model), saved)
     with pytest.raises(FileNotFoundError, match="step 2"):
@@ -403,7 +297,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_load_without_checkpoint(tmp_path):
-    model = _reference()
+    model = checkpoint_llama()
     assert checkpoint.latest_step(tmp_path / "nothing") is None
     # a mistyped directory is an error, not a silent fresh start ...
     with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
@@ -415,7 +309,7 @@ def test_load_without_checkpoint(tmp_path):
         checkpoint.save(tmp_path, model, step=-1)
     # the model alone, in one process without a process group
     assert checkpoint.save(tmp_path / "solo", model, step=5) == tmp_path / "solo" / "step-5"
-    other = _reference(seed=1)
+    other = checkpoint_llama(seed=1)
     assert checkpoint.load(tmp_path / "solo", other, rng=False) == 5
     _assert_equal_state(other.state_dict(), model.state_dict())
 
@@ -454,7 +348,7 @@ def _reset_peak() -> float:
 
 
 def _load_peak_memory(path: str) -> dict[str, float]:
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    mesh = tp_mesh()
     with torch.device("meta"):
         model = Llama(tiny_config(**BIG))
     torch_tp.parallelize_module(model, mesh, llama_plan())

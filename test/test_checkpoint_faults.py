@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers import adamw, checkpoint_llama, meta_llama, parallelize_dp_tp, train_llama
 from safetensors.torch import save_file
-from test_checkpoint import _adamw, _meta_model, _parallelize, _reference, _train
 from torch.distributed.tensor import DTensor
 
 from torch_tp import checkpoint
@@ -90,12 +90,12 @@ def _die() -> None:
 
 def _save_and_die(ckpt_dir: str, out_dir: str, point: str) -> None:
     """Save step 1, train a step, then save step 1 again, with one rank killed at ``point``."""
-    model, mesh = _parallelize(_reference(), 2, 2)
-    optim = _adamw(model)
-    _train(model, mesh, optim, range(1))
+    model, mesh = parallelize_dp_tp(checkpoint_llama(), 2, 2)
+    optim = adamw(model.parameters())
+    train_llama(model, mesh, optim, range(1))
     checkpoint.save(ckpt_dir, model, optim, step=1)
     before = checkpoint.full_state_dict(model)
-    _train(model, mesh, optim, range(1, 2))
+    train_llama(model, mesh, optim, range(1, 2))
     after = checkpoint.full_state_dict(model)
     rank = dist.get_rank()
     if rank == 0:
@@ -174,7 +174,7 @@ def test_killed_save_keeps_a_checkpoint(tmp_path, point, victim, kept):
     # the old or the new checkpoint of step 1 is loadable, never neither
     assert checkpoint.latest_step(ckpt) == 1
     states = torch.load(out / "states.pt")
-    model = _reference(seed=5)
+    model = checkpoint_llama(seed=5)
     assert checkpoint.load(ckpt, model, rng=False) == 1
     expected = states[kept]
     for name, value in model.state_dict().items():
@@ -189,8 +189,8 @@ def test_killed_save_keeps_a_checkpoint(tmp_path, point, victim, kept):
 
 
 def _load_damaged_files(paths: dict[str, str]) -> None:
-    model = _meta_model(1, 2)
-    checkpoint.load_full_state_dict(model, _reference(seed=3).state_dict())  # defined values
+    model = meta_llama(1, 2)
+    checkpoint.load_full_state_dict(model, checkpoint_llama(seed=3).state_dict())  # defined values
     before = _snapshot(model)
 
     # one tensor's dtype cannot be converted: nothing is read, both names in the message
@@ -217,12 +217,12 @@ def _load_damaged_files(paths: dict[str, str]) -> None:
     checkpoint.load_full_state_dict(model, paths["deeper"], strict=False)
     torch.testing.assert_close(
         checkpoint.full_state_dict(model)["norm.weight"],
-        _reference(seed=4, n_layers=3).state_dict()["norm.weight"],
+        checkpoint_llama(seed=4, n_layers=3).state_dict()["norm.weight"],
     )
 
 
 def test_load_full_state_dict_from_damaged_files(tmp_path):
-    state = _reference().state_dict()
+    state = checkpoint_llama().state_dict()
     paths = {k: tmp_path / f"{k}.safetensors" for k in ("dtype", "truncated", "empty", "junk")}
     # F4 packs two values per byte: 64 float4 values in 32 bytes, shape and names unchanged
     _safetensors_with_dtype(paths["dtype"], state, "norm.weight", "F4", 32)
@@ -231,13 +231,13 @@ def test_load_full_state_dict_from_damaged_files(tmp_path):
     paths["empty"].write_bytes(b"")
     paths["junk"].write_bytes(b"PK\x03\x04 not a safetensors file at all")
     paths["deeper"] = tmp_path / "deeper.safetensors"
-    save_file(_reference(seed=4, n_layers=3).state_dict(), str(paths["deeper"]))
+    save_file(checkpoint_llama(seed=4, n_layers=3).state_dict(), str(paths["deeper"]))
     run_distributed(_load_damaged_files, 2, {k: str(v) for k, v in paths.items()})
 
 
 def _load_failing_on_one_rank(path: str) -> None:
-    model = _meta_model(1, 2)
-    checkpoint.load_full_state_dict(model, _reference(seed=3).state_dict())
+    model = meta_llama(1, 2)
+    checkpoint.load_full_state_dict(model, checkpoint_llama(seed=3).state_dict())
     before = _snapshot(model)
     copy_to = checkpoint._Source.copy_to
 
@@ -247,7 +247,7 @@ def _load_failing_on_one_rank(path: str) -> None:
         return copy_to(self, name, pieces, dst)
 
     with mock.patch.object(checkpoint._Source, "copy_to", fail_on_rank_1):
-        for source in (path, _reference().state_dict()):
+        for source in (path, checkpoint_llama().state_dict()):
             # rank 0 read everything it needed, rank 1 did not: nobody copies anything
             with pytest.raises(CheckpointError, match="Input/output error") as info:
                 checkpoint.load_full_state_dict(model, source)
@@ -274,13 +274,13 @@ def _load_failing_on_one_rank(path: str) -> None:
 
 def test_load_full_state_dict_failing_on_one_rank(tmp_path):
     path = tmp_path / "model.safetensors"
-    save_file(_reference().state_dict(), str(path))
+    save_file(checkpoint_llama().state_dict(), str(path))
     run_distributed(_load_failing_on_one_rank, 2, str(path), timeout=60)
 
 
 def test_lossy_conversions_warn_once():
-    model = _reference().to(torch.float16)
-    state = {k: v.double() for k, v in _reference(seed=2).state_dict().items()}
+    model = checkpoint_llama().to(torch.float16)
+    state = {k: v.double() for k, v in checkpoint_llama(seed=2).state_dict().items()}
     with pytest.warns(UserWarning, match="loss of precision or range") as record:
         checkpoint.load_full_state_dict(model, state)
     assert len([w for w in record if "loss of precision" in str(w.message)]) == 1
@@ -292,35 +292,37 @@ def test_lossy_conversions_warn_once():
         )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        checkpoint.load_full_state_dict(_reference(), _reference().double().float().state_dict())
+        checkpoint.load_full_state_dict(
+            checkpoint_llama(), checkpoint_llama().double().float().state_dict()
+        )
 
 
 def test_lossy_conversions_of_a_distributed_checkpoint_warn_once(tmp_path):
     # in this process, without a process group: DCP's checks are the same
-    checkpoint.save(tmp_path, _reference().double(), step=1)
-    model = _reference(seed=1)
+    checkpoint.save(tmp_path, checkpoint_llama().double(), step=1)
+    model = checkpoint_llama(seed=1)
     with pytest.warns(UserWarning, match="loss of precision or range") as record:
         assert checkpoint.load(tmp_path, model, rng=False) == 1
     messages = [str(w.message) for w in record if "loss of precision" in str(w.message)]
     assert len(messages) == 1
     assert "model.norm.weight (torch.float64 to torch.float32)" in messages[0]
-    torch.testing.assert_close(model.state_dict(), _reference().state_dict())
+    torch.testing.assert_close(model.state_dict(), checkpoint_llama().state_dict())
 
 
 # ---------------------------------------------------------------- DCP loads under faults
 
 
 def _save_for_loads(ckpt_dir: str) -> None:
-    model, mesh = _parallelize(_reference(), 2, 2)
-    optim = _adamw(model)
-    _train(model, mesh, optim, range(1))
+    model, mesh = parallelize_dp_tp(checkpoint_llama(), 2, 2)
+    optim = adamw(model.parameters())
+    train_llama(model, mesh, optim, range(1))
     checkpoint.save(ckpt_dir, model, optim, step=1)
 
 
 def _load_damaged_dcp(good: str, truncated: str, corrupt: str, deeper: str, expected: str):
-    model, mesh = _parallelize(_reference(seed=1), 2, 2)
-    optim = _adamw(model)
-    _train(model, mesh, optim, range(3, 4))  # an optimizer with state of its own
+    model, mesh = parallelize_dp_tp(checkpoint_llama(seed=1), 2, 2)
+    optim = adamw(model.parameters())
+    train_llama(model, mesh, optim, range(3, 4))  # an optimizer with state of its own
     before = _snapshot(model, optim)
 
     with pytest.raises(CheckpointError) as info:
@@ -352,7 +354,7 @@ def _load_damaged_dcp(good: str, truncated: str, corrupt: str, deeper: str, expe
     _assert_unchanged(before, model, optim)
 
     # an optimizer without state is given none by a failed load
-    fresh = _adamw(model)
+    fresh = adamw(model.parameters())
     with pytest.raises(CheckpointError):
         checkpoint.load(truncated, model, fresh)
     assert not fresh.state
@@ -379,9 +381,9 @@ def test_load_dcp_from_damaged_checkpoints(tmp_path):
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
     (corrupt / "step-1" / ".metadata").write_bytes(b"\x80\x04garbage")
     deeper, expected = tmp_path / "deeper", tmp_path / "deeper.pt"
-    model = _reference(seed=4, n_layers=3)
-    optim = _adamw(model)
-    _train(model, None, optim, range(1))
+    model = checkpoint_llama(seed=4, n_layers=3)
+    optim = adamw(model.parameters())
+    train_llama(model, None, optim, range(1))
     checkpoint.save(deeper, model, optim, step=1)  # in this process, without a group
     torch.save(model.state_dict(), expected)
     paths = (good, truncated, corrupt, deeper, expected)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import full_tensor, safetensors_reads, tp_mesh
 from safetensors.torch import save_file
-from test_checkpoint import safetensors_reads
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -117,7 +117,7 @@ PACKED += ["0.mlp.c_proj.weight", "1.mlp.c_proj.weight"]
 
 def _tp(seed: int = 0) -> nn.Module:
     model = _model(seed)
-    parallelize_module(model, init_device_mesh(device_type(), (dist.get_world_size(),)), PLAN)
+    parallelize_module(model, tp_mesh(), PLAN)
     return model
 
 
@@ -211,7 +211,7 @@ def _train_step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
 def _full_optim_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     _, state = get_state_dict(model, optim)
     return {
-        f"{fqn}.{key}": value.full_tensor() if isinstance(value, DTensor) else value
+        f"{fqn}.{key}": full_tensor(value)
         for fqn, entry in state["state"].items()
         for key, value in entry.items()
     }

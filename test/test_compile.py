@@ -6,24 +6,18 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from helpers import full_tensor, tp_mesh
 from torch.testing import assert_close
 
 from torch_tp import parallelize_module
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.plans.llama import llama_plan
-from torch_tp.testing import device_type, run_distributed
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from torch_tp.testing import run_distributed
 
 
 def _compiled_matches_eager(sequence_parallel: bool) -> None:
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    mesh = tp_mesh()
     torch.manual_seed(0)
     config = LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=101, max_seq_len=16)
     eager = Llama(config)
@@ -39,7 +33,9 @@ def _compiled_matches_eager(sequence_parallel: bool) -> None:
     for (name, p_eager), (_, p_compiled) in zip(
         eager.named_parameters(), compiled.named_parameters(), strict=True
     ):
-        assert_close(_full(p_compiled.grad), _full(p_eager.grad), rtol=1e-5, atol=1e-5, msg=name)
+        assert_close(
+            full_tensor(p_compiled.grad), full_tensor(p_eager.grad), rtol=1e-5, atol=1e-5, msg=name
+        )
 
 
 @pytest.mark.slow

@@ -12,20 +12,15 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.tensor.parallel as upstream
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import full_tensor, tp_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing import assert_close
 
 import torch_tp
 from torch_tp.models import Llama, LlamaConfig
-from torch_tp.testing import device_type, run_distributed
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from torch_tp.testing import run_distributed
 
 
 def _plan(lib, case: str):
@@ -103,7 +98,7 @@ class _Chain(nn.Module):
 
 
 def _same_as_upstream(case: str) -> None:
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    mesh = tp_mesh()
     theirs, inputs = _model(case)
     ours = copy.deepcopy(theirs)
     root = "pair." if case == "embeddings" else ""
@@ -125,15 +120,15 @@ def _same_as_upstream(case: str) -> None:
     assert isinstance(out_up, DTensor) == isinstance(out_tp, DTensor)
     if isinstance(out_up, DTensor):
         assert out_up.placements == out_tp.placements
-    assert_close(_full(out_tp), _full(out_up))
-    weights = torch.randn(_full(out_up).shape, generator=torch.Generator().manual_seed(1))
-    (_full(out_up) * weights).sum().backward()
-    (_full(out_tp) * weights).sum().backward()
+    assert_close(full_tensor(out_tp), full_tensor(out_up))
+    weights = torch.randn(full_tensor(out_up).shape, generator=torch.Generator().manual_seed(1))
+    (full_tensor(out_up) * weights).sum().backward()
+    (full_tensor(out_tp) * weights).sum().backward()
     for (name, p_up), (_, p_tp) in zip(
         theirs.named_parameters(), ours.named_parameters(), strict=True
     ):
         # upstream leaves some gradients partial or replicated; the values must agree
-        assert_close(_full(p_tp.grad), _full(p_up.grad), msg=name)
+        assert_close(full_tensor(p_tp.grad), full_tensor(p_up.grad), msg=name)
 
 
 @pytest.mark.parametrize(
@@ -145,7 +140,7 @@ def test_same_as_upstream(case):
 
 
 def _same_exceptions() -> None:
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    mesh = tp_mesh()
     for lib in (upstream, torch_tp):
         # an unsupported module type
         with pytest.raises(NotImplementedError):
@@ -183,7 +178,7 @@ def test_same_exception_types_as_upstream():
 def _upstream_styles_in_our_plans() -> None:
     # a plan written with upstream's style objects (or a user style derived from upstream's
     # ParallelStyle) is accepted as is: changing the import of parallelize_module suffices
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    mesh = tp_mesh()
     theirs, inputs = _model("mlp")
     ours = copy.deepcopy(theirs)
     upstream.parallelize_module(theirs, mesh, _plan(upstream, "mlp"))

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import adamw, full_tensor, reference_llama, tp_mesh
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -29,27 +30,13 @@ from torch.distributed.tensor import DTensor
 
 import torch_tp
 from torch_tp._clip import clip_grad_norm_
-from torch_tp.models import Llama, tiny_config
+from torch_tp.models import Llama
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import device_type, run_distributed
 
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 PARAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _reference_model() -> Llama:
-    torch.manual_seed(0)
-    model = Llama(tiny_config(max_seq_len=32))
-    with torch.no_grad():  # non-one norm weights: they must be sharded and gathered right
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    return model
 
 
 def _parallelize_2d(model: Llama, mesh, sequence_parallel: bool, activation_checkpointing: bool):
@@ -68,16 +55,12 @@ def _train_2d_parity(
     sequence_parallel: bool, activation_checkpointing: bool, max_norm: float | None, steps: int
 ) -> list[float]:
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
-    reference = _reference_model()
+    reference = reference_llama(max_seq_len=32)
     model = _parallelize_2d(
         copy.deepcopy(reference), mesh, sequence_parallel, activation_checkpointing
     )
     calls = []  # attention forwards: recomputation runs them again in backward
     model.layers[0].attention.register_forward_hook(lambda *_: calls.append(1))
-
-    def adamw(params):
-        return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
-
     ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     names = [name for name, _ in reference.named_parameters()]
@@ -108,7 +91,7 @@ def _train_2d_parity(
         for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
             assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
             torch.testing.assert_close(
-                _full(p.grad), ref_p.grad, **GRAD_TOL, msg=lambda m, n=name: f"grad {n}: {m}"
+                full_tensor(p.grad), ref_p.grad, **GRAD_TOL, msg=lambda m, n=name: f"grad {n}: {m}"
             )
 
         ref_optim.step()
@@ -117,7 +100,10 @@ def _train_2d_parity(
         optim.zero_grad()
         for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(
-                _full(p.detach()), ref_p.detach(), **PARAM_TOL, msg=lambda m, n=name: f"{n}: {m}"
+                full_tensor(p.detach()),
+                ref_p.detach(),
+                **PARAM_TOL,
+                msg=lambda m, n=name: f"{n}: {m}",
             )
     assert len(calls) == steps * (2 if activation_checkpointing else 1)
     return norms
@@ -151,8 +137,8 @@ def test_fsdp2_tp_gradient_clipping_unclipped():
 def _clip_tp_only(sequence_parallel: bool, max_norm: float, norm_type: float) -> None:
     # plain tensors (norms without sequence parallelism) beside DTensors on the TP mesh,
     # which torch.nn.utils.clip_grad_norm_ refuses
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
-    reference = _reference_model()
+    mesh = tp_mesh()
+    reference = reference_llama(max_seq_len=32)
     model = torch_tp.parallelize_module(
         copy.deepcopy(reference), mesh, llama_plan(sequence_parallel=sequence_parallel)
     )
@@ -165,7 +151,7 @@ def _clip_tp_only(sequence_parallel: bool, max_norm: float, norm_type: float) ->
     norm = clip_grad_norm_(model.parameters(), max_norm, norm_type)
     torch.testing.assert_close(norm, ref_norm)
     for p, ref_p in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(_full(p.grad), ref_p.grad, **GRAD_TOL)
+        torch.testing.assert_close(full_tensor(p.grad), ref_p.grad, **GRAD_TOL)
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,8 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import tp_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -34,14 +33,10 @@ from torch_tp import (
 )
 from torch_tp.__main__ import main as cli
 from torch_tp.plan import from_dict, resolve_plan
-from torch_tp.testing import device_type, run_distributed
+from torch_tp.testing import run_distributed
 
 # an error message that echoes a user value shows a bounded prefix of it
 _MAX_MESSAGE = 2000
-
-
-def _mesh():
-    return init_device_mesh(device_type(), (dist.get_world_size(),))
 
 
 # --------------------------------------------------------------------------- token ids
@@ -62,7 +57,7 @@ def _out_of_range_ids(style_name: str, bad: int) -> tuple[str, str, bool]:
     torch.manual_seed(0)
     model = nn.Sequential()
     model.add_module("tok_embeddings", nn.Embedding(_VOCAB, 8))
-    parallelize_module(model, _mesh(), {"tok_embeddings": styles[style_name]})
+    parallelize_module(model, tp_mesh(), {"tok_embeddings": styles[style_name]})
     ids = torch.tensor([[1, bad, 3, bad]])
     try:
         model(ids)
@@ -121,7 +116,7 @@ def _shard_out_of_range(case: str) -> tuple[str, str]:
     inner, style = cases[case]
     torch.manual_seed(0)
     model = _Block(inner)
-    parallelize_module(model, _mesh(), {"inner": style})
+    parallelize_module(model, tp_mesh(), {"inner": style})
     width = 4 if case == "rowwise_output" else 8  # a local shard of the rowwise input
     try:
         model(torch.randn(2, 4, width))
@@ -171,7 +166,7 @@ class _SkewedColwise(ColwiseParallel):
 def _parameter_placement_out_of_range() -> tuple[str, str, bool]:
     model = _Block(nn.Linear(8, 8))
     try:
-        parallelize_module(model, _mesh(), {"inner": _SkewedColwise()})
+        parallelize_module(model, tp_mesh(), {"inner": _SkewedColwise()})
     except Exception as err:  # noqa: BLE001 - the type is what the test checks
         untouched = not any(hasattr(p, "placements") for p in model.parameters())
         return type(err).__name__, str(err), untouched

@@ -6,20 +6,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import perturb_norms, tp_mesh
 from torch.distributed.tensor import DTensor
 
 from torch_tp import parallelize_module
 from torch_tp.models import Llama, LlamaConfig, tiny_config
 from torch_tp.plans.llama import llama_plan
-from torch_tp.testing import check_parity, device_type, run_distributed
+from torch_tp.testing import check_parity, run_distributed
 
 
 def _llama_parity(
     sequence_parallel: bool, loss_parallel: bool, n_kv_heads: int, norm: str, steps: int
 ) -> None:
     world_size = dist.get_world_size()
-    mesh = init_device_mesh(device_type(), (world_size,))
+    mesh = tp_mesh()
     torch.manual_seed(0)
     config = LlamaConfig(
         dim=64,
@@ -31,10 +31,7 @@ def _llama_parity(
         norm=norm,
     )
     model = Llama(config)
-    with torch.no_grad():  # non-one norm weights: they must be broadcast, not assumed
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
+    perturb_norms(model)  # they must be broadcast, not assumed
     tokens = torch.randint(0, config.vocab_size, (2, 16))
     targets = torch.randint(0, config.vocab_size, (2, 16))
 
@@ -83,8 +80,7 @@ def test_llama_vocab_sharded_logits():
 def _unsplittable_heads(config_overrides: dict[str, int]) -> tuple[str, str, bool]:
     """Parallelize a reference Llama whose heads do not split over the ranks; return the
     error's type and message, and whether the model is still exactly as it was."""
-    world_size = dist.get_world_size()
-    mesh = init_device_mesh(device_type(), (world_size,))
+    mesh = tp_mesh()
     torch.manual_seed(0)
     model = Llama(tiny_config(**config_overrides))
     before = {name: value.clone() for name, value in model.state_dict().items()}

@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import full_tensor, tp_mesh
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -28,10 +28,6 @@ from torch_tp.testing import device_type, gather_full, run_distributed
 VOCAB = 1001  # uneven over 2 ranks (501 + 500) and over 4 (251 * 3 + 248)
 
 funcol = torch.ops.c10d_functional
-
-
-def _mesh():
-    return init_device_mesh(device_type(), (dist.get_world_size(),))
 
 
 def _data(batch_shape, vocab, ignore: bool, seed: int = 0):
@@ -52,10 +48,6 @@ def _scalar(loss, token_weight):
     if loss.ndim == 0 and token_weight.ndim > 0:
         return loss
     return (loss * token_weight.flatten()[: loss.numel()].reshape(loss.shape)).sum()
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 # The ways a (batch, seq, vocab) DTensor sharded on the vocabulary reaches F.cross_entropy,
@@ -130,7 +122,7 @@ def _check_functional(mesh, logits, target, token_weight, vocab_size, **options)
 
 
 def _case_options(reduction: str, label_smoothing: float, ignore: bool, vocab: int) -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     logits, target, class_weight, token_weight = _data((2, 6), vocab, ignore)
     for weight in (None, class_weight):
         options = {
@@ -159,7 +151,7 @@ def test_options(reduction, label_smoothing, ignore):
 
 
 def _case_world_size_4() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     for vocab in (VOCAB, 3):  # 251 * 3 + 248; and 1 + 1 + 1 + 0: one rank holds no class
         logits, target, class_weight, token_weight = _data((2, 5), vocab, ignore=True)
         for reduction in ("mean", "none"):
@@ -223,7 +215,7 @@ def test_2d_mesh():
 
 
 def _case_llama(sequence_parallel: bool, label_smoothing: float) -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     torch.manual_seed(0)
     config = LlamaConfig(dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=32)
     model = Llama(config)
@@ -234,7 +226,7 @@ def _case_llama(sequence_parallel: bool, label_smoothing: float) -> None:
 
     plan = llama_plan(sequence_parallel=sequence_parallel, loss_parallel=True)
     model = parallelize_module(model, mesh, plan)
-    reference.load_state_dict({k: _full(v) for k, v in model.state_dict().items()})
+    reference.load_state_dict({k: full_tensor(v) for k, v in model.state_dict().items()})
 
     ref_loss = F.cross_entropy(
         reference(tokens).flatten(0, 1), labels.flatten(), label_smoothing=label_smoothing
@@ -255,7 +247,7 @@ def _case_llama(sequence_parallel: bool, label_smoothing: float) -> None:
         model.named_parameters(), reference.parameters(), strict=True
     ):
         assert_close(
-            _full(param.grad),
+            full_tensor(param.grad),
             ref_param.grad,
             rtol=1e-5,
             atol=1e-5,
@@ -281,7 +273,7 @@ def _leaf(x: torch.Tensor, mesh, placement):
 
 
 def _case_no_side_effects() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     logits, target, _, _ = _data((4, 7), 33, ignore=False)
     r = torch.randn(4, 7, 33, generator=torch.Generator().manual_seed(1))  # same on all ranks
     # plain tensors, DTensors not sharded on the softmax/class dimension, and sharded on it
@@ -295,8 +287,8 @@ def _case_no_side_effects() -> None:
     def log_softmax(placement):
         x = _leaf(logits, mesh, placement)
         y = F.log_softmax(x, dim=-1)
-        (_full(y) * r).sum().backward()
-        return _full(y).detach(), _full(x.grad)
+        (full_tensor(y) * r).sum().backward()
+        return full_tensor(y).detach(), full_tensor(x.grad)
 
     expected = log_softmax(None)
     for name, placement in placements.items():
@@ -314,7 +306,7 @@ def _case_no_side_effects() -> None:
             t = distribute_tensor(t, mesh, [target_placement])
         loss = F.cross_entropy(x, t)
         loss.backward()
-        return _full(loss).detach(), _full(x.grad)
+        return full_tensor(loss).detach(), full_tensor(x.grad)
 
     expected = cross_entropy(None, None)
     for name, placement in list(placements.items())[:3]:
@@ -389,7 +381,7 @@ class _CollectiveSizes(TorchDispatchMode):
 
 
 def _case_communication() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     tokens = 2 * 6
     sizes = {}
     for vocab in (VOCAB, 4 * VOCAB):
@@ -442,7 +434,7 @@ def test_communication():
 
 
 def _case_low_precision() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     logits, target, _, _ = _data((2, 6), VOCAB, ignore=True)
     full = logits.to(torch.bfloat16).requires_grad_()
     ref = F.cross_entropy(full.float().flatten(0, 1), target.flatten(), label_smoothing=0.1)
@@ -462,7 +454,7 @@ def test_low_precision():
 
 
 def _case_errors() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     logits, target, class_weight, _ = _data((6,), VOCAB, ignore=False)
     dt = distribute_tensor(logits, mesh, [Shard(1)])
     local = dt.to_local()

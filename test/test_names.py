@@ -12,10 +12,9 @@ import json
 import expecttest
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import tp_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_tp import (
@@ -34,7 +33,7 @@ from torch_tp._names import STYLE_NAMES, UNSUPPORTED_NAMES, describe
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plan import from_dict, resolve_plan, to_dict
 from torch_tp.plans.llama import llama_plan
-from torch_tp.testing import check_parity, device_type, run_distributed
+from torch_tp.testing import check_parity, run_distributed
 
 # The names transformers' Llama config and model use, exactly as there.
 HF_LLAMA_BASE_MODEL_TP_PLAN = {
@@ -343,7 +342,7 @@ def hf_llama_plan() -> dict[str, str]:
 
 def _hf_plan_parity() -> None:
     torch.manual_seed(0)
-    mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+    mesh = tp_mesh()
     model = HFForCausalLM()
     ids = torch.randint(0, 1001, (2, 8))
     labels = torch.randint(0, 1001, (2, 8))

@@ -16,20 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import full_tensor, reference_llama, tp_mesh
 from torch.distributed._composable import checkpoint
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.testing import assert_close
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torch_tp import ColwiseParallel, PrepareModuleInput, parallelize_module
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plans.llama import llama_plan
-from torch_tp.testing import check_parity, device_type, gather_full, run_distributed
-
-
-def _mesh():
-    return init_device_mesh(device_type(), (dist.get_world_size(),))
+from torch_tp.testing import check_parity, gather_full, run_distributed
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs):
@@ -43,7 +39,7 @@ def _selective_checkpointing(sequence_parallel: bool) -> None:
     torch.manual_seed(0)
     reference = Llama(tiny_config(max_seq_len=16))
     model = copy.deepcopy(reference)
-    parallelize_module(model, _mesh(), llama_plan(sequence_parallel=sequence_parallel))
+    parallelize_module(model, tp_mesh(), llama_plan(sequence_parallel=sequence_parallel))
     context = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
     for block in model.layers:
         checkpoint(block, context_fn=context)
@@ -53,8 +49,7 @@ def _selective_checkpointing(sequence_parallel: bool) -> None:
     for (name, param), expected in zip(
         model.named_parameters(), reference.parameters(), strict=True
     ):
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        assert_close(grad, expected.grad, msg=name)
+        assert_close(full_tensor(param.grad), expected.grad, msg=name)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -66,7 +61,7 @@ def _inference_mode() -> None:
     torch.manual_seed(0)
     reference = Llama(tiny_config(max_seq_len=16))
     model = copy.deepcopy(reference)
-    parallelize_module(model, _mesh(), llama_plan(sequence_parallel=True))
+    parallelize_module(model, tp_mesh(), llama_plan(sequence_parallel=True))
     ids = torch.randint(0, 100, (2, 8))
     with torch.inference_mode():
         assert_close(model(ids), reference(ids))
@@ -96,10 +91,10 @@ def _negative_sequence_dim(dim: int) -> None:
     reference = copy.deepcopy(model)
     prepare = PrepareModuleInput(input_layouts=Shard(dim), desired_input_layouts=Replicate())
     plan = {"": prepare, "q": ColwiseParallel(), "k": ColwiseParallel()}
-    parallelize_module(model, _mesh(), plan)
+    parallelize_module(model, tp_mesh(), plan)
     x = torch.randn(2, 4, 8)
     local = x.chunk(dist.get_world_size(), dim=dim)[dist.get_rank()]
-    out = gather_full(model(local), _mesh(), Shard(-1))
+    out = gather_full(model(local), tp_mesh(), Shard(-1))
     assert_close(out, reference(x))
 
 
@@ -113,7 +108,7 @@ def _in_place_between_readers() -> None:
     model = _TwoReaders(in_place=True)
     reference = copy.deepcopy(model)
     gathered = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
-    parallelize_module(model, _mesh(), {"q": gathered, "k": copy.deepcopy(gathered)})
+    parallelize_module(model, tp_mesh(), {"q": gathered, "k": copy.deepcopy(gathered)})
     x = torch.randn(2, 4, 8)
     local = x.chunk(dist.get_world_size(), dim=1)[dist.get_rank()]
     with torch.no_grad():
@@ -127,7 +122,7 @@ def test_an_in_place_change_between_readers_is_seen():
 def _gathered_input_is_not_kept() -> None:
     from torch_tp import _layouts
 
-    mesh = _mesh()
+    mesh = tp_mesh()
     plan = {name: ColwiseParallel(input_layouts=Shard(1)) for name in ("q", "k")}
     blocks = [parallelize_module(_TwoReaders(), mesh, copy.deepcopy(plan)) for _ in range(3)]
     inputs = [torch.randn(2, 4, 8, requires_grad=True) * 1.0 for _ in blocks]
@@ -164,7 +159,7 @@ def _prepared_block_parity(block: str) -> None:
     prepare = PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate())
     plan = {"1": prepare, "1.q": ColwiseParallel(), "1.k": ColwiseParallel()}
     x = torch.randn(2, 4, 8)
-    check_parity(model, _mesh(), plan, (x,), output_placements=Shard(-1))
+    check_parity(model, tp_mesh(), plan, (x,), output_placements=Shard(-1))
 
 
 def test_a_reader_without_grad_does_not_cut_the_graph_of_the_next():
@@ -198,7 +193,7 @@ def _parametrized_weight() -> None:
     torch.manual_seed(0)
     model, reference = nn.Linear(8, 8), nn.Linear(8, 8)
     reference.load_state_dict(model.state_dict())
-    parallelize_module(model, _mesh(), ColwiseParallel(output_layouts=Replicate()))
+    parallelize_module(model, tp_mesh(), ColwiseParallel(output_layouts=Replicate()))
     for m in (model, reference):  # the weight is then computed, not registered as "weight"
         parametrize.register_parametrization(m, "weight", _Double())
     x = torch.randn(2, 4, 8)
@@ -211,3 +206,57 @@ def _parametrized_weight() -> None:
 
 def test_a_parametrized_weight_is_read_as_computed():
     run_distributed(_parametrized_weight, 2)
+
+
+# ----------------------------------------------------------------- reentrant checkpointing
+
+
+def _close(what: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert_close(actual, expected, msg=lambda message: f"{what}: {message}")
+
+
+def _reentrant_checkpointing(sequence_parallel: bool) -> None:
+    reference = reference_llama(max_seq_len=16, dropout=0.1)
+    model = copy.deepcopy(reference)
+    parallelize_module(model, tp_mesh(), llama_plan(sequence_parallel=sequence_parallel))
+    # TP, then checkpointing (torchtitan's order); the single-device reference runs without
+    for block in model.layers:
+        block.forward = functools.partial(
+            torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=True
+        )
+    calls = []  # attention forwards: recomputation runs them again in backward
+    model.layers[0].attention.register_forward_hook(lambda *_: calls.append(1))
+    ids, targets = torch.randint(0, 1001, (2, 8)), torch.randint(0, 1001, (2, 8))
+    optims = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    names = [name for name, _ in reference.named_parameters()]
+    for step in range(2):
+        outs, losses = [], []
+        for m in (model, reference):
+            torch.manual_seed(100 + step)  # the same dropout masks, replayed by recomputation
+            out = m(ids)
+            loss = F.cross_entropy(out.flatten(0, 1), targets.flatten())
+            loss.backward()
+            outs.append(out.detach())
+            losses.append(loss.detach())
+        _close(f"step {step}: output", *outs)
+        _close(f"step {step}: loss", *losses)
+        # reentrant checkpointing drops, without an error, the gradients of the parameters
+        # in a region none of whose inputs requires grad
+        params = list(zip(names, model.parameters(), reference.parameters(), strict=True))
+        missing = [name for name, p, ref in params if p.grad is None or ref.grad is None]
+        assert not missing, f"step {step}: no gradient of {missing}"
+        for name, p, ref in params:
+            _close(f"step {step}: gradient of {name}", full_tensor(p.grad), ref.grad)
+        for optim in optims:
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+        for name, p, ref in params:
+            _close(f"step {step}: {name} after the step", full_tensor(p.detach()), ref.detach())
+    assert len(calls) == 4, "the blocks were not recomputed in backward"
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_reentrant_activation_checkpointing(sequence_parallel):
+    # the blocks' input (the embedding's output) requires grad, as reentrant checkpointing
+    # needs; outputs, losses, every gradient and every parameter after SGD match one device
+    run_distributed(_reentrant_checkpointing, 2, sequence_parallel)

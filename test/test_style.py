@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import sgd, tp_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing import assert_close
 
@@ -29,22 +29,14 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.models.llama import RMSNorm
-from torch_tp.testing import check_parity, collective_counts, device_type, run_distributed
+from torch_tp.testing import check_parity, collective_counts, run_distributed
 
 WORLD_SIZES = [2, 4]
-
-
-def _mesh():
-    return init_device_mesh(device_type(), (dist.get_world_size(),))
 
 
 def _local(x: torch.Tensor, mesh, placement) -> torch.Tensor:
     """This rank's piece of ``x`` under ``placement`` (the input a TP module expects)."""
     return distribute_tensor(x.detach(), mesh, [placement]).to_local()
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1)
 
 
 def _assert_grads_are_shards(model: nn.Module) -> None:
@@ -62,7 +54,7 @@ def _assert_grads_are_shards(model: nn.Module) -> None:
 
 def _colwise_linear(bias: bool, output_layout, use_local_output: bool, input_layout) -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     x = torch.randn(4, 6, 16)
     style = ColwiseParallel(
         input_layouts=input_layout, output_layouts=output_layout, use_local_output=use_local_output
@@ -76,7 +68,7 @@ def _colwise_linear(bias: bool, output_layout, use_local_output: bool, input_lay
         (x,),
         tp_args=(tp_x,),
         output_placements=output_layout or Shard(-1),
-        optimizer_fn=_sgd,
+        optimizer_fn=sgd,
     )
     _assert_grads_are_shards(tp)
     out = tp(tp_x)
@@ -104,7 +96,7 @@ def test_colwise_linear_layouts(output_layout, use_local_output, input_layout):
 
 def _rowwise_linear(bias: bool, input_layout, output_layout, use_local_output: bool) -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     x = torch.randn(4, 6, 33)
     style = RowwiseParallel(
         input_layouts=input_layout, output_layouts=output_layout, use_local_output=use_local_output
@@ -117,7 +109,7 @@ def _rowwise_linear(bias: bool, input_layout, output_layout, use_local_output: b
         (x,),
         tp_args=(tp_x,),
         output_placements=output_layout or Replicate(),
-        optimizer_fn=_sgd,
+        optimizer_fn=sgd,
     )
     _assert_grads_are_shards(tp)
 
@@ -150,11 +142,11 @@ class _OwnForwardLinear(nn.Linear):
 
 def _linear_subclass() -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     x = torch.randn(3, 16)
     model = nn.Sequential(_OwnForwardLinear(16, 12), nn.ReLU(), _OwnForwardLinear(12, 16))
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-    check_parity(model, mesh, plan, (x,), optimizer_fn=_sgd)
+    check_parity(model, mesh, plan, (x,), optimizer_fn=sgd)
 
 
 def test_linear_subclass_keeps_its_forward():
@@ -166,7 +158,7 @@ def test_linear_subclass_keeps_its_forward():
 
 def _embedding(style_name: str, vocab: int, dim: int, padding_idx, output_layout) -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     ids = torch.randint(0, vocab, (3, 10))
     ids[0, :3] = torch.tensor([0, vocab - 1, vocab // 2])  # first, last and middle rows
     if padding_idx is not None:
@@ -184,7 +176,7 @@ def _embedding(style_name: str, vocab: int, dim: int, padding_idx, output_layout
         style,
         (ids,),
         output_placements=placement,
-        optimizer_fn=_sgd,
+        optimizer_fn=sgd,
     )
     _assert_grads_are_shards(tp)
 
@@ -235,7 +227,7 @@ class _Residual(nn.Module):
 
 def _sequence_parallel(norm_kind: str) -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     norm = {
         "layernorm": lambda: nn.LayerNorm(16),
         "torch_rmsnorm": lambda: nn.RMSNorm(16),
@@ -257,7 +249,7 @@ def _sequence_parallel(norm_kind: str) -> None:
         (x,),
         tp_args=(_local(x, mesh, Shard(1)),),
         output_placements=Shard(1),
-        optimizer_fn=_sgd,
+        optimizer_fn=sgd,
         steps=2,
     )
     _assert_grads_are_shards(tp)
@@ -271,7 +263,7 @@ def test_sequence_parallel_norms(world_size, norm_kind):
 
 def _sequence_parallel_alone(sequence_dim: int, use_local_output: bool) -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     x = torch.randn(4, 6, 16)
     norm = nn.LayerNorm(16)
     with torch.no_grad():
@@ -304,7 +296,7 @@ def test_sequence_parallel_arguments(sequence_dim, use_local_output):
 
 def _sequence_parallel_dropout() -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     x = torch.randn(2, 8, 16)
     dropout = parallelize_module(nn.Dropout(0.5), mesh, SequenceParallel(use_local_output=True))
     local = _local(x, mesh, Shard(1))
@@ -354,7 +346,7 @@ class _TwoInputs(nn.Module):
 
 def _prepare_module_input() -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     ws = dist.get_world_size()
     x, mask = torch.randn(2 * ws, 8), torch.rand(2 * ws, 8)
     scale, bias = torch.rand(8), torch.randn(8)
@@ -430,7 +422,7 @@ class _TupleOut(nn.Module):
 
 def _prepare_module_output() -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     x = torch.randn(4, 8)
     # the first output is replicated and returned sharded on dim 0 (a local shard); the
     # second stays a DTensor (use_local_output=False); the third is not a tensor (None)
@@ -464,7 +456,7 @@ def test_prepare_module_output():
 
 def _prepare_module_input_output(use_local_input: bool) -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     x = torch.randn(4, 8)
     style = PrepareModuleInputOutput(
         input_layouts=(Shard(0),),
@@ -493,7 +485,7 @@ def test_prepare_module_input_output(use_local_input):
 
 
 def _src_data_rank(src_data_rank) -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     torch.manual_seed(dist.get_rank())  # every rank initializes differently
     model = nn.Linear(8, 8)
     local_weight = model.weight.detach().clone()
@@ -518,7 +510,7 @@ def _gradient_accumulation() -> None:
     from torch.distributed.tensor.debug import CommDebugMode
 
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     norm = nn.LayerNorm(16)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -555,7 +547,7 @@ def _partial_gradients_after_module_to() -> None:
     # module.to() swaps a DTensor parameter's contents (and drops its hooks): the partial
     # gradients of replicated parameters must still be summed
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     reference = _Residual(nn.LayerNorm(16))
     model = copy.deepcopy(reference)
     plan = {

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from helpers import sgd, tp_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing import assert_close
@@ -35,17 +35,9 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.plan import from_dict, to_dict
-from torch_tp.testing import check_parity, device_type, run_distributed
+from torch_tp.testing import check_parity, run_distributed
 
 WORLD_SIZES = [2, 4]
-
-
-def _mesh():
-    return init_device_mesh(device_type(), (dist.get_world_size(),))
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1)
 
 
 class Conv1D(nn.Module):
@@ -98,7 +90,7 @@ def _conv1d_mlp(world_size: int) -> None:
     torch.manual_seed(0)
     mlp = nn.Sequential(Conv1D(24, 8), nn.GELU(), Conv1D(8, 24))
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-    tp, _ = check_parity(mlp, _mesh(), plan, (torch.randn(2, 5, 8),), optimizer_fn=_sgd)
+    tp, _ = check_parity(mlp, tp_mesh(), plan, (torch.randn(2, 5, 8),), optimizer_fn=sgd)
     assert tp[0].weight.placements == (Shard(1),) and tp[0].bias.placements == (Shard(0),)
     assert tp[2].weight.placements == (Shard(0),) and tp[2].bias.placements == (Replicate(),)
     for param in tp.parameters():  # each gradient has the size of its shard
@@ -113,7 +105,7 @@ def test_conv1d_column_and_row_parallel(world_size):
 
 def _conv1d_layouts() -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     # gathered output; sequence-sharded input
     check_parity(
         Conv1D(12, 8), mesh, ColwiseParallel(output_layouts=Replicate()), (torch.randn(2, 4, 8),)
@@ -141,7 +133,7 @@ def _fused_attention(world_size: int, conv1d: bool) -> None:
     torch.manual_seed(0)
     attention = FusedAttention(16, 4, conv1d)
     tp, _ = check_parity(
-        attention, _mesh(), _attention_plan(), (torch.randn(2, 6, 16),), optimizer_fn=_sgd
+        attention, tp_mesh(), _attention_plan(), (torch.randn(2, 6, 16),), optimizer_fn=sgd
     )
     weight = tp.c_attn.weight
     dim = 1 if conv1d else 0
@@ -188,13 +180,13 @@ class PackedDown(nn.Module):
 
 def _packed_names() -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     x = torch.randn(2, 3, 8)
     plan = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
-    check_parity(GatedMLP(8, 12), mesh, plan, (x,), optimizer_fn=_sgd)
+    check_parity(GatedMLP(8, 12), mesh, plan, (x,), optimizer_fn=sgd)
     # packed on both sides: the row-parallel input is the packed slices, not a plain shard
     plan = {"gate_up_proj": "packed_colwise", "down_proj": "packed_rowwise"}
-    tp, _ = check_parity(PackedDown(8, 12), mesh, plan, (x,), optimizer_fn=_sgd)
+    tp, _ = check_parity(PackedDown(8, 12), mesh, plan, (x,), optimizer_fn=sgd)
     assert tp.down_proj.weight.placements == (_StridedShard(1, split_factor=2),)
 
 
@@ -204,7 +196,7 @@ def test_packed_names():
 
 def _packed_pair_collectives() -> tuple[dict, dict]:
     torch.manual_seed(0)
-    model = parallelize_module(PackedDown(8, 12), _mesh(), _PACKED_PAIR)
+    model = parallelize_module(PackedDown(8, 12), tp_mesh(), _PACKED_PAIR)
     x = torch.randn(2, 3, 8) * 1.0
     forward, backward = Counter(), Counter()
     with _counting_collectives(forward):
@@ -240,7 +232,7 @@ def test_report_follows_packed_layouts():
 def _packed_gathered_output() -> None:
     torch.manual_seed(0)
     style = PackedColwiseParallel(3, output_layouts=Replicate())
-    check_parity(nn.Linear(8, 12), _mesh(), style, (torch.randn(2, 3, 8),))
+    check_parity(nn.Linear(8, 12), tp_mesh(), style, (torch.randn(2, 3, 8),))
 
 
 def test_packed_colwise_gathered_output():
@@ -248,7 +240,7 @@ def test_packed_colwise_gathered_output():
 
 
 def _packed_refusals() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     with pytest.raises(ValueError, match="multiple of 3 x 2 = 6"):
         parallelize_module(nn.Linear(4, 9), mesh, PackedColwiseParallel(3))
     with pytest.raises(NotImplementedError, match="nn.Embedding"):
@@ -272,7 +264,7 @@ def _heads_refused_before_anything_changes() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plan = {f"attn.{k}" if k else "attn": v for k, v in _attention_plan().items()}
     with pytest.raises(ValueError) as info:
-        parallelize_module(model, _mesh(), plan)
+        parallelize_module(model, tp_mesh(), plan)
     message = str(info.value)
     assert "'attn'" in message and "AttentionHeads" in message
     assert "6 query heads do not split over 4 ranks" in message and "(1, 2, 3, 6)" in message
@@ -326,7 +318,7 @@ _TIED_PLAN = {
 def _tied_weights(world_size: int) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 32, (2, 7))
-    tp, _ = check_parity(TiedLM(32, 8), _mesh(), _TIED_PLAN, (ids,), optimizer_fn=_sgd)
+    tp, _ = check_parity(TiedLM(32, 8), tp_mesh(), _TIED_PLAN, (ids,), optimizer_fn=sgd)
     assert tp.lm_head.weight is tp.wte.weight
     assert tp.wte.weight.placements == (Shard(0),)
     assert len(list(tp.parameters())) == 5  # still one tied weight
@@ -338,7 +330,7 @@ def test_tied_weights_sharded_alike_stay_tied(world_size):
 
 
 def _tied_weights_refused() -> None:
-    mesh = _mesh()
+    mesh = tp_mesh()
     model = TiedLM(32, 8)
     for plan, found in [
         ({"wte": RowwiseParallel(input_layouts=Replicate())}, "'lm_head.weight' (not in the plan)"),
@@ -387,7 +379,7 @@ def _replicate(world_size: int) -> None:
         "o_proj": "rowwise",
     }
     tp, _ = check_parity(
-        QKNorm(16, 4), _mesh(), plan, (torch.randn(2, 3, 16),), optimizer_fn=_sgd, steps=2
+        QKNorm(16, 4), tp_mesh(), plan, (torch.randn(2, 3, 16),), optimizer_fn=sgd, steps=2
     )
     for name in ("gate.weight", "q_norm.weight", "q_norm.bias"):
         param = tp.get_parameter(name)
@@ -422,7 +414,7 @@ class Block(nn.Module):
 
 def _shared_entry(sequence_parallel: bool) -> None:
     torch.manual_seed(0)
-    mesh = _mesh()
+    mesh = tp_mesh()
     stream = Shard(1) if sequence_parallel else Replicate()
     plan = {
         "q": ColwiseParallel(input_layouts=stream),
@@ -441,7 +433,7 @@ def _shared_entry(sequence_parallel: bool) -> None:
         (x,),
         tp_args=(local.requires_grad_(),),
         output_placements=stream,
-        optimizer_fn=_sgd,
+        optimizer_fn=sgd,
     )
     local.grad = None
     # counted at c10d, not with CommDebugMode: its module tracker gives every module call

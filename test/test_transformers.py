@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import tp_mesh
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -22,7 +22,7 @@ from torch_tp import AttentionHeads, PrepareModuleOutput, parallelize_module
 from torch_tp.plan import from_dict, resolve_plan
 from torch_tp.plans.hf import PLANS, gpt2_plan, llama_plan, mistral_plan, plan_for, qwen2_plan
 from torch_tp.report import plan_report
-from torch_tp.testing import check_parity, collective_counts, device_type, run_distributed
+from torch_tp.testing import check_parity, collective_counts, run_distributed
 
 transformers = pytest.importorskip(
     "transformers",
@@ -118,10 +118,6 @@ def _gpt2(base_model: bool = False) -> nn.Module:
     return model.float()
 
 
-def _mesh():
-    return init_device_mesh(device_type(), (dist.get_world_size(),))
-
-
 def _sgd(params):
     # small steps: at lr 0.5 two steps collapse greedy decoding to one repeated token
     return torch.optim.SGD(params, lr=0.05)
@@ -137,7 +133,7 @@ def _train_and_generate(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     labels = torch.randint(0, VOCAB, (2, 12))
     tp, reference = check_parity(
         model,
-        _mesh(),
+        tp_mesh(),
         plan_for(model),
         kwargs={"input_ids": ids, "labels": labels, "use_cache": False},
         # compares the logits and the loss (both outputs), every gradient, every parameter
@@ -214,7 +210,7 @@ def _verbatim_base_model_plan() -> None:
     ids = torch.randint(0, VOCAB, (2, 12))
     check_parity(
         model,
-        _mesh(),
+        tp_mesh(),
         dict(transformers.LlamaConfig.base_model_tp_plan),
         kwargs={"input_ids": ids, "use_cache": False},
         loss_fn=lambda out: out.last_hidden_state.pow(2).mean(),
@@ -231,7 +227,7 @@ def test_transformers_base_model_tp_plan_verbatim():
 
 def _collectives_per_step(family: str) -> tuple[dict[str, int], dict[str, int]]:
     model = _gpt2() if family == "gpt2" else _model(family, kv_heads=2)
-    parallelize_module(model, _mesh(), plan_for(model))
+    parallelize_module(model, tp_mesh(), plan_for(model))
     ids = torch.randint(0, VOCAB, (2, 12))
     with CommDebugMode() as forward:
         out = model(input_ids=ids, labels=ids, use_cache=False)
@@ -273,7 +269,7 @@ def _refuse_indivisible_kv_heads() -> None:
     model = _model("llama", kv_heads=2)
     before = {name: p.detach().clone() for name, p in model.state_dict().items()}
     with pytest.raises(ValueError) as info:
-        parallelize_module(model, _mesh(), plan_for(model))
+        parallelize_module(model, tp_mesh(), plan_for(model))
     message = str(info.value)
     assert "'model.layers.0.self_attn'" in message, message
     assert "AttentionHeads" in message, message
