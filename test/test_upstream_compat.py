@@ -26,6 +26,7 @@ from torch.testing import assert_close
 
 import torch_tp
 from torch_tp.models import Llama, LlamaConfig
+from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import device_type, run_distributed
 
 VOCAB = 65  # uneven over 2 ranks: the tied weight's shards are 33 and 32 rows
@@ -247,3 +248,169 @@ def _loss_parallel_classes_not_sharded() -> None:
 
 def test_loss_parallel_refuses_logits_not_sharded_on_the_classes():
     run_distributed(_loss_parallel_classes_not_sharded, 2)
+
+
+# --------------------------------------------------------------------------- LocalTensorMode
+#
+# PyTorch's own distributed tests simulate every rank in this one process: a fake process
+# group, and ``LocalTensorMode``, under which a tensor holds one value per simulated rank (a
+# LocalTensor) and a rank is a SymInt with one value per rank. These tests run there, with no
+# worker processes: TP=2, simulated.
+
+LOCAL_WORLD = 2
+LOCAL_VOCAB = 64  # even: DTensor cannot take uneven-shard gradients back in LocalTensorMode
+
+
+@pytest.fixture
+def fake_mesh() -> Iterator:
+    """A 1-D CPU mesh of two ranks on a fake process group, built outside LocalTensorMode
+    (as PyTorch's tests build theirs); the random states and tracker are restored after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=LOCAL_WORLD)
+    try:
+        with torch.random.fork_rng():
+            yield init_device_mesh("cpu", (LOCAL_WORLD,))
+    finally:
+        torch_tp.random.set_rng_tracker(None)
+        dist.destroy_process_group()
+
+
+def _on_every_rank(mode, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a plain tensor) as a LocalTensor that holds it on every simulated rank."""
+    return mode.rank_map(lambda rank: value.clone())
+
+
+def _by_rank(value: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The value of each simulated rank of a LocalTensor (or of a DTensor's full tensor)."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return dict(value._local_tensors)
+
+
+def _assert_on_every_rank(value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    by_rank = _by_rank(value)
+    assert sorted(by_rank) == list(range(LOCAL_WORLD)), (what, sorted(by_rank))
+    for rank, local in by_rank.items():
+        assert_close(local, expected, msg=lambda m, r=rank: f"{what}, rank {r}: {m}")
+
+
+def _local_llama(dropout: float) -> Llama:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        dim=32, n_layers=2, n_heads=4, vocab_size=LOCAL_VOCAB, max_seq_len=16, dropout=dropout
+    )
+    return Llama(config)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sequence_parallel"])
+def test_llama_plan_in_local_tensor_mode(fake_mesh, sequence_parallel):
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    # dropout on: the default stream must be consumed exactly as on one device, in both plans
+    reference = _local_llama(dropout=0.25)
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, LOCAL_VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, LOCAL_VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(5)
+    expected = reference(tokens)
+    F.cross_entropy(expected.flatten(0, 1), labels.flatten()).backward()
+
+    with LocalTensorMode(LOCAL_WORLD) as mode:
+        torch_tp.parallelize_module(
+            model, fake_mesh, llama_plan(sequence_parallel=sequence_parallel)
+        )
+        torch.manual_seed(5)
+        logits = model(_on_every_rank(mode, tokens))
+        target = _on_every_rank(mode, labels)
+        F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
+        _assert_on_every_rank(logits, expected, "logits")
+        named = dict(model.named_parameters())
+        assert named.keys() == dict(reference.named_parameters()).keys()
+        for name, param in reference.named_parameters():
+            # a DTensor's gradient is gathered; a plain parameter's is a LocalTensor already
+            _assert_on_every_rank(named[name].grad, param.grad, f"{name}.grad")
+
+
+def test_rng_tracker_fork_in_local_tensor_mode(fake_mesh):
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    seed, shape = 7, (4, 16)
+
+    def single_device(tp_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # what a real rank draws: two forked dropouts from its own stream, then the default
+        # stream, untouched by the forks
+        stream = torch.Generator().manual_seed(seed + 2718 + tp_rank)
+        with torch.random.fork_rng():
+            torch.set_rng_state(stream.get_state())
+            first = F.dropout(torch.ones(shape), 0.5)
+            second = F.dropout(torch.ones(shape), 0.5)
+            torch.manual_seed(seed)
+            default = torch.rand(shape)
+        return first, second, default
+
+    with LocalTensorMode(LOCAL_WORLD) as mode:
+        tracker = torch_tp.random.manual_seed(seed, fake_mesh)
+        ones = _on_every_rank(mode, torch.ones(shape))
+        with tracker.fork():
+            first = F.dropout(ones, 0.5)
+        with torch_tp.random.fork():
+            second = F.dropout(ones, 0.5)
+        default = torch.rand(shape)
+    for rank, local in _by_rank(first).items():
+        expected = single_device(rank)  # on a 1-D mesh, the TP rank is the rank
+        assert_close(local, expected[0], msg=lambda m, r=rank: f"rank {r}, first fork: {m}")
+        assert_close(_by_rank(second)[rank], expected[1])
+        assert_close(_by_rank(default)[rank], expected[2])
+    # the ranks of a TP group draw different masks inside a fork
+    assert not torch.equal(_by_rank(first)[0], _by_rank(first)[1])
+
+    # parallelize_module installs one the same way, from the default generator's seed
+    torch_tp.random.set_rng_tracker(None)
+    torch.manual_seed(seed)
+    with LocalTensorMode(LOCAL_WORLD) as mode:
+        torch_tp.parallelize_module(nn.Linear(8, 8), fake_mesh, torch_tp.ColwiseParallel())
+        with torch_tp.random.fork():
+            drawn = F.dropout(_on_every_rank(mode, torch.ones(shape)), 0.5)
+    for rank, local in _by_rank(drawn).items():
+        assert_close(local, single_device(rank)[0])
+
+
+def test_loss_parallel_in_local_tensor_mode(fake_mesh):
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    reference = _local_llama(dropout=0.0)
+    model = copy.deepcopy(reference)
+    tokens = torch.randint(0, LOCAL_VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, LOCAL_VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    weight = torch.rand(LOCAL_VOCAB, generator=torch.Generator().manual_seed(3))
+    logits = reference(tokens)
+    options = {"weight": weight, "label_smoothing": 0.1}
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **options)
+    expected.backward()
+
+    with LocalTensorMode(LOCAL_WORLD) as mode:
+        plan = llama_plan(sequence_parallel=True, loss_parallel=True)
+        torch_tp.parallelize_module(model, fake_mesh, plan)
+        sharded = model(_on_every_rank(mode, tokens))
+        assert sharded.placements == (Shard(2),)
+        target = distribute_tensor(_on_every_rank(mode, labels), fake_mesh, [Replicate()])
+        class_weight = distribute_tensor(_on_every_rank(mode, weight), fake_mesh, [Replicate()])
+        with torch_tp.loss_parallel():
+            loss = F.cross_entropy(
+                sharded.flatten(0, 1), target.flatten(), weight=class_weight, label_smoothing=0.1
+            )
+            loss.backward()
+        _assert_on_every_rank(loss, expected, "loss")
+        named = dict(model.named_parameters())
+        for name, param in reference.named_parameters():
+            _assert_on_every_rank(named[name].grad, param.grad, f"{name}.grad")
+
+        # the function on local shards, with the vocabulary split found by an all-gather
+        local = sharded.to_local().flatten(0, 1)
+        found = torch_tp.loss.vocab_parallel_cross_entropy(
+            local, _on_every_rank(mode, labels.flatten()), fake_mesh
+        )
+    _assert_on_every_rank(found, F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "loss")

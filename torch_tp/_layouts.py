@@ -160,7 +160,9 @@ class _GatherFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        piece = grad.chunk(ctx.mesh.size(), ctx.dim)[ctx.mesh.get_local_rank()]
+        # the forward's shards are even; narrow, not chunk()[rank]: the rank may be symbolic
+        size = grad.shape[ctx.dim] // ctx.mesh.size()
+        piece = grad.narrow(ctx.dim, ctx.mesh.get_local_rank() * size, size)
         return piece.contiguous(), None, None
 
 
@@ -399,10 +401,7 @@ class _ReplicatedFromLocal(torch.autograd.Function):
             # a whole gradient on every rank: rank 0 holds it, the others zeros, so that the
             # sum over ranks (the caller's reduction) is exact
             grad = grad.redistribute(placements=(Replicate(),))
-            local = grad._local_tensor
-            if ctx.mesh.get_local_rank() != 0:
-                local = torch.zeros_like(local)
-            return local, None
+            return _on_rank_zero(grad._local_tensor, ctx.mesh), None
         return grad._local_tensor, None
 
 
@@ -501,8 +500,25 @@ def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
     (and :func:`torch.chunk`) split them: ``ceil(size / n)`` each, the tail ones shorter or
     empty."""
     chunk = -(-size // num_chunks)  # ceil, in integers
-    start = min(index * chunk, size)
+    start = index * chunk
+    if not isinstance(start, int):
+        # a rank that differs per simulated rank (a SymInt under LocalTensorMode): min()
+        # would compare it as one value
+        start = torch.sym_min(start, size)
+        return start, torch.sym_min(start + chunk, size)
+    start = min(start, size)
     return start, min(start + chunk, size)
+
+
+def _on_rank_zero(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``local`` on rank 0 of the 1-D ``mesh``, zeros of its shape on the others: a whole
+    value as a partial sum, exactly (unlike dividing it by the mesh size)."""
+    rank = mesh.get_local_rank()
+    if isinstance(rank, int):
+        return local if rank == 0 else torch.zeros_like(local)
+    # a SymInt under LocalTensorMode (every rank simulated in one process), where a branch
+    # on the rank would take one side for all ranks: multiply by 1 on rank 0, 0 elsewhere
+    return local * (1 - torch.sym_min(rank, 1))
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -630,7 +646,7 @@ def _on_partial_gradient(param: nn.Parameter, grad: torch.Tensor) -> torch.Tenso
         # the others zeros — exact, unlike dividing by the mesh size) so that the new partial
         # adds locally and the single reduction at the end sums both
         mesh = previous.device_mesh
-        local = previous.to_local() if mesh.get_local_rank() == 0 else previous.to_local() * 0
+        local = _on_rank_zero(previous.to_local(), mesh)
         param.grad = DTensor.from_local(
             local, mesh, (Partial(),), shape=grad.shape, stride=grad.stride()
         )

@@ -361,7 +361,7 @@ def vocab_parallel_cross_entropy(
     if vocab_size is None:
         local_size = torch.tensor([num_local], device=local_logits.device)
         sizes = funcol.all_gather_single(local_size, 0, device_mesh).tolist()
-        vocab_start, vocab_size = sum(sizes[:rank]), sum(sizes)
+        vocab_start, vocab_size = _sizes_before(sizes, rank), sum(sizes)
     else:
         vocab_start, vocab_stop = chunk_range(vocab_size, num_ranks, rank)
         if vocab_stop - vocab_start != num_local:
@@ -388,6 +388,15 @@ def vocab_parallel_cross_entropy(
 # ------------------------------------------------------------------------------------------
 # F.cross_entropy on a DTensor sharded on the classes
 # ------------------------------------------------------------------------------------------
+
+
+def _sizes_before(sizes: list[int], rank: int) -> int:
+    """``sum(sizes[:rank])``, also for a rank that is a SymInt with one value per simulated
+    rank (under LocalTensorMode), which cannot index a list."""
+    if isinstance(rank, int):
+        return sum(sizes[:rank])
+    # sizes[i] counts where i < rank: min(max(rank - i, 0), 1) is 1 there, 0 elsewhere
+    return sum(torch.sym_min(torch.sym_max(rank - i, 0), 1) * size for i, size in enumerate(sizes))
 
 
 def _class_dim(input: DTensor) -> int:

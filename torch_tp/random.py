@@ -76,7 +76,8 @@ class TensorParallelRNGTracker:
 
     Attributes:
         device_type (str): the mesh's device type (``"cpu"``, ``"cuda"``, ...).
-        tp_rank (int): this rank's coordinate on the tensor-parallel dimension.
+        tp_rank (int): this rank's coordinate on the tensor-parallel dimension (under
+            ``LocalTensorMode``, a :class:`torch.SymInt` with one value per simulated rank).
         seed (int): the base seed.
         generator (:class:`torch.Generator`): the tensor-parallel stream; outside
             :meth:`fork` it may also be passed to random ops directly
@@ -85,6 +86,13 @@ class TensorParallelRNGTracker:
     Raises:
         TypeError: ``device_mesh`` is not a :class:`DeviceMesh` or ``seed`` not an int.
         ValueError: an N-D mesh has no ``"tp"`` dimension, or this rank is not in the mesh.
+
+    .. note:: Built under ``torch.distributed._local_tensor.LocalTensorMode`` (one process
+        simulating every rank, as PyTorch's own distributed tests do), the tracker keeps one
+        stream per simulated rank, seeded as on a real rank, and :meth:`fork` switches every
+        simulated rank to its own stream; use it inside that mode only. There
+        :attr:`generator` is not the stream, and :meth:`state_dict` and
+        :meth:`load_state_dict` are not supported.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -102,11 +110,24 @@ class TensorParallelRNGTracker:
         self.tp_size: int = tp_mesh.size()
         self.seed: int = seed
         self.generator = torch.Generator(device=self.device_type)
-        self.generator.manual_seed((seed + _TP_SEED_OFFSET + self.tp_rank) % _SEED_MODULUS)
+        # Under LocalTensorMode the rank is a SymInt, one value per simulated rank: each
+        # simulated rank gets its own stream, kept here as generator states by global rank
+        self._simulated: dict[int, Tensor] | None = None
+        if isinstance(self.tp_rank, int):
+            self.generator.manual_seed(self._rank_seed(self.tp_rank))
+        else:
+            mode = _simulation(self.device_type)
+            self._simulated = {
+                rank: self.generator.manual_seed(self._rank_seed(tp_rank)).get_state()
+                for rank, tp_rank in _by_simulated_rank(self.tp_rank, mode.ranks).items()
+            }
         # which TP group this stream belongs to, to tell a stale tracker from a fitting one
         self._group = (self.device_type, tuple(tp_mesh.mesh.flatten().tolist()))
         self._depth = 0  # fork() nesting: only the outermost fork swaps states
         self._installed_by_user = False
+
+    def _rank_seed(self, tp_rank: int) -> int:
+        return (self.seed + _TP_SEED_OFFSET + tp_rank) % _SEED_MODULUS
 
     def __repr__(self) -> str:
         return (
@@ -137,6 +158,10 @@ class TensorParallelRNGTracker:
             finally:
                 self._depth -= 1
             return
+        if self._simulated is not None:
+            with self._fork_simulated():
+                yield
+            return
         default = _default_generator(self.device_type)
         outer = default.get_state()
         default.set_state(self.generator.get_state())
@@ -147,6 +172,22 @@ class TensorParallelRNGTracker:
             self._depth = 0
             self.generator.set_state(default.get_state())
             default.set_state(outer)
+
+    @contextlib.contextmanager
+    def _fork_simulated(self) -> Iterator[None]:
+        """:meth:`fork` under LocalTensorMode: the same swap, on every simulated rank."""
+        states = _per_rank_default_states(_simulation(self.device_type))
+        outer = {rank: states[rank] for rank in self._simulated}
+        for rank, state in self._simulated.items():
+            states[rank] = (state, *states[rank][1:])
+        self._depth = 1
+        try:
+            yield
+        finally:
+            self._depth = 0
+            for rank, state in outer.items():
+                self._simulated[rank] = states[rank][0]
+                states[rank] = state
 
     def state_dict(self) -> dict[str, Any]:
         """Both streams of this rank, to save with a checkpoint.
@@ -168,6 +209,7 @@ class TensorParallelRNGTracker:
             >>> torch.save(state, f"rng_{dist.get_rank()}.pt")
         """
         self._check_not_forked("state_dict")
+        self._check_not_simulated("state_dict")
         return {
             "seed": self.seed,
             "tp_rank": self.tp_rank,
@@ -193,6 +235,7 @@ class TensorParallelRNGTracker:
             >>> tracker.load_state_dict(torch.load(f"rng_{dist.get_rank()}.pt"))
         """
         self._check_not_forked("load_state_dict")
+        self._check_not_simulated("load_state_dict")
         for key, mine in (("device_type", self.device_type), ("tp_rank", self.tp_rank)):
             if state_dict[key] != mine:
                 raise ValueError(
@@ -203,11 +246,28 @@ class TensorParallelRNGTracker:
         _default_generator(self.device_type).set_state(state_dict["default_state"])
         self.seed = state_dict["seed"]
 
-    def _live_state(self) -> Tensor:
-        """The tensor-parallel stream's current state (inside a fork it is the default's)."""
+    def _live_state(self) -> Tensor | dict[int, Tensor]:
+        """The tensor-parallel stream's current state (inside a fork it is the default's);
+        under LocalTensorMode, the states by simulated rank."""
+        if self._simulated is not None:
+            if not self._depth:
+                return dict(self._simulated)
+            states = _per_rank_default_states(_simulation(self.device_type))
+            return {rank: states[rank][0] for rank in self._simulated}
         if self._depth:
             return _default_generator(self.device_type).get_state()
         return self.generator.get_state()
+
+    def _stream_state(self) -> Tensor | dict[int, Tensor]:
+        if self._simulated is not None:
+            return dict(self._simulated)
+        return self.generator.get_state()
+
+    def _set_stream_state(self, state: Tensor | dict[int, Tensor]) -> None:
+        if self._simulated is not None:
+            self._simulated = dict(state)
+        else:
+            self.generator.set_state(state)
 
     def _fits(self, tp_mesh: DeviceMesh, seed: int) -> bool:
         group = (tp_mesh.device_type, tuple(tp_mesh.mesh.flatten().tolist()))
@@ -216,6 +276,13 @@ class TensorParallelRNGTracker:
     def _check_not_forked(self, what: str) -> None:
         if self._depth:
             raise RuntimeError(f"{type(self).__name__}.{what}() cannot be called inside fork()")
+
+    def _check_not_simulated(self, what: str) -> None:
+        if self._simulated is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.{what}() is not supported for a tracker built under "
+                "LocalTensorMode (one stream per simulated rank)"
+            )
 
 
 _tracker: TensorParallelRNGTracker | None = None
@@ -366,7 +433,7 @@ def checkpoint_contexts(
     tracker = _tracker
     if tracker is None:
         return inner_forward, inner_recompute
-    recorded: list[Tensor] = []
+    recorded: list[Tensor | dict[int, Tensor]] = []
     return (
         _record_stream(tracker, recorded, inner_forward),
         _replay_stream(tracker, recorded, inner_recompute),
@@ -375,7 +442,9 @@ def checkpoint_contexts(
 
 @contextlib.contextmanager
 def _record_stream(
-    tracker: TensorParallelRNGTracker, recorded: list[Tensor], inner: AbstractContextManager
+    tracker: TensorParallelRNGTracker,
+    recorded: list[Tensor | dict[int, Tensor]],
+    inner: AbstractContextManager,
 ) -> Iterator[None]:
     recorded[:] = [tracker._live_state()]
     with inner:
@@ -384,15 +453,17 @@ def _record_stream(
 
 @contextlib.contextmanager
 def _replay_stream(
-    tracker: TensorParallelRNGTracker, recorded: list[Tensor], inner: AbstractContextManager
+    tracker: TensorParallelRNGTracker,
+    recorded: list[Tensor | dict[int, Tensor]],
+    inner: AbstractContextManager,
 ) -> Iterator[None]:
-    current = tracker.generator.get_state()
-    tracker.generator.set_state(recorded[0])
+    current = tracker._stream_state()
+    tracker._set_stream_state(recorded[0])
     try:
         with inner:
             yield
     finally:
-        tracker.generator.set_state(current)
+        tracker._set_stream_state(current)
 
 
 def sequence_parallel_dropout(
@@ -568,6 +639,50 @@ def _default_generator(device_type: str) -> torch.Generator:
     if not generators:
         raise NotImplementedError(f"no default generator found for device type {device_type!r}")
     return generators[module.current_device()]
+
+
+# LocalTensorMode (torch.distributed._local_tensor, private torch API) simulates every rank in
+# one process: the three functions below are the only places that reach into it.
+
+
+def _simulation(device_type: str) -> Any:
+    """The enabled LocalTensorMode, for a tracker built under it.
+
+    Raises:
+        RuntimeError: no LocalTensorMode is enabled (the tracker was built under one).
+        NotImplementedError: the mode keeps no per-rank random states (under a fake tensor
+            mode), or ``device_type`` is not CPU.
+    """
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        raise RuntimeError(
+            "this tracker was built under LocalTensorMode (its rank is per simulated rank): "
+            "use it inside that mode only"
+        )
+    if device_type != "cpu" or not _per_rank_default_states(mode):
+        raise NotImplementedError(
+            f"the RNG tracker supports LocalTensorMode on CPU meshes with per-rank random "
+            f"states only, found a {device_type!r} mesh"
+        )
+    return mode
+
+
+def _per_rank_default_states(mode: Any) -> dict[int, tuple[Any, ...]]:
+    """The default random states of each simulated rank, ``{rank: (cpu_state,
+    accelerator_states)}``: ``mode._per_rank_rng_states``, which LocalTensorMode loads into
+    the default generators before it runs an op for a rank and reads back afterwards."""
+    return mode._per_rank_rng_states
+
+
+def _by_simulated_rank(value: Any, ranks: frozenset[int]) -> dict[int, int]:
+    """An int that LocalTensorMode made per simulated rank (a SymInt), by global rank."""
+    node = value.node
+    per_rank = getattr(node, "_local_ints", None)  # LocalIntNode; a ConstantIntNode has one
+    if per_rank is None:
+        return dict.fromkeys(ranks, node.maybe_as_int())
+    return {rank: per_rank[rank] for rank in ranks}
 
 
 def _check_seed(seed: int) -> None:
