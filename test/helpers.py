@@ -151,6 +151,20 @@ def train_llama(
     return losses
 
 
+def saved_then_trained_on(
+    ckpt_dir: str,
+) -> tuple[nn.Module, DeviceMesh, torch.optim.Optimizer, dict]:
+    """A (dp=2, tp=2) Llama trained one step and saved as step 1 in ``ckpt_dir``, then trained
+    one more step; with the full state dict that was saved."""
+    model, mesh = parallelize_dp_tp(checkpoint_llama(), 2, 2)
+    optim = adamw(model.parameters())
+    train_llama(model, mesh, optim, range(1))
+    torch_tp.checkpoint.save(ckpt_dir, model, optim, step=1)
+    saved = torch_tp.checkpoint.full_state_dict(model)
+    train_llama(model, mesh, optim, range(1, 2))
+    return model, mesh, optim, saved
+
+
 class _SliceSpy:
     """Wraps safe_open: records the elements of every read, per tensor name."""
 

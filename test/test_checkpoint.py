@@ -23,6 +23,7 @@ from helpers import (
     meta_llama,
     parallelize_dp_tp,
     safetensors_reads,
+    saved_then_trained_on,
     tp_mesh,
     train_llama,
 )
@@ -253,12 +254,7 @@ def test_resume_restores_rng_streams(tmp_path):
 
 
 def _failed_save(ckpt_dir: str) -> None:
-    model, mesh = parallelize_dp_tp(checkpoint_llama(), 2, 2)
-    optim = adamw(model.parameters())
-    train_llama(model, mesh, optim, range(1))
-    checkpoint.save(ckpt_dir, model, optim, step=1)
-    saved = checkpoint.full_state_dict(model)
-    train_llama(model, mesh, optim, range(1, 2))
+    model, mesh, optim, saved = saved_then_trained_on(ckpt_dir)
 
     write_data = dcp.FileSystemWriter.write_data
 

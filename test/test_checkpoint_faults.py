@@ -23,7 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import adamw, checkpoint_llama, meta_llama, parallelize_dp_tp, train_llama
+from helpers import (
+    adamw,
+    checkpoint_llama,
+    meta_llama,
+    parallelize_dp_tp,
+    saved_then_trained_on,
+    train_llama,
+)
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
@@ -90,12 +97,7 @@ def _die() -> None:
 
 def _save_and_die(ckpt_dir: str, out_dir: str, point: str) -> None:
     """Save step 1, train a step, then save step 1 again, with one rank killed at ``point``."""
-    model, mesh = parallelize_dp_tp(checkpoint_llama(), 2, 2)
-    optim = adamw(model.parameters())
-    train_llama(model, mesh, optim, range(1))
-    checkpoint.save(ckpt_dir, model, optim, step=1)
-    before = checkpoint.full_state_dict(model)
-    train_llama(model, mesh, optim, range(1, 2))
+    model, _, optim, before = saved_then_trained_on(ckpt_dir)
     after = checkpoint.full_state_dict(model)
     rank = dist.get_rank()
     if rank == 0:
