@@ -121,7 +121,7 @@ def _unsupported_module_types() -> None:
         plan,
         NotImplementedError,
         r"ColwiseParallel.*'layers\.0\.attention'.*Attention.*nn\.Linear, nn\.Embedding and "
-        r"transformers' Conv1D",
+        r"Conv1D",
     )
     _expect_error(
         _llama(),

@@ -7,6 +7,7 @@ transformers' Llama.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import expecttest
@@ -29,11 +30,20 @@ from torch_tp import (
     RowwiseParallel,
     SequenceParallel,
 )
-from torch_tp._names import STYLE_NAMES, UNSUPPORTED_NAMES, describe
+from torch_tp._names import UNSUPPORTED_NAMES, describe
+from torch_tp.contract import STYLE_REGISTRY
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plan import from_dict, resolve_plan, to_dict
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import check_parity, run_distributed
+
+# plan name -> a factory of the built-in style it stands for (other test files register
+# styles of their own)
+STYLE_NAMES = {
+    name: functools.partial(STYLE_REGISTRY.style, name)
+    for name in STYLE_REGISTRY
+    if type(STYLE_REGISTRY.style(name)).__module__ == "torch_tp.style"
+}
 
 # The names transformers' Llama config and model use, exactly as there.
 HF_LLAMA_BASE_MODEL_TP_PLAN = {
@@ -55,19 +65,19 @@ class NameTableTest(expecttest.TestCase):
             table,
             """\
 colwise                "colwise"
-rowwise                "rowwise"
 colwise_gather_output  "colwise_gather_output"
 colwise_rep            "colwise_gather_output"
 embedding_colwise      "colwise_gather_output"
+rowwise                "rowwise"
 rowwise_split_input    "rowwise_split_input"
 rowwise_rep            "rowwise_split_input"
 embedding_rowwise      "rowwise_split_input"
-sequence_parallel      "sequence_parallel"
-all_reduce             "all_reduce"
 packed_colwise         "packed_colwise"
 packed_rowwise         "packed_rowwise"
+sequence_parallel      "sequence_parallel"
 replicate              "replicate"
-replicated_with_grad_allreduce "replicated_with_grad_allreduce\"""",
+replicated_with_grad_allreduce "replicated_with_grad_allreduce"
+all_reduce             "all_reduce\"""",
         )
         # and what those styles are, spelled out
         assert STYLE_NAMES["colwise"]() == ColwiseParallel(
@@ -237,7 +247,7 @@ class _MyColwise(ColwiseParallel):
 
 
 def test_user_styles_have_no_data_form():
-    with pytest.raises(TypeError, match="plan key 'x': .*built-in styles"):
+    with pytest.raises(TypeError, match="plan key 'x': .*registered styles"):
         to_dict({"x": _MyStyle()})
     with pytest.raises(TypeError, match="plan key 'x'"):
         to_dict({"x": _MyColwise(output_layouts=Shard(0))})

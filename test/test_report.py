@@ -2,7 +2,8 @@
 
 The collectives the report predicts from a meta-device trace are checked against what
 ``CommDebugMode`` (counts) and the functional collectives' arguments (bytes) show in a real
-TP=2 step of the reference Llama, for several plans.
+TP=2 step of the reference Llama, for several plans, and of a small net under plans that use
+every built-in style and a user-defined one.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_tp import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -33,6 +35,7 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.__main__ import main as cli
+from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.models import Llama, LlamaConfig, tiny_config
 from torch_tp.plan import to_dict
 from torch_tp.plans.llama import llama_plan
@@ -150,6 +153,40 @@ class _Net(nn.Module):
         return self.head(x)
 
 
+class GatheredColwise(ParallelStyle):
+    """A user-defined style, written with plain DTensor: a column-parallel ``nn.Linear`` that
+    takes its input as a replicated DTensor and returns its output gathered, as a local
+    tensor. Its contract is all the report knows of it."""
+
+    contract = StyleContract(
+        names={"test_gathered_colwise": {}},
+        modules=(nn.Linear,),
+        parameters=lambda s, m: {"weight": Shard(0), "bias": Shard(0)},
+        # the module gets a DTensor; F.linear's backward gives each rank a partial sum
+        inputs=lambda s, m: Boundary(
+            (Layout(Replicate(), Replicate(), local=False, grad=Partial()),)
+        ),
+        # DTensor's linear makes the output sharded on its features; gathered, handed on local
+        outputs=lambda s, m: Boundary((Layout(Shard(-1), Replicate()),)),
+        local_forward=lambda s, m: True,
+    )
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded))
+
+        def enter(module, args):
+            return (DTensor.from_local(args[0], device_mesh, [Replicate()]), *args[1:])
+
+        def leave(module, args, output):
+            return output.redistribute(device_mesh, [Replicate()]).to_local()
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+        return module
+
+
 _SEQUENCE_SHARDED_INPUT = PrepareModuleInput(
     input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
 )
@@ -182,6 +219,12 @@ NET_PLANS = {
         "head": ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(1), use_local_output=False
         ),
+    },
+    # a user-defined style known to the report by its contract alone, by its plan name
+    "net_user_style": {
+        "blocks.*.mlp.up": "test_gathered_colwise",
+        "blocks.*.mlp.down": "rowwise_split_input",
+        "head": GatheredColwise(),
     },
 }
 
@@ -335,12 +378,12 @@ Collectives per step (model forward and backward, batch 2 x 16; the loss is not 
   forward   all_gather_into_tensor      1     8.0 KiB      8.0 KiB  output
   forward   all_gather_into_tensor      1   125.2 KiB    125.2 KiB  output
   forward   total                       7                173.2 KiB
-  backward  all_gather_into_tensor      1     8.0 KiB      8.0 KiB  tok_embeddings
-  backward  all_gather_into_tensor      1     8.0 KiB      8.0 KiB  layers.*.attention.wo
-  backward  all_gather_into_tensor      1     8.0 KiB      8.0 KiB  layers.*.feed_forward.w2
   backward  reduce_scatter_tensor       1     8.0 KiB      8.0 KiB  output
+  backward  all_gather_into_tensor      1     8.0 KiB      8.0 KiB  layers.*.feed_forward.w2
   backward  reduce_scatter_tensor       1     8.0 KiB      8.0 KiB  layers.*.feed_forward
+  backward  all_gather_into_tensor      1     8.0 KiB      8.0 KiB  layers.*.attention.wo
   backward  reduce_scatter_tensor       1     8.0 KiB      8.0 KiB  layers.*.attention
+  backward  all_gather_into_tensor      1     8.0 KiB      8.0 KiB  tok_embeddings
   backward  all_reduce                  1       768 B        768 B  (replicated parameters)
   backward  total                       7                 48.8 KiB
 

@@ -2,14 +2,17 @@
 
 A plan value may be a name instead of a style object: the names that Hugging Face transformers
 writes in its ``tp_plan`` / ``base_model_tp_plan`` (``"colwise"``, ``"rowwise"``, ...) map to the
-torch_tp style that does exactly what transformers does with that name. Names whose meaning no
-torch_tp style expresses yet are known here too, so that they fail with
-``NotImplementedError`` saying what is missing, rather than as a typo.
+torch_tp style that does exactly what transformers does with that name. Each style declares
+its names in its contract (:class:`torch_tp.contract.StyleContract`), and they are looked up
+in :data:`torch_tp.contract.STYLE_REGISTRY`. Names whose meaning no torch_tp style expresses
+yet are known here too, so that they fail with ``NotImplementedError`` saying what is
+missing, rather than as a typo.
 
 Styles also have a JSON-able form, so that a plan can be printed, diffed and stored
 (:func:`torch_tp.plan.to_dict` / :func:`torch_tp.plan.from_dict`): a name when the style equals
-a named one, else ``{"style": class name, argument: value, ...}`` with the arguments that differ
-from the defaults, placements written ``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"``.
+a named one, else ``{"style": class name, argument: value, ...}`` with the arguments (as the
+style's contract reads them) that differ from the defaults, placements written
+``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"``.
 """
 
 from __future__ import annotations
@@ -17,63 +20,16 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torch_tp.style import (
-    AttentionHeads,
-    ColwiseParallel,
-    PackedColwiseParallel,
-    PackedRowwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    ReplicateParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    short_repr,
-)
+from torch_tp.contract import STYLE_REGISTRY
+from torch_tp.style import ParallelStyle, _arguments, short_repr
 
 __all__: list[str] = []  # private module: the public entry points are in torch_tp.plan
-
-# name -> a factory of the style (a fresh object per plan key: styles are mutable values).
-# The first name of each distinct style is the one to_dict writes; later ones are aliases.
-STYLE_NAMES: dict[str, Callable[[], ParallelStyle]] = {
-    # replicated input, output sharded on the last dim (the first half of an MLP/attention)
-    "colwise": lambda: ColwiseParallel(),
-    # input sharded on the last dim, partial sums all-reduced to a replicated output
-    "rowwise": lambda: RowwiseParallel(),
-    # column-parallel with the output all-gathered (an lm_head returning whole logits)
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-    # on an nn.Embedding: weight sharded on the embedding dim, output gathered
-    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
-    # row-parallel taking a replicated input (each rank uses its slice of it)
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-    # on an nn.Embedding: vocabulary-parallel lookup of replicated ids, output all-reduced
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-    # a norm or dropout on a sequence shard (dim 1), handing on a local tensor
-    "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
-    # the module's output is a partial sum: all-reduce it, hand on a local tensor
-    "all_reduce": lambda: PrepareModuleOutput(
-        output_layouts=Partial(), desired_output_layouts=Replicate()
-    ),
-    # a fused projection packing two parts along its outputs (gate_up_proj): each rank
-    # holds its slice of each part
-    "packed_colwise": lambda: PackedColwiseParallel(2),
-    # its row-parallel partner, the input features packed the same way
-    "packed_rowwise": lambda: PackedRowwiseParallel(2),
-    # every rank keeps the whole module; parameters are replicated DTensors
-    "replicate": lambda: ReplicateParallel(),
-    # replicated parameters of a module that sees this rank's share of the activation
-    # (per-head q_norm/k_norm): their gradients are summed over the ranks
-    "replicated_with_grad_allreduce": lambda: ReplicateParallel(sum_gradients=True),
-}
 
 # names transformers uses whose meaning needs a style torch_tp does not have (yet): why
 UNSUPPORTED_NAMES: dict[str, str] = {
@@ -117,19 +73,20 @@ def style_from_name(name: str, key: str | None = None) -> ParallelStyle:
         ValueError: an unknown name; the message lists the valid ones.
     """
     where = _where(key)
-    factory = STYLE_NAMES.get(name)
-    if factory is not None:
-        return factory()
+    style = STYLE_REGISTRY.style(name)
+    if style is not None:
+        return style
     if name in UNSUPPORTED_NAMES:
         raise NotImplementedError(
             f"{where}style name {name!r} is not supported: "
             f"{UNSUPPORTED_NAMES[name]}. Leave the module out of the plan, or write a "
             "ParallelStyle for it"
         )
-    close = difflib.get_close_matches(name[:100], [*STYLE_NAMES, *UNSUPPORTED_NAMES], n=1)
+    names = STYLE_REGISTRY.names()
+    close = difflib.get_close_matches(name[:100], [*names, *UNSUPPORTED_NAMES], n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(
-        f"{where}unknown style name {short_repr(name)}{hint}; valid names: {', '.join(STYLE_NAMES)}"
+        f"{where}unknown style name {short_repr(name)}{hint}; valid names: {', '.join(names)}"
     )
 
 
@@ -140,12 +97,7 @@ def _where(key: object) -> str:
 
 def name_of(style: object) -> str | None:
     """The first name whose style equals ``style`` (aliases come later), or ``None``."""
-    if not isinstance(style, ParallelStyle):
-        return None
-    for name, factory in STYLE_NAMES.items():
-        if factory() == style:
-            return name
-    return None
+    return STYLE_REGISTRY.name_of(style)
 
 
 def resolve_names(plan: Mapping[Any, Any]) -> dict[Any, Any]:
@@ -218,78 +170,6 @@ def placement_from_str(text: str) -> Placement:
 # ------------------------------------------------------------------------------------------
 # Styles as plain data
 # ------------------------------------------------------------------------------------------
-
-_CLASSES: dict[str, type[ParallelStyle]] = {
-    cls.__name__: cls
-    for cls in (
-        ColwiseParallel,
-        RowwiseParallel,
-        PackedColwiseParallel,
-        PackedRowwiseParallel,
-        SequenceParallel,
-        ReplicateParallel,
-        AttentionHeads,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        PrepareModuleInputOutput,
-    )
-}
-
-
-def _arguments(style: ParallelStyle) -> dict[str, Any]:
-    """Constructor arguments that build a style equal to ``style`` (all of them)."""
-    if isinstance(style, PackedColwiseParallel):
-        output = style.output_layouts[0]
-        return {
-            "parts": style.parts,
-            "input_layouts": style.input_layouts[0],
-            "output_layouts": output if isinstance(output, Replicate) else None,
-            "use_local_output": style.use_local_output,
-        }
-    if isinstance(style, PackedRowwiseParallel):
-        return {
-            "parts": style.parts,
-            "output_layouts": style.output_layouts[0],
-            "use_local_output": style.use_local_output,
-        }
-    if isinstance(style, ReplicateParallel):
-        return {"sum_gradients": style.sum_gradients}
-    if isinstance(style, AttentionHeads):
-        return {
-            "num_heads": style.num_heads,
-            "num_kv_heads": style.num_kv_heads,
-            "divide": style.divide,
-        }
-    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-        return {
-            "input_layouts": style.input_layouts[0],
-            "output_layouts": style.output_layouts[0],
-            "use_local_output": style.use_local_output,
-        }
-    if isinstance(style, SequenceParallel):
-        return {
-            "sequence_dim": style.sequence_sharding[0].dim,
-            "use_local_output": style.use_local_output,
-        }
-    if isinstance(style, PrepareModuleInput):
-        return {
-            "input_layouts": style.input_layouts,
-            "desired_input_layouts": style.desired_input_layouts,
-            "input_kwarg_layouts": style.input_kwarg_layouts if style.with_kwargs else None,
-            "desired_input_kwarg_layouts": style.desired_input_kwarg_layouts or None,
-            "use_local_output": style.use_local_output,
-        }
-    if isinstance(style, PrepareModuleOutput):
-        return {
-            "output_layouts": style.output_layouts,
-            "desired_output_layouts": style.desired_output_layouts,
-            "use_local_output": style.use_local_output,
-        }
-    if isinstance(style, PrepareModuleInputOutput):
-        inputs = _arguments(style.prepare_module_input)
-        inputs["use_local_input"] = inputs.pop("use_local_output")
-        return {**inputs, **_arguments(style.prepare_module_output)}
-    raise TypeError(f"no plain-data form for {type(style).__name__}")
 
 
 def _minimal_arguments(style: ParallelStyle) -> dict[str, Any]:
@@ -382,10 +262,12 @@ def style_to_data(style: object, key: str | None = None) -> str | dict[str, Any]
     name = name_of(style)
     if name is not None:
         return name
-    if type(style).__name__ not in _CLASSES or _CLASSES[type(style).__name__] is not type(style):
+    if not isinstance(style, ParallelStyle) or STYLE_REGISTRY.cls(type(style).__name__) is not type(
+        style
+    ):
         raise TypeError(
-            f"{_where(key)}{short_repr(style)} has no plain-data form: only torch_tp's "
-            f"built-in styles ({', '.join(_CLASSES)}) can be written as data"
+            f"{_where(key)}{short_repr(style)} has no plain-data form: only registered styles "
+            f"(those declaring a contract: {_class_names()}) can be written as data"
         )
     arguments = {k: _encode(k, v) for k, v in _minimal_arguments(style).items()}
     return {"style": type(style).__name__, **arguments}
@@ -427,13 +309,12 @@ def style_from_data(value: str | Mapping[str, Any], key: str | None = None) -> P
     if not isinstance(name, str):
         raise TypeError(
             f"{where}expected {_PLAN_VALUE}, found a 'style' entry that is a "
-            f"{type(name).__name__}, {short_repr(name)}; the classes are "
-            f"{', '.join(_CLASSES)}"
+            f"{type(name).__name__}, {short_repr(name)}; the classes are {_class_names()}"
         )
-    cls = _CLASSES.get(name)
+    cls = STYLE_REGISTRY.cls(name)
     if cls is None:
         raise ValueError(
-            f"{where}unknown style class {short_repr(name)}; expected one of {', '.join(_CLASSES)}"
+            f"{where}unknown style class {short_repr(name)}; expected one of {_class_names()}"
         )
     for argument in arguments:
         if not isinstance(argument, str):
@@ -447,6 +328,10 @@ def style_from_data(value: str | Mapping[str, Any], key: str | None = None) -> P
         raise type(err)(
             f"{where}cannot build {cls.__name__} from {short_repr(value)}: {err}"
         ) from err
+
+
+def _class_names() -> str:
+    return ", ".join(cls.__name__ for cls in STYLE_REGISTRY.classes())
 
 
 def describe(style: object) -> str:

@@ -23,11 +23,7 @@ from torch_tp import _names
 from torch_tp.style import (
     MODULE_PATH_ATTR,
     STYLE_REPR_LIMIT,
-    ColwiseParallel,
     ParallelStyle,
-    ReplicateParallel,
-    RowwiseParallel,
-    SequenceParallel,
     short_repr,
 )
 
@@ -259,19 +255,22 @@ def _attribute(parameter_path: str) -> str:
     return f"model.get_submodule({module!r}).{name}"  # e.g. "layers.0"
 
 
-# the built-in styles that replace their module's parameters by DTensors
-_PARAMETER_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, ReplicateParallel)
+def planned_placements(entry: PlanEntry) -> Mapping[str, Placement]:
+    """The placement ``entry``'s style gives each of its module's own parameters, as its
+    contract declares (empty: the style distributes none, or declares no contract)."""
+    contract = getattr(entry.style, "contract", None)
+    if contract is None:
+        return {}
+    try:
+        return contract.parameters(entry.style, entry.module) or {}
+    except (AttributeError, NotImplementedError):
+        return {}  # a module type the style refuses: its own validation says so
 
 
 def planned_placement(entry: PlanEntry, name: str) -> Placement | None:
     """The placement ``entry``'s style gives its module's parameter ``name`` (``None``: the
-    style leaves it alone, or is not a built-in parameter style)."""
-    if not isinstance(entry.style, _PARAMETER_STYLES):
-        return None
-    try:
-        return entry.style._parameter_placements(entry.module).get(name)
-    except (AttributeError, NotImplementedError):
-        return None  # a module type the style refuses: its own validation says so
+    style leaves it alone)."""
+    return planned_placements(entry).get(name)
 
 
 # a parameter a style would untie: its name, its placement under the style, and every other
@@ -299,10 +298,9 @@ def _untied_parameter(
     entry: PlanEntry, owners: dict[int, list[str]], by_path: Mapping[str, PlanEntry]
 ) -> _Untied | None:
     """The first parameter of ``entry``'s module that applying it would untie, if any."""
-    if not isinstance(entry.style, _PARAMETER_STYLES):
-        return None
+    placements = planned_placements(entry)
     for name, param in entry.module.named_parameters(recurse=False):
-        placement = planned_placement(entry, name)
+        placement = placements.get(name)
         if placement is None:
             continue
         others = [p for p in owners[id(param)] if p != _join(entry.path, name)]

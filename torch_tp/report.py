@@ -50,27 +50,15 @@ from torch.utils._pytree import tree_leaves
 
 from torch_tp import _names
 from torch_tp._layouts import normalize
+from torch_tp.contract import Boundary, Layout
 from torch_tp.plan import (
-    _PARAMETER_STYLES,
     PlanEntry,
     parameter_owners,
-    planned_placement,
+    planned_placements,
     resolve_plan,
     tied_parameters,
 )
-from torch_tp.style import (
-    AttentionHeads,
-    ColwiseParallel,
-    PackedColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    ReplicateParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    _uses_stock_forward,
-)
+from torch_tp.style import ParallelStyle
 
 __all__ = ["Collective", "ParameterGroup", "PlanReport", "Problem", "plan_report"]
 
@@ -442,14 +430,6 @@ _SPLITS = {
     torch.unbind,
     torch.Tensor.unbind,
 }
-_LOCAL_COMPUTE = _PARAMETER_STYLES
-_BUILT_IN = (
-    *_LOCAL_COMPUTE,
-    AttentionHeads,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    PrepareModuleInputOutput,
-)
 
 
 def _generalize(path: str) -> str:
@@ -581,66 +561,98 @@ class _Trace:
                 dedupe=f"even {what}",
             )
 
-    def enter_replicated(self, entry: PlanEntry, t: torch.Tensor, state: _State, layout):
-        """A column-parallel computation's whole input (``_layouts.enter_replicated``)."""
-        if isinstance(state, _Node):
-            if state.placement == Replicate():
-                # every reader of this DTensor shares one local view: their input gradients
-                # add up locally, and are reduced once, by this DTensor's backward
-                state.grads.append(Partial())
-            else:
-                self.node(Replicate(), t, entry.key, parent=state).grads.append(Partial())
-        elif isinstance(state, _Local):
-            layout = normalize(layout, t.ndim)
-            # a leaf is never shared (its graph cannot tell one step from the next)
-            if isinstance(layout, (Replicate, Shard)) and not (t.requires_grad and t.is_leaf):
-                if (id(t), layout) in self.entered:
-                    return
-                self.entered.add((id(t), layout))
-                self.alive.append(t)
-            self.emit(FORWARD, entry.key, self.move(layout, Replicate(), t))
-            if t.requires_grad:
-                # each rank's input gradient is a partial sum, summed back to the input layout
-                target = Replicate() if isinstance(layout, Partial) else layout
-                self.emit(BACKWARD, entry.key, self.move(Partial(), target, t))
+    def cross(
+        self,
+        entry: PlanEntry,
+        t: Any,
+        layout: Layout | None,
+        what: str,
+        computed: bool,
+        opaque: bool,
+    ) -> _State | None:
+        """``t`` crossing the boundary of ``entry``'s module as ``layout`` declares: the
+        collectives that issues, and the state of what the receiver gets (``None``: the
+        value is left alone).
 
-    def enter_sharded(self, entry: PlanEntry, t: torch.Tensor, state: _State, layout, want):
-        """A computation's input, sharded on ``want`` (row-parallel, sequence-parallel)."""
-        want = normalize(want, t.ndim)
-        if isinstance(state, _Node):
-            self.redistribute(state, want, t, entry.key).grads.append(want)
-        elif isinstance(state, _Local) and normalize(layout, t.ndim) != want:
-            self.node(want, t, entry.key, origin=layout).grads.append(want)
-
-    def leave(self, entry: PlanEntry, t: torch.Tensor, computed, layout, use_local: bool):
-        """A locally computed result laid out ``computed`` leaving as ``layout``."""
-        computed, layout = normalize(computed, t.ndim), normalize(layout, t.ndim)
-        if computed == layout and use_local:
-            self.set_state(t, _Local(_neg(layout, t.ndim), entry.key, t.ndim))
-            return
-        node = self.node(layout, t, entry.key, origin=computed)
-        if use_local:
-            node.grads.append(layout)
-            self.set_state(t, _Local(_neg(layout, t.ndim), entry.key, t.ndim))
-        else:
-            self.set_state(t, node)
-
-    def prepare(self, entry: PlanEntry, t: Any, layout, desired, use_local: bool, what: str):
-        """One value of ``PrepareModuleInput``/``Output``: annotate, redistribute, maybe
-        unwrap. Returns the new state (``None``: the value is left alone)."""
-        if layout is None or not isinstance(t, torch.Tensor):
+        ``computed``: ``t`` is an output of a module whose forward the trace does not follow
+        (its contract's ``local_forward``), laid out as ``layout.given`` says; otherwise the
+        state ``t`` arrives in is checked against it. ``opaque``: ``t`` is an input of such a
+        module, whose gradient it gives back as ``layout.grad`` says.
+        """
+        if layout is None or layout.given is None or not isinstance(t, torch.Tensor):
             return None
-        state = self.arrive(entry, t, layout, what)
+        ndim = t.ndim
+        given = normalize(layout.given, ndim)
+        target = given if layout.to is None else normalize(layout.to, ndim)
+        moved = target != given
+        if computed:
+            state: _State = _Local(_neg(given, ndim), entry.key, ndim)
+            if moved and layout.local:  # a reduce-scatter's local output, annotated downstream
+                self.check_even(entry, t, target, what)
+        else:
+            # a local tensor becomes a DTensor (even shards assumed) when it is moved or given
+            # to the module as a DTensor
+            annotated = moved or not layout.local
+            state = self.arrive(entry, t, layout.given, what, annotated=annotated)
+        grad = target if layout.grad is None else normalize(layout.grad, ndim)
         if isinstance(state, _Node):
-            new = self.redistribute(state, desired or state.placement, t, entry.key)
+            node = self.redistribute(
+                state, state.placement if layout.to is None else target, t, entry.key
+            )
         elif isinstance(state, _Local):
-            new = self.node(desired or layout, t, entry.key, origin=layout)
+            if layout.local and not moved and grad == target:
+                return _Local(_neg(target, ndim), entry.key, ndim)  # used as it is
+            if isinstance(grad, Partial) and isinstance(given, (Replicate, Shard)):
+                # read whole by a local computation: one entry per tensor for all its readers
+                # (_layouts._shared_entry); a leaf is never shared
+                if not (t.requires_grad and t.is_leaf):
+                    if (id(t), given) in self.entered:
+                        return _Local(_neg(target, ndim), entry.key, ndim)
+                    self.entered.add((id(t), given))
+                    self.alive.append(t)
+            node = self.node(target, t, entry.key, origin=given)
         else:
             return state
-        if use_local:
-            new.grads.append(new.placement)
-            return _Local(_neg(new.placement, t.ndim), entry.key, t.ndim)
-        return new
+        if not layout.local:
+            if opaque:  # nothing inside the module is followed: its gradient is as declared
+                node.grads.append(grad)
+            return node
+        node.grads.append(grad if node.placement == target else node.placement)
+        return _Local(_neg(node.placement, ndim), entry.key, ndim)
+
+    def boundary(
+        self, entry: PlanEntry, boundary: Boundary, values: tuple, kwargs: dict, side: str
+    ) -> list[tuple[Any, _State]]:
+        """Every value of one side of a module crossing it: ``(value, new state)`` pairs."""
+        inputs = side == "input"
+        if boundary.exact and len(values) != len(boundary.args):
+            self.problem(
+                "error",
+                entry.key,
+                f"the module {'is called with' if inputs else 'returns'} {len(values)} "
+                f"{'positional inputs' if inputs else 'outputs'}, but "
+                f"{_names.describe(entry.style)} lays out {len(boundary.args)}",
+            )
+        single = len(boundary.args) == 1 and not boundary.exact
+        crossing = [
+            (f"the {side}" if single else f"{side} {i}", value, layout)
+            for i, (value, layout) in enumerate(zip(values, boundary.args, strict=False))
+        ]
+        crossing += [
+            (f"keyword {side} {name!r}", value, boundary.kwargs.get(name))
+            for name, value in kwargs.items()
+        ]
+        opaque = self.local_forward(entry)
+        crossed = []
+        for what, value, layout in crossing:
+            new = self.cross(entry, value, layout, what, opaque and not inputs, opaque and inputs)
+            if new is not None:
+                crossed.append((value, new))
+        return crossed
+
+    def local_forward(self, entry: PlanEntry) -> bool:
+        contract = entry.style.contract
+        return contract is not None and bool(contract.local_forward(entry.style, entry.module))
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -649,158 +661,55 @@ class _Trace:
         if entry is None:
             return
         self.called.add(id(module))
-        style = entry.style
-        if isinstance(style, _LOCAL_COMPUTE):
-            self.local_depth += 1
-            if not args or not isinstance(args[0], torch.Tensor):
-                return
-            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not _uses_stock_forward(
-                module
-            ):
-                self.problem(
-                    "note",
-                    entry.key,
-                    f"{type(module).__name__} overrides forward, which then runs on DTensors: "
-                    "the collectives inside it are not predicted",
-                )
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if isinstance(style, ColwiseParallel) and x is not None:
-            layout = style.input_layouts[0]
-            self.enter_replicated(entry, x, self.arrive(entry, x, layout, "the input"), layout)
-        elif isinstance(style, RowwiseParallel) and x is not None:
-            layout = style.input_layouts[0]
-            # a local input already sharded on the last dim is used as it is, even if uneven
-            # the local shard it computes on: the last dim, split plainly or part by part
-            want = normalize(style._shard(x.ndim - 1), x.ndim)
-            used_as_is = normalize(layout, x.ndim) == want
-            state = self.arrive(entry, x, layout, "the input", annotated=not used_as_is)
-            if isinstance(module, nn.Embedding):
-                self.enter_replicated(entry, x, state, layout)
-            else:
-                self.enter_sharded(entry, x, state, layout, want)
-        elif isinstance(style, SequenceParallel) and x is not None:
-            layout = style.sequence_sharding[0]
-            state = self.arrive(entry, x, layout, "the input")
-            self.enter_sharded(entry, x, state, layout, layout)
-            for param in module.parameters(recurse=False):
-                if param.requires_grad:  # computed on a sequence shard: partial gradient
-                    self.partial_params[id(param)] = param
-        elif isinstance(style, ReplicateParallel) and style.sum_gradients:
-            for param in module.parameters(recurse=False):
-                if param.requires_grad:  # computed on this rank's share: partial gradient
-                    self.partial_params[id(param)] = param
-        elif isinstance(style, (PrepareModuleInput, PrepareModuleInputOutput)):
-            if isinstance(style, PrepareModuleInputOutput):
-                style = style.prepare_module_input
-            saved: list[tuple[torch.Tensor, _State | None]] = []
-            if style.input_layouts is not None and len(args) != len(style.input_layouts):
-                self.problem(
-                    "error",
-                    entry.key,
-                    f"the module is called with {len(args)} positional inputs, but "
-                    f"input_layouts has {len(style.input_layouts)} entries",
-                )
-            values = [
-                (f"input {i}", arg, layout, desired)
-                for i, (arg, layout, desired) in enumerate(
-                    zip(
-                        args,
-                        style.input_layouts or (),
-                        style.desired_input_layouts or (),
-                        strict=False,
-                    )
-                )
-            ]
-            if style.with_kwargs:
-                values += [
-                    (
-                        f"keyword input {name!r}",
-                        value,
-                        style.input_kwarg_layouts.get(name),
-                        style.desired_input_kwarg_layouts.get(name),
-                    )
-                    for name, value in kwargs.items()
-                ]
-            for what, value, layout, desired in values:
-                new = self.prepare(entry, value, layout, desired, style.use_local_output, what)
-                if new is not None:
-                    # the module sees the prepared value; its caller keeps the original
-                    saved.append((value, self.states.get(id(value))))
-                    self.set_state(value, new)
-            self.saved.append(saved)
-        elif not isinstance(style, _BUILT_IN):
+        style, contract = entry.style, entry.style.contract
+        saved: list[tuple[torch.Tensor, _State | None]] = []
+        self.saved.append(saved)
+        if contract is None:
             self.problem(
-                "note", entry.key, f"the collectives of {style!r} (a user style) are not predicted"
+                "note",
+                entry.key,
+                f"the collectives of {style!r} (a style that declares no contract) are not "
+                "predicted",
             )
+            return
+        if self.local_forward(entry):
+            self.local_depth += 1
+        caveat = contract.caveat(style, module)
+        if caveat:
+            self.problem("note", entry.key, caveat)
+        for name in contract.partial_gradients(style, module) or ():
+            param = getattr(module, name, None)
+            if isinstance(param, nn.Parameter) and param.requires_grad:
+                self.partial_params[id(param)] = param
+        boundary = contract.inputs(style, module)
+        if boundary is None:
+            return
+        for value, state in self.boundary(entry, boundary, args, kwargs, "input"):
+            # the module sees the value so laid out; its caller keeps the original
+            saved.append((value, self.states.get(id(value))))
+            self.set_state(value, state)
 
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         entry = self.entry_of.get(id(module))
         if entry is None:
             return
-        style = entry.style
-        if isinstance(style, _LOCAL_COMPUTE):
+        for value, state in reversed(self.saved.pop()):
+            self.set_state(value, state)
+        style, contract = entry.style, entry.style.contract
+        if contract is None:
+            return
+        computed = self.local_forward(entry)
+        if computed:
             self.local_depth -= 1
-            if not isinstance(output, torch.Tensor):
-                return
-        if isinstance(style, ColwiseParallel):
-            y = output
-            layout, computed = style.output_layouts[0], Shard(y.ndim - 1)
-            if isinstance(style, PackedColwiseParallel) and not isinstance(layout, Replicate):
-                # this rank's slice of every part, moved nowhere
-                computed = layout = normalize(style._shard(y.ndim - 1), y.ndim)
-            self.leave(entry, y, computed, layout, style.use_local_output)
-            state = self.states.get(id(y))
-            if isinstance(state, _Local) and state.layout == Shard(-1):
-                self.colwise_outputs[id(y)] = entry.key
-        elif isinstance(style, RowwiseParallel):
-            self.leave_partial(entry, module, output, style)
-        elif isinstance(style, SequenceParallel):
-            layout = style.sequence_sharding[0]
-            if style.use_local_output:
-                self.set_state(output, _Local(_neg(layout, output.ndim), entry.key, output.ndim))
-            else:
-                self.set_state(output, self.node(layout, output, entry.key, origin=layout))
-        if isinstance(style, (PrepareModuleInput, PrepareModuleInputOutput)):
-            for value, state in reversed(self.saved.pop()):
-                self.set_state(value, state)
-        if isinstance(style, (PrepareModuleOutput, PrepareModuleInputOutput)):
-            if isinstance(style, PrepareModuleInputOutput):
-                style = style.prepare_module_output
-            outputs = output if isinstance(output, tuple) else (output,)
-            if len(outputs) != len(style.output_layouts):
-                self.problem(
-                    "error",
-                    entry.key,
-                    f"the module returns {len(outputs)} outputs, but output_layouts has "
-                    f"{len(style.output_layouts)} entries",
-                )
-            for i, (value, layout, desired) in enumerate(
-                zip(outputs, style.output_layouts, style.desired_output_layouts, strict=False)
-            ):
-                new = self.prepare(
-                    entry, value, layout, desired, style.use_local_output, f"output {i}"
-                )
-                if new is not None:
-                    self.set_state(value, new)
-
-    def leave_partial(self, entry: PlanEntry, module: nn.Module, y, style: RowwiseParallel):
-        """A row-parallel result (a partial sum on every rank) reduced to its output layout."""
-        layout = normalize(style.output_layouts[0], y.ndim)
-        if style.use_local_output and isinstance(layout, Replicate):
-            self.emit(FORWARD, entry.key, self.move(Partial(), layout, y))
-            self.set_state(y, _Local(Replicate(), entry.key, y.ndim))
-        elif style.use_local_output and isinstance(layout, Shard):
-            self.check_even(entry, y, layout, "the output")
-            self.emit(FORWARD, entry.key, self.move(Partial(), layout, y))
-            if y.requires_grad:
-                self.emit(BACKWARD, entry.key, self.move(layout, Replicate(), y))
-            self.set_state(y, _Local(_neg(layout, y.ndim), entry.key, y.ndim))
-        else:
-            self.leave(entry, y, Partial(), layout, style.use_local_output)
-        bias = getattr(module, "bias", None)
-        if not isinstance(module, nn.Embedding) and bias is not None and bias.requires_grad:
-            if isinstance(layout, Shard):  # each rank's bias gradient covers its shard only
-                self.partial_params[id(bias)] = bias
+        boundary = contract.outputs(style, module)
+        if boundary is None:
+            return
+        outputs = output if isinstance(output, tuple) else (output,)
+        for value, state in self.boundary(entry, boundary, outputs, {}, "output"):
+            self.set_state(value, state)
+            if computed and isinstance(state, _Local) and state.layout == Shard(-1):
+                # a column-parallel output: a view of it as (..., heads, head_dim) is checked
+                self.colwise_outputs[id(value)] = entry.key
 
     # -- ops between the plan's modules ----------------------------------------------------
 
@@ -1153,10 +1062,11 @@ def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[i
 
 def _placements(entry: PlanEntry) -> dict[str, Placement]:
     """How the entry's style lays out its module's own parameters (none: left plain)."""
+    placements = planned_placements(entry)
     return {
-        name: placement
+        name: placements[name]
         for name, _ in entry.module.named_parameters(recurse=False)
-        if (placement := planned_placement(entry, name)) is not None
+        if name in placements
     }
 
 
@@ -1245,7 +1155,9 @@ def _divisibility(
 
 def _unsharded(model: nn.Module, entries: list[PlanEntry]) -> list[Problem]:
     sharded = {
-        id(e.module) for e in entries if isinstance(e.style, (ColwiseParallel, RowwiseParallel))
+        id(e.module)
+        for e in entries
+        if any(isinstance(p, (Shard, _StridedShard)) for p in _placements(e).values())
     }
     groups: dict[str, list[int]] = {}
     shapes: dict[str, str] = {}

@@ -14,12 +14,13 @@ parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import reprlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
+    Partial,
     Placement,
     Replicate,
     Shard,
@@ -35,21 +37,11 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_tp import _layouts
+from torch_tp.contract import STYLE_REGISTRY, Boundary, Layout, StyleContract, kind_name
 from torch_tp.random import sequence_parallel_dropout
 
-__all__ = [
-    "ParallelStyle",
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "PackedColwiseParallel",
-    "PackedRowwiseParallel",
-    "SequenceParallel",
-    "ReplicateParallel",
-    "AttentionHeads",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-]
+# ParallelStyle, then every style defined here (registered by the contract each declares)
+__all__ = ["ParallelStyle"]
 
 
 class ParallelStyle(ABC):
@@ -61,6 +53,13 @@ class ParallelStyle(ABC):
     ``(module, style)`` pair of a plan before the first :meth:`_apply`, so that a bad plan
     fails before anything changes.
 
+    What :meth:`_apply` does is declared once, as data, in the class attribute ``contract``
+    (a :class:`~torch_tp.contract.StyleContract`): the module kinds the style accepts, each
+    parameter's placement, the layouts of the inputs and outputs, the partial gradients, the
+    constructor arguments and the plan names. ``repr``, ``==``, the plain-data form of plans,
+    the tied-weight and chaining checks and the dry-run report read it. A class that
+    declares a contract is registered under its name and plan names when it is defined.
+
     Styles are plain values: they compare equal when their arguments are equal and print as
     the call that builds them.
 
@@ -68,21 +67,45 @@ class ParallelStyle(ABC):
         src_data_rank (int, optional): the rank whose values are scattered or broadcast when
             parameters are distributed; ``None`` means each rank keeps its local values.
             :func:`parallelize_module` sets it from its own ``src_data_rank`` argument.
+        contract (StyleContract, optional): the style's declaration; ``None`` (a style that
+            declares nothing): the report says it cannot predict it, and the style has no
+            plain-data form.
     """
 
     src_data_rank: int | None = 0
+    contract: ClassVar[StyleContract | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("contract") is not None:
+            STYLE_REGISTRY.register(cls)
 
     @abstractmethod
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         """Parallelize ``module`` in place on ``device_mesh`` and return it."""
 
-    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:  # noqa: B027
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         """Raise if this style cannot be applied to ``module``; never modify anything.
 
         Raise ``NotImplementedError`` for an unsupported module type and ``ValueError`` or
         ``TypeError`` for anything else. :func:`parallelize_module` adds the module's path
-        and the style to the message. The default accepts every module.
+        and the style to the message. The default checks the module kinds the contract
+        lists.
         """
+        self._check_kind(module)
+
+    def _check_kind(self, module: nn.Module) -> None:
+        """Raise ``NotImplementedError`` unless the contract accepts ``module``'s kind."""
+        contract = self.contract
+        if contract is not None and not contract.accepts(module):
+            raise NotImplementedError(
+                f"{type(self).__name__} supports {contract.describe_modules()} (and their "
+                f"subclasses), found {kind_name(type(module))}"
+            )
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{name}={value!r}" for name, value in _arguments(self).items())
+        return f"{type(self).__name__}({args})"
 
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
@@ -90,6 +113,12 @@ class ParallelStyle(ABC):
         return _arguments(self) == _arguments(other)
 
     __hash__ = None  # type: ignore[assignment]  # styles are mutable (src_data_rank)
+
+
+def _arguments(style: ParallelStyle) -> dict[str, Any]:
+    """The constructor arguments of ``style``, as its contract reads them."""
+    contract = style.contract or StyleContract()
+    return contract.arguments(style)
 
 
 # parallelize_module records on each module the path it was reached by, for runtime errors
@@ -196,15 +225,6 @@ def _check_placement(layout: object, what: str) -> None:
             f"{what}: the split_factor of {layout!r} must be a positive int, found "
             f"{layout.split_factor}"
         )
-
-
-def _arguments(style: ParallelStyle) -> dict[str, Any]:
-    return {k: v for k, v in vars(style).items() if k != "src_data_rank"}
-
-
-def _repr(style: ParallelStyle, **arguments: Any) -> str:
-    args = ", ".join(f"{name}={value!r}" for name, value in arguments.items())
-    return f"{type(style).__name__}({args})"
 
 
 def _as_tuple(layouts: Placement | tuple[Placement | None, ...] | None, what: str):
@@ -335,6 +355,15 @@ def _project(
     return y.view(*x.shape[:-1], weight.shape[-1])
 
 
+def _own_forward_caveat(module: nn.Module) -> str | None:
+    if _uses_stock_forward(module):
+        return None
+    return (
+        f"{type(module).__name__} overrides forward, which then runs on DTensors: the "
+        "collectives inside it are not predicted"
+    )
+
+
 def _uses_stock_forward(module: nn.Module) -> bool:
     """True when ``module`` runs the forward of torch's Linear/Embedding, unchanged.
 
@@ -365,20 +394,12 @@ class _ShardLinearEmbedding(ParallelStyle):
         self.output_layouts = _single(output_layouts, self._default_output, "output_layouts")
         self.use_local_output = _check_flag(use_local_output, "use_local_output")
 
-    def __repr__(self) -> str:
-        return _repr(
-            self,
-            input_layouts=self.input_layouts[0],
-            output_layouts=self.output_layouts[0],
-            use_local_output=self.use_local_output,
-        )
-
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_kind(module)
         if not isinstance(module, (nn.Linear, nn.Embedding)) and _conv1d_base(module) is None:
             raise NotImplementedError(
-                f"{type(self).__name__} supports nn.Linear, nn.Embedding and transformers' "
-                "Conv1D (and their subclasses), found "
-                f"{type(module).__module__}.{type(module).__qualname__}"
+                f"{type(self).__name__}: {type(module).__qualname__} is named Conv1D but is "
+                "not transformers' Conv1D (a 2-D weight of shape (nx, nf))"
             )
         _check_not_distributed(module)
         _check_parameter_placements(module, self._parameter_placements(module))
@@ -462,6 +483,32 @@ class ColwiseParallel(_ShardLinearEmbedding):
 
     _default_input = Replicate()
     _default_output = Shard(-1)
+
+    contract = StyleContract(
+        names={
+            # replicated input, output sharded on the last dim (an MLP's or attention's first half)
+            "colwise": {},
+            # the output all-gathered (an lm_head returning whole logits)
+            "colwise_gather_output": {"output_layouts": Replicate()},
+            "colwise_rep": {"output_layouts": Replicate()},
+            # on an nn.Embedding: weight sharded on the embedding dim, output gathered
+            "embedding_colwise": {"output_layouts": Replicate()},
+        },
+        arguments=lambda s: {
+            "input_layouts": s.input_layouts[0],
+            "output_layouts": s.output_layouts[0],
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, nn.Embedding, "Conv1D"),
+        parameters=lambda s, m: s._parameter_placements(m),
+        # every rank computes with the whole input: its input gradients are partial sums
+        inputs=lambda s, m: Boundary((Layout(s.input_layouts[0], Replicate(), grad=Partial()),)),
+        outputs=lambda s, m: Boundary(
+            (Layout(s._shard(-1), s.output_layouts[0], s.use_local_output),)
+        ),
+        local_forward=lambda s, m: True,
+        caveat=lambda s, m: _own_forward_caveat(m),
+    )
 
     def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
         if isinstance(module, nn.Embedding):
@@ -550,6 +597,38 @@ class RowwiseParallel(_ShardLinearEmbedding):
     _default_input = Shard(-1)
     _default_output = Replicate()
 
+    contract = StyleContract(
+        names={
+            # input sharded on the last dim, partial sums all-reduced to a replicated output
+            "rowwise": {},
+            # a replicated input, of which each rank uses its slice
+            "rowwise_split_input": {"input_layouts": Replicate()},
+            "rowwise_rep": {"input_layouts": Replicate()},
+            # on an nn.Embedding: vocabulary-parallel lookup of replicated ids, output all-reduced
+            "embedding_rowwise": {"input_layouts": Replicate()},
+        },
+        arguments=lambda s: {
+            "input_layouts": s.input_layouts[0],
+            "output_layouts": s.output_layouts[0],
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, nn.Embedding, "Conv1D"),
+        parameters=lambda s, m: s._parameter_placements(m),
+        partial_gradients=lambda s, m: s._partial_gradients(m),
+        # a Linear computes with its slice of the input features; an Embedding looks up
+        # every id (ids carry no gradient)
+        inputs=lambda s, m: Boundary(
+            (Layout(s.input_layouts[0], Replicate(), grad=Partial()),)
+            if isinstance(m, nn.Embedding)
+            else (Layout(s.input_layouts[0], s._shard(-1)),)
+        ),
+        outputs=lambda s, m: Boundary(
+            (Layout(Partial(), s.output_layouts[0], s.use_local_output),)
+        ),
+        local_forward=lambda s, m: True,
+        caveat=lambda s, m: _own_forward_caveat(m),
+    )
+
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
         if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
@@ -574,6 +653,12 @@ class RowwiseParallel(_ShardLinearEmbedding):
 
     def _desired_input(self, module: nn.Module) -> Placement:
         return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+
+    def _partial_gradients(self, module: nn.Module) -> tuple[str, ...]:
+        # the bias is added to a sharded output: each rank's gradient covers its shard only
+        sharded = isinstance(self.output_layouts[0], Shard)
+        biased = not isinstance(module, nn.Embedding) and getattr(module, "bias", None) is not None
+        return ("bias",) if sharded and biased else ()
 
     def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
         layout, x = self.input_layouts[0], input
@@ -677,11 +762,7 @@ class _Packed:
         return _StridedShard(dim, split_factor=self.parts)
 
     def _check_module(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Embedding):
-            raise NotImplementedError(
-                f"{type(self).__name__} supports nn.Linear and transformers' Conv1D, found "
-                "nn.Embedding"
-            )
+        self._check_kind(module)
         # a module with its own forward would run on DTensors, which have no rule for a
         # strided-shard weight in a matmul
         if (isinstance(module, nn.Linear) or _conv1d_base(module)) and not _uses_stock_forward(
@@ -740,6 +821,21 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
         ... }
     """
 
+    contract = dataclasses.replace(
+        ColwiseParallel.contract,
+        # a fused projection packing two parts along its outputs (gate_up_proj)
+        names={"packed_colwise": {"parts": 2}},
+        arguments=lambda s: {
+            "parts": s.parts,
+            "input_layouts": s.input_layouts[0],
+            "output_layouts": s.output_layouts[0]
+            if isinstance(s.output_layouts[0], Replicate)
+            else None,
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, "Conv1D"),
+    )
+
     def __init__(
         self,
         parts: int = 2,
@@ -758,16 +854,6 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
             input_layouts=input_layouts,
             output_layouts=output_layouts or _StridedShard(-1, split_factor=self.parts),
             use_local_output=use_local_output,
-        )
-
-    def __repr__(self) -> str:
-        output = self.output_layouts[0]
-        return _repr(
-            self,
-            parts=self.parts,
-            input_layouts=self.input_layouts[0],
-            output_layouts=output if isinstance(output, Replicate) else None,
-            use_local_output=self.use_local_output,
         )
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
@@ -805,6 +891,18 @@ class PackedRowwiseParallel(_Packed, RowwiseParallel):
             :class:`DTensor`. Default: ``True``.
     """
 
+    contract = dataclasses.replace(
+        RowwiseParallel.contract,
+        # the row-parallel partner of packed_colwise, its input features packed the same way
+        names={"packed_rowwise": {"parts": 2}},
+        arguments=lambda s: {
+            "parts": s.parts,
+            "output_layouts": s.output_layouts[0],
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, "Conv1D"),
+    )
+
     def __init__(
         self,
         parts: int = 2,
@@ -816,14 +914,6 @@ class PackedRowwiseParallel(_Packed, RowwiseParallel):
         super().__init__(output_layouts=output_layouts, use_local_output=use_local_output)
         # the input is this rank's slice of every part, as a packed column-parallel gives it
         self.input_layouts = (_StridedShard(-1, split_factor=self.parts),)
-
-    def __repr__(self) -> str:
-        return _repr(
-            self,
-            parts=self.parts,
-            output_layouts=self.output_layouts[0],
-            use_local_output=self.use_local_output,
-        )
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         self._check_module(module)
@@ -853,10 +943,6 @@ def _check_not_distributed(module: nn.Module) -> None:
                 f"parameter {name!r} is already a DTensor with placements "
                 f"{param.placements}: the module was parallelized before"
             )
-
-
-_SEQUENCE_PARALLEL_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.Dropout)
-_NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
 
 
 class _ReplicatedParameters(ParallelStyle):
@@ -911,28 +997,37 @@ class SequenceParallel(_ReplicatedParameters):
         >>> sharded_mod = parallelize_module(m, tp_mesh, {"norm": SequenceParallel()})
     """
 
+    contract = StyleContract(
+        # a norm or dropout on a sequence shard (dim 1), handing on a local tensor
+        names={"sequence_parallel": {"use_local_output": True}},
+        arguments=lambda s: {
+            "sequence_dim": s.sequence_sharding[0].dim,
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.LayerNorm, nn.RMSNorm, nn.Dropout, "*RMSNorm", "*LayerNorm"),
+        parameters=lambda s, m: s._parameter_placements(m),
+        # computed on a sequence shard: each rank's gradient covers its positions only
+        partial_gradients=lambda s, m: tuple(n for n, _ in m.named_parameters(recurse=False)),
+        inputs=lambda s, m: Boundary((Layout(s.sequence_sharding[0], s.sequence_sharding[0]),)),
+        outputs=lambda s, m: Boundary(
+            (Layout(s.sequence_sharding[0], s.sequence_sharding[0], s.use_local_output),)
+        ),
+        local_forward=lambda s, m: True,
+    )
+
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         super().__init__()
         self.sequence_sharding = (Shard(_check_int(sequence_dim, "sequence_dim")),)
         self.use_local_output = _check_flag(use_local_output, "use_local_output")
 
-    def __repr__(self) -> str:
-        return _repr(
-            self,
-            sequence_dim=self.sequence_sharding[0].dim,
-            use_local_output=self.use_local_output,
-        )
-
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        supported = isinstance(module, _SEQUENCE_PARALLEL_TYPES) or (
-            type(module).__name__.endswith(_NORM_SUFFIXES)
-            and all(p.ndim == 1 for p in module.parameters(recurse=False))
-        )
-        if not supported:
+        self._check_kind(module)
+        stock = isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.Dropout))
+        if not stock and any(p.ndim != 1 for p in module.parameters(recurse=False)):
             raise NotImplementedError(
-                "SequenceParallel supports nn.LayerNorm, nn.RMSNorm, nn.Dropout and "
-                "hand-written norms named *RMSNorm or *LayerNorm with 1-D parameters, found "
-                f"{type(module).__module__}.{type(module).__qualname__}"
+                f"SequenceParallel supports hand-written norms ({type(module).__qualname__}) "
+                "whose parameters are per-feature scales and shifts (1-D), found "
+                f"{[tuple(p.shape) for p in module.parameters(recurse=False)]}"
             )
         _check_not_distributed(module)
 
@@ -1000,14 +1095,27 @@ class ReplicateParallel(_ReplicatedParameters):
         >>> plan = {"layers.*.self_attn.q_norm": ReplicateParallel(sum_gradients=True)}
     """
 
+    contract = StyleContract(
+        names={
+            # every rank keeps the whole module; parameters are replicated DTensors
+            "replicate": {},
+            # a module that sees this rank's share of the activation (per-head q_norm/k_norm)
+            "replicated_with_grad_allreduce": {"sum_gradients": True},
+        },
+        arguments=lambda s: {"sum_gradients": s.sum_gradients},
+        parameters=lambda s, m: s._parameter_placements(m),
+        partial_gradients=lambda s, m: (
+            tuple(n for n, _ in m.named_parameters(recurse=False)) if s.sum_gradients else ()
+        ),
+        local_forward=lambda s, m: True,
+    )
+
     def __init__(self, *, sum_gradients: bool = False) -> None:
         super().__init__()
         self.sum_gradients = _check_flag(sum_gradients, "sum_gradients")
 
-    def __repr__(self) -> str:
-        return _repr(self, sum_gradients=self.sum_gradients)
-
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
         nested = [
             name for name, child in module.named_children() if any(True for _ in child.parameters())
         ]
@@ -1056,6 +1164,14 @@ class AttentionHeads(ParallelStyle):
         ... }
     """
 
+    contract = StyleContract(
+        arguments=lambda s: {
+            "num_heads": s.num_heads,
+            "num_kv_heads": s.num_kv_heads,
+            "divide": s.divide,
+        },
+    )
+
     def __init__(
         self,
         num_heads: int | str,
@@ -1096,11 +1212,6 @@ class AttentionHeads(ParallelStyle):
         self.num_kv_heads = num_kv_heads
         self.divide = tuple(divide)
 
-    def __repr__(self) -> str:
-        return _repr(
-            self, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, divide=self.divide
-        )
-
     def _count(self, module: nn.Module, value: int | str | None) -> int | None:
         if value is None or isinstance(value, int):
             return value
@@ -1116,6 +1227,7 @@ class AttentionHeads(ParallelStyle):
         return found
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
         n = device_mesh.size()
         heads = self._count(module, self.num_heads)
         kv_heads = self._count(module, self.num_kv_heads)
@@ -1238,6 +1350,17 @@ class PrepareModuleInput(ParallelStyle):
         ... )
     """
 
+    contract = StyleContract(
+        arguments=lambda s: {
+            "input_layouts": s.input_layouts,
+            "desired_input_layouts": s.desired_input_layouts,
+            "input_kwarg_layouts": s.input_kwarg_layouts if s.with_kwargs else None,
+            "desired_input_kwarg_layouts": s.desired_input_kwarg_layouts or None,
+            "use_local_output": s.use_local_output,
+        },
+        inputs=lambda s, m: s._boundary(),
+    )
+
     def __init__(
         self,
         *,
@@ -1271,15 +1394,19 @@ class PrepareModuleInput(ParallelStyle):
                 "input_kwarg_layouts and desired_input_kwarg_layouts should have same length!"
             )
 
-    def __repr__(self) -> str:
-        return _repr(
-            self,
-            input_layouts=self.input_layouts,
-            desired_input_layouts=self.desired_input_layouts,
-            input_kwarg_layouts=self.input_kwarg_layouts if self.with_kwargs else None,
-            desired_input_kwarg_layouts=self.desired_input_kwarg_layouts or None,
-            use_local_output=self.use_local_output,
+    def _boundary(self) -> Boundary:
+        local = self.use_local_output
+        args = tuple(
+            None if layout is None else Layout(layout, desired, local)
+            for layout, desired in zip(
+                self.input_layouts or (), self.desired_input_layouts or (), strict=True
+            )
         )
+        kwargs = {
+            name: Layout(layout, self.desired_input_kwarg_layouts.get(name), local)
+            for name, layout in self.input_kwarg_layouts.items()
+        }
+        return Boundary(args, kwargs, exact=self.input_layouts is not None)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.with_kwargs:
@@ -1376,6 +1503,23 @@ class PrepareModuleOutput(ParallelStyle):
         ... )
     """
 
+    contract = StyleContract(
+        # the module's output is a partial sum: all-reduce it, hand on a local tensor
+        names={"all_reduce": {"output_layouts": Partial(), "desired_output_layouts": Replicate()}},
+        arguments=lambda s: {
+            "output_layouts": s.output_layouts,
+            "desired_output_layouts": s.desired_output_layouts,
+            "use_local_output": s.use_local_output,
+        },
+        outputs=lambda s, m: Boundary(
+            tuple(
+                None if layout is None else Layout(layout, desired, s.use_local_output)
+                for layout, desired in zip(s.output_layouts, s.desired_output_layouts, strict=True)
+            ),
+            exact=True,
+        ),
+    )
+
     def __init__(
         self,
         *,
@@ -1393,14 +1537,6 @@ class PrepareModuleOutput(ParallelStyle):
                 "output_layouts and desired_output_layouts should have same length! found "
                 f"{len(self.output_layouts)} and {len(self.desired_output_layouts)}"
             )
-
-    def __repr__(self) -> str:
-        return _repr(
-            self,
-            output_layouts=self.output_layouts,
-            desired_output_layouts=self.desired_output_layouts,
-            use_local_output=self.use_local_output,
-        )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_hook(functools.partial(self._prepare_hook, device_mesh))
@@ -1475,6 +1611,18 @@ class PrepareModuleInputOutput(ParallelStyle):
         ... )
     """
 
+    contract = StyleContract(
+        arguments=lambda s: {
+            **{
+                ("use_local_input" if k == "use_local_output" else k): v
+                for k, v in _arguments(s.prepare_module_input).items()
+            },
+            **_arguments(s.prepare_module_output),
+        },
+        inputs=lambda s, m: s.prepare_module_input._boundary(),
+        outputs=lambda s, m: PrepareModuleOutput.contract.outputs(s.prepare_module_output, m),
+    )
+
     def __init__(
         self,
         *,
@@ -1501,21 +1649,10 @@ class PrepareModuleInputOutput(ParallelStyle):
             use_local_output=use_local_output,
         )
 
-    def __repr__(self) -> str:
-        inp, out = self.prepare_module_input, self.prepare_module_output
-        return _repr(
-            self,
-            input_layouts=inp.input_layouts,
-            desired_input_layouts=inp.desired_input_layouts,
-            input_kwarg_layouts=inp.input_kwarg_layouts if inp.with_kwargs else None,
-            desired_input_kwarg_layouts=inp.desired_input_kwarg_layouts or None,
-            use_local_input=inp.use_local_output,
-            output_layouts=out.output_layouts,
-            desired_output_layouts=out.desired_output_layouts,
-            use_local_output=out.use_local_output,
-        )
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.prepare_module_input._apply(module, device_mesh)
         self.prepare_module_output._apply(module, device_mesh)
         return module
+
+
+__all__ += [cls.__name__ for cls in STYLE_REGISTRY.classes() if cls.__module__ == __name__]

@@ -1,0 +1,189 @@
+"""Style contracts (``torch_tp.contract``): one declaration per style, read by everything
+that reasons about a plan without running it.
+
+A user-defined style that declares a contract gets a plan name, ``repr`` and ``==``, a
+plain-data form and a place in the dry-run report; the report's predictions for such a style
+are checked against a measured run in ``test_report.py`` (the ``net_user_style`` case).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import tp_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from torch_tp import ColwiseParallel, ParallelStyle, RowwiseParallel, StyleContract
+from torch_tp.contract import STYLE_REGISTRY, Boundary, Layout
+from torch_tp.plan import from_dict, to_dict
+from torch_tp.report import plan_report
+from torch_tp.testing import check_parity, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class GatheredLinear(ParallelStyle):
+    """A user style in plain DTensor: a column-parallel ``nn.Linear`` whose output is gathered.
+
+    Keyword Args:
+        use_local_output (bool): hand on a local tensor rather than a replicated DTensor.
+    """
+
+    contract = StyleContract(
+        names={"test_gathered_linear": {}},
+        arguments=lambda s: {"use_local_output": s.use_local_output},
+        modules=(nn.Linear,),
+        parameters=lambda s, m: {"weight": Shard(0), "bias": Shard(0)},
+        inputs=lambda s, m: Boundary(
+            (Layout(Replicate(), Replicate(), local=False, grad=Partial()),)
+        ),
+        outputs=lambda s, m: Boundary((Layout(Shard(-1), Replicate(), s.use_local_output),)),
+        local_forward=lambda s, m: True,
+    )
+
+    def __init__(self, *, use_local_output: bool = True) -> None:
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded))
+        module.register_forward_pre_hook(
+            lambda m, args: (DTensor.from_local(args[0], device_mesh, [Replicate()]), *args[1:])
+        )
+        module.register_forward_hook(lambda m, args, out: self._leave(out, device_mesh))
+        return module
+
+    def _leave(self, output: DTensor, mesh) -> torch.Tensor | DTensor:
+        output = output.redistribute(mesh, [Replicate()])
+        return output.to_local() if self.use_local_output else output
+
+
+def test_user_style_round_trips_through_plain_data_under_its_name():
+    plan = {"up": GatheredLinear(), "down": GatheredLinear(use_local_output=False)}
+    data = to_dict(plan)
+    assert data == {
+        "up": "test_gathered_linear",
+        "down": {"style": "GatheredLinear", "use_local_output": False},
+    }
+    assert from_dict(data) == plan
+    assert from_dict({"x": "test_gathered_linear"}) == {"x": GatheredLinear()}
+
+
+def test_repr_and_eq_read_the_contract():
+    assert repr(GatheredLinear(use_local_output=False)) == "GatheredLinear(use_local_output=False)"
+    assert GatheredLinear() == GatheredLinear(use_local_output=True)
+    assert GatheredLinear() != GatheredLinear(use_local_output=False)
+    assert repr(RowwiseParallel(output_layouts=Shard(1))) == (
+        "RowwiseParallel(input_layouts=Shard(dim=-1), output_layouts=Shard(dim=1), "
+        "use_local_output=True)"
+    )
+
+
+def test_the_contract_says_which_modules_a_style_accepts():
+    style = GatheredLinear()
+    with pytest.raises(
+        NotImplementedError, match=r"GatheredLinear supports nn\.Linear .*Embedding"
+    ):
+        style._validate(nn.Embedding(4, 4), None)
+    style._validate(nn.Linear(4, 4), None)  # accepted
+    # class-name patterns: transformers' Conv1D, hand-written norms
+    assert ColwiseParallel.contract.accepts(type("Conv1D", (nn.Module,), {})())
+    norm = type("MyRMSNorm", (nn.Module,), {})()
+    assert torch_tp_style("SequenceParallel").contract.accepts(norm)
+    assert not torch_tp_style("SequenceParallel").contract.accepts(nn.Linear(2, 2))
+
+
+def torch_tp_style(name: str) -> type[ParallelStyle]:
+    cls = STYLE_REGISTRY.cls(name)
+    assert cls is not None
+    return cls
+
+
+def test_registry_refuses_a_name_that_stands_for_another_style():
+    with pytest.raises(ValueError, match="'colwise' already stands for ColwiseParallel"):
+
+        class _Thief(ParallelStyle):
+            contract = StyleContract(names={"colwise": {}})
+
+            def _apply(self, module, device_mesh):
+                return module
+
+    with pytest.raises(ValueError, match="a style class named 'ColwiseParallel' is registered"):
+        type(
+            "ColwiseParallel",
+            (ParallelStyle,),
+            {"contract": StyleContract(), "_apply": lambda self, m, d: m},
+        )
+    with pytest.raises(TypeError, match="must be a torch_tp.contract.StyleContract"):
+
+        class _Wrong(ParallelStyle):
+            contract = {"names": ["x"]}  # type: ignore[assignment]
+
+            def _apply(self, module, device_mesh):
+                return module
+
+    assert STYLE_REGISTRY.style("colwise") == ColwiseParallel()
+
+
+def test_user_style_in_the_report():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    report = plan_report(
+        model,
+        {"0": "test_gathered_linear", "2": RowwiseParallel(input_layouts=Replicate())},
+        2,
+        batch_size=2,
+        seq_len=4,
+        example_inputs=torch.empty(2, 4, 8, device="meta", requires_grad=True),
+    )
+    assert not report.errors
+    assert report.counts("forward") == {"all_gather_into_tensor": 1, "all_reduce": 1}
+    # the gradient of the slice the row-parallel layer takes of its replicated input is
+    # gathered; the first layer's input gradient (partial sums) is all-reduced
+    assert report.counts("backward") == {"all_gather_into_tensor": 1, "all_reduce": 1}
+    sharded = {g.name: g.placement for g in report.parameters}
+    assert sharded["0.weight"] == "Shard(0)" and sharded["2.weight"] == "Shard(1)"
+
+
+def _user_style_parity() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    plan = {"0": "test_gathered_linear", "2": "rowwise_split_input"}
+    check_parity(model, tp_mesh(), plan, (torch.randn(2, 4, 8, requires_grad=True),))
+
+
+def test_user_style_parity():
+    run_distributed(_user_style_parity, 2)
+
+
+# the modules that read contracts instead of style classes
+_READERS = ("torch_tp/report.py", "torch_tp/plan.py", "torch_tp/_names.py")
+
+
+@pytest.mark.parametrize("path", _READERS)
+def test_no_reader_names_a_concrete_style_class(path):
+    """The report, the plan checks and the plain-data form dispatch on contracts only."""
+    builtin = {
+        cls.__name__ for cls in STYLE_REGISTRY.classes() if cls.__module__ == "torch_tp.style"
+    }
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    named = sorted(
+        {
+            f"{node.id} (line {node.lineno})"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and node.id in builtin
+        }
+        | {
+            f"import of {alias.name} (line {node.lineno})"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+            if alias.name in builtin
+        }
+    )
+    assert not named, f"{path} names built-in style classes: {named}"
