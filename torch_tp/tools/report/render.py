@@ -1,0 +1,271 @@
+"""The dry-run report's result: what it holds, and how it prints (:class:`PlanReport`)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Collective", "ParameterGroup", "PlanEntryRow", "PlanReport", "Problem"]
+
+FORWARD, BACKWARD = "forward", "backward"
+# where the end-of-backward reduction of partial parameter gradients is reported
+REPLICATED_PARAMETERS = "(replicated parameters)"
+_SEVERITIES = ("error", "warning", "note")
+
+
+# ------------------------------------------------------------------------------------------
+# What the report holds
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParameterGroup:
+    """Parameters with one name pattern, placement and shape (the layers of a wildcard key).
+
+    Attributes:
+        name: the plan key (or the module path, with layer numbers as ``*``) and the
+            parameter name, e.g. ``"layers.*.attention.wq.weight"``.
+        count: how many parameters the group holds.
+        placement: ``"Shard(0)"``, ``"Replicate()"`` (a DTensor), or ``None`` for a parameter
+            no style touches (a plain tensor, whole on every rank).
+        global_shape: the shape of one parameter.
+        local_shape: the shape of its largest shard (``torch.chunk`` convention).
+        itemsize: bytes per element.
+    """
+
+    name: str
+    count: int
+    placement: str | None
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def global_bytes(self) -> int:
+        """Bytes of the whole group, unsharded."""
+        return self.count * math.prod(self.global_shape) * self.itemsize
+
+    @property
+    def local_bytes(self) -> int:
+        """Bytes of the whole group on the rank with the largest shards."""
+        return self.count * math.prod(self.local_shape) * self.itemsize
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Collectives of one kind, issued ``count`` times per step at one plan key.
+
+    Attributes:
+        phase: ``"forward"`` or ``"backward"``.
+        kind: the functional collective, as :class:`~torch.distributed.tensor.debug.CommDebugMode`
+            names it: ``"all_reduce"``, ``"all_gather_into_tensor"``,
+            ``"reduce_scatter_tensor"``, or ``"shard_dim_alltoall"`` (a shard moved to another
+            dimension; on CPU, DTensor does that with ``"all_gather_into_tensor"``).
+        where: the plan key whose style issues it, or ``"(replicated parameters)"`` for the
+            one coalesced all-reduce of partial parameter gradients.
+        count: how many per step.
+        bytes: the size of one: the whole tensor reduced or gathered (an all-gather's output,
+            a reduce-scatter's input), with DTensor's padding of uneven shards.
+    """
+
+    phase: str
+    kind: str
+    where: str
+    count: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something in the plan that fails, is wasteful, or could not be predicted.
+
+    Attributes:
+        severity: ``"error"`` (the plan fails or computes something else), ``"warning"``
+            (it works, unevenly) or ``"note"``.
+        where: the plan key or module path.
+        message: what is wrong and how to fix it.
+    """
+
+    severity: str
+    where: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PlanEntryRow:
+    """One key of the plan: its style (name or short form) and how many modules it matched."""
+
+    key: str
+    style: str
+    modules: int
+
+
+@dataclass
+class PlanReport:
+    """The result of :func:`plan_report`; ``str(report)`` is a table.
+
+    Attributes:
+        model: the model's class name.
+        num_parameters: the number of parameters of the model.
+        tp_degree: the TP degree.
+        batch_size: the batch size the collectives are sized for.
+        seq_len: the sequence length the collectives are sized for.
+        dtype: the parameters' floating-point dtype.
+        plan: the plan's keys, styles and matched module counts.
+        parameters: the parameters, grouped.
+        collectives: the collectives of one step, grouped.
+        problems: the problems found, errors first.
+    """
+
+    model: str
+    num_parameters: int
+    tp_degree: int
+    batch_size: int
+    seq_len: int
+    dtype: torch.dtype
+    plan: list[PlanEntryRow]
+    parameters: list[ParameterGroup]
+    collectives: list[Collective]
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def per_rank_bytes(self) -> int:
+        """Parameter bytes on the rank with the largest shards."""
+        return sum(group.local_bytes for group in self.parameters)
+
+    @property
+    def unsharded_bytes(self) -> int:
+        """Parameter bytes of the whole model."""
+        return sum(group.global_bytes for group in self.parameters)
+
+    @property
+    def errors(self) -> list[Problem]:
+        """The problems of severity ``"error"``."""
+        return [p for p in self.problems if p.severity == "error"]
+
+    def counts(self, phase: str | None = None) -> dict[str, int]:
+        """Collectives per kind, in one phase (``"forward"``/``"backward"``) or in both."""
+        counts: Counter[str] = Counter()
+        for c in self.collectives:
+            if phase is None or c.phase == phase:
+                counts[c.kind] += c.count
+        return dict(counts)
+
+    def bytes(self, phase: str | None = None) -> dict[str, int]:
+        """Bytes per kind of collective, in one phase or in both."""
+        total: Counter[str] = Counter()
+        for c in self.collectives:
+            if phase is None or c.phase == phase:
+                total[c.kind] += c.count * c.bytes
+        return dict(total)
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan report: {self.model}, {_count(self.num_parameters)} parameters, "
+            f"TP degree {self.tp_degree}, batch {self.batch_size} x {self.seq_len} tokens, "
+            f"{str(self.dtype).removeprefix('torch.')}",
+            "",
+            "Plan",
+        ]
+        lines += _table(
+            ["key", "modules", "style"],
+            [[row.key or '""', str(row.modules), row.style] for row in self.plan],
+            right={1},
+        )
+        lines += ["", "Parameters (per rank: the largest shard, torch.chunk convention)"]
+        rows = [
+            [
+                g.name,
+                str(g.count),
+                g.placement or "-",
+                _shape(g.global_shape),
+                _shape(g.local_shape),
+                _size(g.local_bytes),
+                _size(g.global_bytes),
+            ]
+            for g in self.parameters
+        ]
+        share = self.per_rank_bytes / self.unsharded_bytes if self.unsharded_bytes else 1.0
+        rows.append(
+            [
+                f"total per rank ({share:.1%} of unsharded)",
+                str(sum(g.count for g in self.parameters)),
+                "",
+                "",
+                "",
+                _size(self.per_rank_bytes),
+                _size(self.unsharded_bytes),
+            ]
+        )
+        lines += _table(
+            ["parameter", "count", "placement", "global", "per rank", "bytes/rank", "unsharded"],
+            rows,
+            right={1, 5, 6},
+        )
+        lines += [
+            "",
+            f"Collectives per step (model forward and backward, batch {self.batch_size} x "
+            f"{self.seq_len}; the loss is not included)",
+        ]
+        rows = []
+        for phase in (FORWARD, BACKWARD):
+            mine = [c for c in self.collectives if c.phase == phase]
+            for c in mine:
+                rows.append(
+                    [
+                        phase,
+                        c.kind,
+                        str(c.count),
+                        _size(c.bytes),
+                        _size(c.count * c.bytes),
+                        c.where or '""',
+                    ]
+                )
+            count = sum(c.count for c in mine)
+            total = sum(c.count * c.bytes for c in mine)
+            rows.append([phase, "total", str(count), "", _size(total), ""])
+        lines += _table(
+            ["pass", "collective", "count", "bytes each", "bytes total", "from"],
+            rows,
+            right={2, 3, 4},
+        )
+        lines += ["", "Problems"]
+        if not self.problems:
+            lines.append("  none found")
+        for p in self.problems:
+            lines.append(f"  {p.severity:<8} {p.where or '(root)'}: {p.message}")
+        return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        cells = [
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        return ("  " + "  ".join(cells)).rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return " x ".join(str(s) for s in shape) if shape else "scalar"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)

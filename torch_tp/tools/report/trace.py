@@ -1,0 +1,590 @@
+"""The dry-run report's trace: the unparallelized model's forward, run once on meta tensors,
+followed tensor by tensor to predict the parallel model's collectives.
+
+Each tensor is given the form it would have in the parallelized model (a local tensor of a
+known layout, or a DTensor). At each module of the plan, the style's contract
+(:class:`torch_tp.contract.StyleContract`) says how its inputs and outputs cross the
+module's boundary (the layout they arrive in, the layout they are moved to, whether the
+receiver gets a plain tensor, the gradient a local computation gives back) and which
+parameters' gradients are partial; the trace turns that into the collectives the forward
+issues now and the backward will issue. Between the plan's modules, a
+:class:`~torch.overrides.TorchFunctionMode` carries each tensor's form through the ops, and
+flags layouts that do not chain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from torch_tp import _names
+from torch_tp._layouts import normalize
+from torch_tp.contract import Boundary, Layout
+from torch_tp.plan import (
+    PlanEntry,
+)
+from torch_tp.tools.report.render import (
+    BACKWARD,
+    FORWARD,
+    REPLICATED_PARAMETERS,
+    Collective,
+    Problem,
+)
+
+__all__: list[str] = []  # private to torch_tp.tools.report
+
+# ------------------------------------------------------------------------------------------
+# Layouts and the collectives that move between them
+# ------------------------------------------------------------------------------------------
+
+
+def _neg(layout: Placement, ndim: int) -> Placement:
+    """``Shard(d)`` counted from the end, so that it survives ops that add leading dims."""
+    if isinstance(layout, Shard) and layout.dim >= 0:
+        return Shard(layout.dim - ndim)
+    if isinstance(layout, _StridedShard) and layout.dim >= 0:
+        return _StridedShard(layout.dim - ndim, split_factor=layout.split_factor)
+    return layout
+
+
+def _show(layout: Placement, ndim: int | None = None) -> str:
+    if ndim is not None:
+        layout = normalize(layout, ndim)
+    return _names.placement_to_str(layout)
+
+
+def _padded_numel(shape: Sequence[int], dim: int, n: int) -> int:
+    """Elements of ``shape`` with ``dim`` padded to a multiple of ``n`` (DTensor pads uneven
+    shards to the largest before an all-gather or a reduce-scatter)."""
+    size = shape[dim]
+    return math.prod(shape) // size * (math.ceil(size / n) * n) if size else 0
+
+
+def _collective(
+    src: Placement, dst: Placement, shape: Sequence[int], itemsize: int, n: int, cpu: bool
+) -> tuple[str, int] | None:
+    """The collective that moves a tensor of global ``shape`` from ``src`` to ``dst``."""
+    ndim = len(shape)
+    src, dst = normalize(src, ndim), normalize(dst, ndim)
+    if src == dst or isinstance(src, Replicate):
+        return None  # Replicate -> Shard is a local slice, Replicate -> Partial a local zeroing
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return "all_reduce", math.prod(shape) * itemsize
+        if isinstance(dst, Shard):
+            return "reduce_scatter_tensor", _padded_numel(shape, dst.dim, n) * itemsize
+        return None
+    if isinstance(src, Shard) and isinstance(dst, Shard) and not cpu:
+        return "shard_dim_alltoall", math.prod(shape) * itemsize
+    if isinstance(src, Shard):  # to Replicate; to another Shard on CPU (gloo has no all-to-all)
+        return "all_gather_into_tensor", _padded_numel(shape, src.dim, n) * itemsize
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# The trace
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Local:
+    """A plain tensor in the parallel model: this rank's part of a tensor laid out ``layout``
+    (``Shard`` dims counted from the end)."""
+
+    layout: Placement
+    origin: str
+    ndim: int  # of the tensor the layout was given to, to show it as its producer made it
+
+
+@dataclass(eq=False)
+class _DTensorAfterOps:
+    """A DTensor that went through code outside the plan's modules: placement unknown."""
+
+    where: str
+
+
+class _Broken:
+    """Downstream of an error already reported: followed no further."""
+
+
+@dataclass(eq=False)
+class _Node:
+    """A DTensor in the parallel model, and how it was made.
+
+    Either ``parent`` is the DTensor it was redistributed from, or ``origin`` is the layout of
+    the local tensor it was annotated from. ``grads`` are the placements its consumers give its
+    gradient; the backward moves that gradient to the placement it came from.
+    """
+
+    placement: Placement
+    shape: tuple[int, ...]
+    itemsize: int
+    requires_grad: bool
+    where: str
+    parent: _Node | None = None
+    origin: Placement | None = None
+    grads: list[Placement] = field(default_factory=list)
+
+
+_State = _Local | _Node | _DTensorAfterOps | _Broken
+
+_VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
+# ops that cut a packed output into its parts: each part is a plain shard (q_r, k_r, v_r)
+_SPLITS = {
+    torch.split,
+    torch.Tensor.split,
+    torch.chunk,
+    torch.Tensor.chunk,
+    torch.tensor_split,
+    torch.Tensor.tensor_split,
+    torch.unbind,
+    torch.Tensor.unbind,
+}
+
+
+def _generalize(path: str) -> str:
+    """``layers.3.attention`` -> ``layers.*.attention``: one row for all layers."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+class _Trace:
+    """Follows the unparallelized model's forward and predicts the parallel one's collectives."""
+
+    def __init__(self, entries: list[PlanEntry], n: int, cpu: bool) -> None:
+        self.n = n
+        self.cpu = cpu
+        self.entry_of = {id(e.module): e for e in entries}
+        self.states: dict[int, _State] = {}
+        self.alive: list[torch.Tensor] = []  # keeps ids unique while the trace runs
+        self.nodes: list[_Node] = []
+        self.events: list[tuple[str, str, str, int]] = []
+        self.partial_params: dict[int, nn.Parameter] = {}
+        self.local_depth = 0
+        self.scope: list[str] = []
+        self.saved: list[list[tuple[torch.Tensor, _State | None]]] = []
+        self.colwise_outputs: dict[int, str] = {}
+        self.heads: dict[str, tuple[int, int]] = {}
+        self.called: set[int] = set()
+        # local tensors already entered into a column-parallel region, as at run time
+        # (_layouts._shared_entry): q, k and v reading one tensor share one entry
+        self.entered: set[tuple[int, Placement]] = set()
+        self.problems: dict[tuple[str, str], Problem] = {}
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def problem(self, severity: str, where: str, message: str, dedupe: str = "") -> None:
+        self.problems.setdefault((where, dedupe or message), Problem(severity, where, message))
+
+    def set_state(self, tensor: torch.Tensor, state: _State | None) -> None:
+        if state is None:
+            self.states.pop(id(tensor), None)
+            return
+        self.states[id(tensor)] = state
+        self.alive.append(tensor)
+
+    def state(self, tensor: torch.Tensor) -> _State:
+        # a tensor nothing laid out (a buffer, a constant) is whole on every rank
+        return self.states.get(id(tensor)) or _Local(Replicate(), "a constant", 0)
+
+    def emit(self, phase: str, where: str, move: tuple[str, int] | None) -> None:
+        if move is not None:
+            self.events.append((phase, move[0], where, move[1]))
+
+    def move(self, src: Placement, dst: Placement, t: torch.Tensor) -> tuple[str, int] | None:
+        return _collective(src, dst, tuple(t.shape), t.element_size(), self.n, self.cpu)
+
+    def node(
+        self,
+        placement: Placement,
+        t: torch.Tensor,
+        where: str,
+        *,
+        parent: _Node | None = None,
+        origin: Placement | None = None,
+    ) -> _Node:
+        """A DTensor made from ``parent`` (or from a local tensor laid out ``origin``), moved
+        to ``placement``: the forward collective is issued now."""
+        ndim = t.ndim
+        placement = normalize(placement, ndim)
+        source = parent.placement if parent is not None else normalize(origin, ndim)
+        self.emit(FORWARD, where, self.move(source, placement, t))
+        node = _Node(
+            placement,
+            tuple(t.shape),
+            t.element_size(),
+            t.requires_grad,
+            where,
+            parent,
+            None if parent is not None else normalize(origin, ndim),
+        )
+        self.nodes.append(node)
+        return node
+
+    def redistribute(self, state: _Node, target: Placement, t: torch.Tensor, where: str):
+        """The DTensor ``state`` moved to ``target``: itself when it is there already."""
+        target = normalize(target, t.ndim)
+        if state.placement == target:
+            return state
+        return self.node(target, t, where, parent=state)
+
+    # -- what a style receives -------------------------------------------------------------
+
+    def arrive(
+        self,
+        entry: PlanEntry,
+        t: torch.Tensor,
+        declared: Placement | None,
+        what: str,
+        annotated: bool = True,
+    ) -> _State:
+        """The state of ``t`` as the style receives it. A local tensor must be laid out as the
+        style declares (it cannot know otherwise) and, when the style makes a DTensor of it
+        (``annotated``), sharded evenly: its global shape is inferred from the local one."""
+        state = self.state(t)
+        if isinstance(state, _Local) and declared is not None:
+            expected = _neg(declared, t.ndim)
+            if state.layout != expected:
+                self.problem(
+                    "error",
+                    entry.key,
+                    f"{what} arrives as a local tensor laid out {_described(state)}, but "
+                    f"{_names.describe(entry.style)} takes it as "
+                    f"{_show(declared, t.ndim)}: the layouts do not chain; change this "
+                    "style's input layout or the producer's output layout",
+                    dedupe=f"chain {what}",
+                )
+            elif annotated:
+                self.check_even(entry, t, declared, what)
+        return state
+
+    def check_even(self, entry: PlanEntry, t: torch.Tensor, layout: Placement, what: str):
+        layout = normalize(layout, t.ndim)
+        if isinstance(layout, Shard) and t.shape[layout.dim] % self.n:
+            size = t.shape[layout.dim]
+            self.problem(
+                "error",
+                entry.key,
+                f"{what} is a local tensor sharded on dim {layout.dim} of size {size}, which "
+                f"does not divide by the TP degree {self.n}: local shards are taken to be "
+                f"even; make it a multiple of {self.n} (e.g. {math.ceil(size / self.n) * self.n}"
+                "; for sequence parallelism, the sequence length)",
+                dedupe=f"even {what}",
+            )
+
+    def cross(
+        self,
+        entry: PlanEntry,
+        t: Any,
+        layout: Layout | None,
+        what: str,
+        computed: bool,
+        opaque: bool,
+    ) -> _State | None:
+        """``t`` crossing the boundary of ``entry``'s module as ``layout`` declares: the
+        collectives that issues, and the state of what the receiver gets (``None``: the
+        value is left alone).
+
+        ``computed``: ``t`` is an output of a module whose forward the trace does not follow
+        (its contract's ``local_forward``), laid out as ``layout.given`` says; otherwise the
+        state ``t`` arrives in is checked against it. ``opaque``: ``t`` is an input of such a
+        module, whose gradient it gives back as ``layout.grad`` says.
+        """
+        if layout is None or layout.given is None or not isinstance(t, torch.Tensor):
+            return None
+        ndim = t.ndim
+        given = normalize(layout.given, ndim)
+        target = given if layout.to is None else normalize(layout.to, ndim)
+        moved = target != given
+        if computed:
+            state: _State = _Local(_neg(given, ndim), entry.key, ndim)
+            if moved and layout.local:  # a reduce-scatter's local output, annotated downstream
+                self.check_even(entry, t, target, what)
+        else:
+            # a local tensor becomes a DTensor (even shards assumed) when it is moved or given
+            # to the module as a DTensor
+            annotated = moved or not layout.local
+            state = self.arrive(entry, t, layout.given, what, annotated=annotated)
+        grad = target if layout.grad is None else normalize(layout.grad, ndim)
+        if isinstance(state, _Node):
+            node = self.redistribute(
+                state, state.placement if layout.to is None else target, t, entry.key
+            )
+        elif isinstance(state, _Local):
+            if layout.local and not moved and grad == target:
+                return _Local(_neg(target, ndim), entry.key, ndim)  # used as it is
+            if isinstance(grad, Partial) and isinstance(given, (Replicate, Shard)):
+                # read whole by a local computation: one entry per tensor for all its readers
+                # (_layouts._shared_entry); a leaf is never shared
+                if not (t.requires_grad and t.is_leaf):
+                    if (id(t), given) in self.entered:
+                        return _Local(_neg(target, ndim), entry.key, ndim)
+                    self.entered.add((id(t), given))
+                    self.alive.append(t)
+            node = self.node(target, t, entry.key, origin=given)
+        else:
+            return state
+        if not layout.local:
+            if opaque:  # nothing inside the module is followed: its gradient is as declared
+                node.grads.append(grad)
+            return node
+        node.grads.append(grad if node.placement == target else node.placement)
+        return _Local(_neg(node.placement, ndim), entry.key, ndim)
+
+    def boundary(
+        self, entry: PlanEntry, boundary: Boundary, values: tuple, kwargs: dict, side: str
+    ) -> list[tuple[Any, _State]]:
+        """Every value of one side of a module crossing it: ``(value, new state)`` pairs."""
+        inputs = side == "input"
+        if boundary.exact and len(values) != len(boundary.args):
+            self.problem(
+                "error",
+                entry.key,
+                f"the module {'is called with' if inputs else 'returns'} {len(values)} "
+                f"{'positional inputs' if inputs else 'outputs'}, but "
+                f"{_names.describe(entry.style)} lays out {len(boundary.args)}",
+            )
+        single = len(boundary.args) == 1 and not boundary.exact
+        crossing = [
+            (f"the {side}" if single else f"{side} {i}", value, layout)
+            for i, (value, layout) in enumerate(zip(values, boundary.args, strict=False))
+        ]
+        crossing += [
+            (f"keyword {side} {name!r}", value, boundary.kwargs.get(name))
+            for name, value in kwargs.items()
+        ]
+        opaque = self.local_forward(entry)
+        crossed = []
+        for what, value, layout in crossing:
+            new = self.cross(entry, value, layout, what, opaque and not inputs, opaque and inputs)
+            if new is not None:
+                crossed.append((value, new))
+        return crossed
+
+    def local_forward(self, entry: PlanEntry) -> bool:
+        contract = entry.style.contract
+        return contract is not None and bool(contract.local_forward(entry.style, entry.module))
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        entry = self.entry_of.get(id(module))
+        if entry is None:
+            return
+        self.called.add(id(module))
+        style, contract = entry.style, entry.style.contract
+        saved: list[tuple[torch.Tensor, _State | None]] = []
+        self.saved.append(saved)
+        if contract is None:
+            self.problem(
+                "note",
+                entry.key,
+                f"the collectives of {style!r} (a style that declares no contract) are not "
+                "predicted",
+            )
+            return
+        if self.local_forward(entry):
+            self.local_depth += 1
+        caveat = contract.caveat(style, module)
+        if caveat:
+            self.problem("note", entry.key, caveat)
+        for name in contract.partial_gradients(style, module) or ():
+            param = getattr(module, name, None)
+            if isinstance(param, nn.Parameter) and param.requires_grad:
+                self.partial_params[id(param)] = param
+        boundary = contract.inputs(style, module)
+        if boundary is None:
+            return
+        for value, state in self.boundary(entry, boundary, args, kwargs, "input"):
+            # the module sees the value so laid out; its caller keeps the original
+            saved.append((value, self.states.get(id(value))))
+            self.set_state(value, state)
+
+    def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        entry = self.entry_of.get(id(module))
+        if entry is None:
+            return
+        for value, state in reversed(self.saved.pop()):
+            self.set_state(value, state)
+        style, contract = entry.style, entry.style.contract
+        if contract is None:
+            return
+        computed = self.local_forward(entry)
+        if computed:
+            self.local_depth -= 1
+        boundary = contract.outputs(style, module)
+        if boundary is None:
+            return
+        outputs = output if isinstance(output, tuple) else (output,)
+        for value, state in self.boundary(entry, boundary, outputs, {}, "output"):
+            self.set_state(value, state)
+            if computed and isinstance(state, _Local) and state.layout == Shard(-1):
+                # a column-parallel output: a view of it as (..., heads, head_dim) is checked
+                self.colwise_outputs[id(value)] = entry.key
+
+    # -- ops between the plan's modules ----------------------------------------------------
+
+    def on_op(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outputs:
+            return
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func in _VIEWS and inputs and id(inputs[0]) in self.colwise_outputs:
+            # a column-parallel output viewed as (..., heads, head_dim): remember the heads
+            x, y = inputs[0], outputs[0]
+            key = self.colwise_outputs[id(x)]
+            if y.ndim == x.ndim + 1 and y.shape[-2] * y.shape[-1] == x.shape[-1]:
+                self.heads.setdefault(key, (y.shape[-2], y.shape[-1]))
+        states = [self.states.get(id(t)) for t in inputs]
+        if not any(states):
+            return
+        if any(isinstance(s, _Broken) for s in states):
+            new: _State = _Broken()  # downstream of a reported error: nothing more to say
+            for t in outputs:
+                self.set_state(t, new)
+            return
+        where = _generalize(self.scope[-1] if self.scope else "")
+        dtensors = [s for s in states if s is not None and not isinstance(s, _Local)]
+        if dtensors:
+            for state in dtensors:
+                if isinstance(state, _Node):
+                    state.grads.append(state.placement)
+            plain = [t for t, s in zip(inputs, states, strict=True) if t.ndim and s not in dtensors]
+            if plain:
+                self.problem(
+                    "error",
+                    where,
+                    f"{_op_name(func)} gets a DTensor (from {dtensors[0].where}) and a plain "
+                    f"tensor of shape {tuple(plain[0].shape)}, which DTensor refuses: give "
+                    "this module a style, or hand it local tensors (use_local_output=True)",
+                    dedupe="dtensor mix",
+                )
+                new = _Broken()
+            else:
+                self.problem(
+                    "note",
+                    where,
+                    f"DTensors go through code outside the plan's modules ({_op_name(func)}): "
+                    "collectives DTensor issues there are not predicted",
+                    dedupe="dtensor ops",
+                )
+                new = _DTensorAfterOps(dtensors[0].where)
+        else:
+            local = [s for s in states if s is not None]
+            layouts = list(dict.fromkeys(s.layout for s in local))
+            if len(layouts) > 1:
+                described = " and ".join(
+                    _described(next(s for s in local if s.layout == layout)) for layout in layouts
+                )
+                self.problem(
+                    "error",
+                    where,
+                    f"{_op_name(func)} combines local tensors laid out {described}: the "
+                    "layouts do not chain",
+                    dedupe=f"mix {described}",
+                )
+                new = _Broken()
+            else:
+                new = local[0]
+                if func in _SPLITS and isinstance(new.layout, _StridedShard):
+                    new = _Local(Shard(new.layout.dim), new.origin, new.ndim)
+        for t in outputs:
+            if not any(t is i for i in inputs):  # an in-place op keeps its state
+                self.set_state(t, new)
+
+
+def _described(state: _Local) -> str:
+    """``Shard(2) (from layers.*.attention.wq)``: the layout as its producer made it."""
+    return f"{_show(state.layout, state.ndim or None)} (from {state.origin})"
+
+
+def _op_name(func: Callable) -> str:
+    return getattr(func, "__name__", str(func))
+
+
+class _LayoutMode(TorchFunctionMode):
+    """Hands every torch op to the trace (ops inside local-compute styles are replaced)."""
+
+    def __init__(self, trace: _Trace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.trace.local_depth == 0:
+            self.trace.on_op(func, args, kwargs, out)
+        return out
+
+
+def _run(model: nn.Module, trace: _Trace, inputs: tuple[tuple, dict]) -> Any:
+    handles = []
+    for path, module in model.named_modules():
+
+        def pre(module, args, kwargs, path=path):
+            trace.scope.append(path)
+            trace.pre_hook(module, args, kwargs)
+
+        def post(module, args, kwargs, output):
+            trace.post_hook(module, args, kwargs, output)
+            trace.scope.pop()
+
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    for t in tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            trace.set_state(t, _Local(Replicate(), "the model input", t.ndim))
+    args, kwargs = inputs
+    try:
+        with _LayoutMode(trace):
+            return model(*args, **kwargs)
+    except Exception as err:
+        raise RuntimeError(
+            f"the forward of {type(model).__name__} failed on the meta device ({err}); pass "
+            "example_inputs that it takes, and avoid data-dependent code (.item(), nonzero) "
+            "in the forward"
+        ) from err
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _backward(trace: _Trace) -> None:
+    """Each DTensor's gradient goes back to the placement it was made from (latest first)."""
+    for node in reversed(trace.nodes):
+        if not node.requires_grad or not node.grads:
+            continue
+        grad = node.grads[0]
+        source = node.parent.placement if node.parent is not None else node.origin
+        # DTensor sends the gradient of a Partial source back as Replicate
+        target = Replicate() if isinstance(source, Partial) else source
+        move = _collective(grad, target, node.shape, node.itemsize, trace.n, trace.cpu)
+        trace.emit(BACKWARD, node.where, move)
+        if node.parent is not None:
+            node.parent.grads.append(target)
+    if trace.partial_params:
+        params = list(trace.partial_params.values())
+        size = sum(p.numel() * p.element_size() for p in params)
+        trace.events.append((BACKWARD, "all_reduce", REPLICATED_PARAMETERS, size))
+
+
+def _group(events: list[tuple[str, str, str, int]]) -> list[Collective]:
+    """Events counted per (phase, kind, generalized plan key, bytes), forward first."""
+    counts = Counter(  # insertion-ordered: in the order of the first occurrence
+        (phase, kind, _generalize(where), size) for phase, kind, where, size in events
+    )
+    return [
+        Collective(phase, kind, where, count, size)
+        for wanted in (FORWARD, BACKWARD)
+        for (phase, kind, where, size), count in counts.items()
+        if phase == wanted
+    ]
