@@ -13,6 +13,7 @@ file stays in that file.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from unittest import mock
 
@@ -31,6 +32,7 @@ from torch_tp.testing import device_type
 
 __all__ = [
     "CHECKPOINT_CONFIG",
+    "FAST_RUNTIME",
     "adamw",
     "checkpoint_llama",
     "full_tensor",
@@ -43,6 +45,10 @@ __all__ = [
     "tp_mesh",
     "train_llama",
 ]
+
+
+# whether this run tests the fast runtime (the default) or plain DTensor (TORCH_TP_RUNTIME=dtensor)
+FAST_RUNTIME = os.environ.get("TORCH_TP_RUNTIME", "fast") == "fast"
 
 
 # --------------------------------------------------------------------------- meshes, tensors

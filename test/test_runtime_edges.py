@@ -136,6 +136,7 @@ def _gathered_input_is_not_kept() -> None:
     assert latest is not None and latest[3]() is not inputs[0]
 
 
+@pytest.mark.fast_runtime
 def test_a_gathered_activation_does_not_outlive_the_next_gather():
     run_distributed(_gathered_input_is_not_kept, 2)
 

@@ -209,6 +209,7 @@ def _packed_pair_collectives() -> tuple[dict, dict]:
 _PACKED_PAIR = {"gate_up_proj": "packed_colwise", "down_proj": "packed_rowwise"}
 
 
+@pytest.mark.fast_runtime
 def test_report_follows_packed_layouts():
     """The dry-run report chains a packed column-parallel output into a packed row-parallel
     input (no false error, no extra collective) and predicts what the run issues."""
@@ -460,6 +461,7 @@ def _shared_entry(sequence_parallel: bool) -> None:
     assert_close(full, x.grad)
 
 
+@pytest.mark.fast_runtime
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_layers_reading_one_tensor_share_one_region_entry(sequence_parallel):
     run_distributed(_shared_entry, 2, sequence_parallel)

@@ -1,21 +1,62 @@
-"""The few layout helpers every parallel style shares.
+"""Layouts at module boundaries, and the two runtimes that change them.
 
 A value crosses a module boundary in one of two forms: a local :class:`torch.Tensor` whose
 layout the plan declares (``Shard(-1)``, ``Replicate()``, ...), or a :class:`DTensor` that
-carries its layout with it. These helpers convert between the two and move data between
-layouts; they are the only place where styles touch DTensor's layout machinery, so that
-``style.py`` reads as a list of contracts rather than as plumbing.
+carries its layout with it. A *runtime* converts between the two and moves data between
+layouts for the styles; it is the only place where styles touch DTensor's layout machinery,
+so that ``style.py`` reads as a list of contracts rather than as plumbing. There are two, with
+the same methods and the same results:
+
+* :class:`DTensorRuntime` (``TORCH_TP_RUNTIME=dtensor``): every layout change is plain
+  DTensor (``DTensor.from_local``, ``to_local``, ``redistribute``), with no cache, no region
+  Function and no deferred reduction. It is the reference: a result that differs between the
+  two runtimes is a bug of the fast one.
+* :class:`FastRuntime` (``TORCH_TP_RUNTIME=fast``, the default): the common boundaries of a
+  tensor-parallel block go through Megatron's regions (:mod:`torch_tp._regions`), column-
+  parallel layers reading one tensor share one entry into the region, the partial gradients
+  of replicated parameters are summed in one all-reduce at the end of backward
+  (:class:`PartialGradientReduction`), and the hot paths build DTensors with DTensor's C++
+  constructor. Everything else falls back to :class:`DTensorRuntime`.
+
+:func:`torch_tp.parallelize_module` reads ``TORCH_TP_RUNTIME`` once per call; every style it
+applies binds the runtime of that mode (:func:`runtime`) into the module, so a model keeps the
+runtime it was parallelized with.
+
+Caches (the fast runtime's; the DTensor runtime has none):
+
+* ``_torch_tp_region_entry``, on a plain tensor (its ``__dict__``): the alias of it that
+  entered a column-parallel region (:func:`~torch_tp._regions.copy_to_tensor_parallel_region`),
+  keyed by the mesh, the tensor's ``_version``, grad mode and, under grad mode, the tensor's
+  ``grad_fn``. An in-place change of the tensor, another mesh, grad mode or a new graph (the
+  next step) invalidate it.
+* ``_last_gathered`` (this module): the latest all-gathered sequence-sharded input, with a weak
+  reference to the shard it came from, keyed likewise. The next gather replaces it, so that
+  no gathered activation outlives the next one.
+* ``_torch_tp_partial_local``, on a replicated DTensor: its local view that column-parallel
+  readers share (their input gradients add up locally and cross back once), keyed by the
+  DTensor's ``_version``; an in-place change invalidates it.
+* ``_torch_tp_respec``, on a parameter's ``DTensorSpec``: the same spec with another placement.
+  Specs are immutable; the entry lives as long as the spec.
+* :func:`_replicated_spec` (an ``lru_cache`` of 256): the replicated spec of an activation, by
+  mesh, shape, stride and dtype. Immutable.
+* ``_regions._SIZES``: the size of each mesh, by ``id(mesh)``; dropped with the mesh.
+* ``_torch_tp_distributed_as`` (set by :func:`torch_tp.style._distribute_parameters`, both
+  runtimes): on an original parameter, the DTensor parameter that replaced it, so that the
+  other modules a tied weight belongs to register the same object; used only when the mesh
+  and placement match.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,7 +64,60 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from torch_tp import _regions
+
 __all__: list[str] = []  # private module
+
+# ------------------------------------------------------------------------------------------
+# Choosing the runtime
+# ------------------------------------------------------------------------------------------
+
+RUNTIME_ENV = "TORCH_TP_RUNTIME"
+
+# the mode of the parallelize_module call being applied (None outside one)
+_applying: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "torch_tp_runtime_mode", default=None
+)
+
+
+def runtime_mode() -> str:
+    """The runtime ``TORCH_TP_RUNTIME`` selects: ``"fast"`` (unset) or ``"dtensor"``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    mode = os.environ.get(RUNTIME_ENV, "fast")
+    if mode not in _RUNTIMES:
+        raise ValueError(
+            f"{RUNTIME_ENV}={mode!r} names no torch_tp runtime: expected 'fast' (the default: "
+            "regions, shared entries and one end-of-backward reduction) or 'dtensor' (every "
+            "layout change through plain DTensor)"
+        )
+    return mode
+
+
+@contextlib.contextmanager
+def applying() -> Iterator[str]:
+    """Read ``TORCH_TP_RUNTIME`` once for one :func:`torch_tp.parallelize_module` call: the
+    styles it applies inside this context all get that mode's runtime."""
+    token = _applying.set(runtime_mode())
+    try:
+        yield _applying.get()
+    finally:
+        _applying.reset(token)
+
+
+def runtime(mesh: DeviceMesh) -> DTensorRuntime:
+    """The runtime a style's ``_apply`` binds into its module, on the 1-D ``mesh``: that of
+    the :func:`torch_tp.parallelize_module` call applying it, or (a style applied by hand)
+    the mode ``TORCH_TP_RUNTIME`` selects now."""
+    mode = _applying.get() or runtime_mode()
+    return _RUNTIMES[mode](mesh)
+
+
+# ------------------------------------------------------------------------------------------
+# Layouts
+# ------------------------------------------------------------------------------------------
 
 
 def annotate(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> DTensor:
@@ -73,23 +167,215 @@ def redistribute(value: DTensor, layout: Placement) -> DTensor:
     return value.redistribute(placements=(layout,), async_op=False)
 
 
-def prepare(
-    value: Any,
-    mesh: DeviceMesh,
-    layout: Placement | None,
-    desired: Placement | None,
-    use_local: bool,
-) -> Any:
-    """Annotate one input/output with ``layout``, move it to ``desired``, maybe unwrap.
+def shard_range(size: int, mesh: DeviceMesh) -> tuple[int, int]:
+    """The ``[start, stop)`` of this rank's rows when ``size`` rows are ``Shard``-ed."""
+    return chunk_range(size, mesh.size(), mesh.get_local_rank())
 
-    This is the single-value core of :class:`PrepareModuleInput` and
-    :class:`PrepareModuleOutput`. ``None`` as ``layout`` means "leave this value alone";
-    ``None`` as ``desired`` means "annotate only".
+
+def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` of ``size`` items split as DTensor's ``Shard``
+    (and :func:`torch.chunk`) split them: ``ceil(size / n)`` each, the tail ones shorter or
+    empty."""
+    chunk = -(-size // num_chunks)  # ceil, in integers
+    start = index * chunk
+    if not isinstance(start, int):
+        # a rank that differs per simulated rank (a SymInt under LocalTensorMode): min()
+        # would compare it as one value
+        start = torch.sym_min(start, size)
+        return start, torch.sym_min(start + chunk, size)
+    start = min(start, size)
+    return start, min(start + chunk, size)
+
+
+def _on_rank_zero(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``local`` on rank 0 of the 1-D ``mesh``, zeros of its shape on the others: a whole
+    value as a partial sum, exactly (unlike dividing it by the mesh size)."""
+    rank = mesh.get_local_rank()
+    if isinstance(rank, int):
+        return local if rank == 0 else torch.zeros_like(local)
+    # a SymInt under LocalTensorMode (every rank simulated in one process), where a branch
+    # on the rank would take one side for all ranks: multiply by 1 on rank 0, 0 elsewhere
+    return local * (1 - torch.sym_min(rank, 1))
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch computes them)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+# ------------------------------------------------------------------------------------------
+# The reference runtime: plain DTensor
+# ------------------------------------------------------------------------------------------
+
+
+class DTensorRuntime:
+    """Every layout change through plain DTensor (``TORCH_TP_RUNTIME=dtensor``).
+
+    ``from_local`` to annotate, ``redistribute`` to move, ``to_local`` to unwrap (with the
+    gradient placements that say what each rank's gradient is), and each partial gradient of
+    a replicated parameter reduced as it arrives. No cache, no region Function, no private
+    DTensor API: the reference :class:`FastRuntime` is checked against.
+
+    Args:
+        mesh (DeviceMesh): the 1-D mesh the module is parallelized on.
     """
-    if layout is None:
-        return value
-    if not isinstance(value, DTensor):
-        # checked here, where DTensor would either wrap the dim or fail in its internals
+
+    mode = "dtensor"
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.mesh})"
+
+    def annotate(self, value: torch.Tensor, layout: Placement) -> DTensor:
+        """View a local tensor as a DTensor laid out ``layout`` (a DTensor passes through)."""
+        return annotate(value, self.mesh, layout)
+
+    def redistribute(self, value: DTensor, layout: Placement) -> DTensor:
+        """Move ``value`` to ``layout``; free when it is already there."""
+        return redistribute(value, layout)
+
+    def prepare(
+        self, value: Any, layout: Placement | None, desired: Placement | None, use_local: bool
+    ) -> Any:
+        """Annotate one input or output with ``layout``, move it to ``desired``, maybe unwrap:
+        what :class:`~torch_tp.PrepareModuleInput` and :class:`~torch_tp.PrepareModuleOutput`
+        do to one value. ``layout`` ``None``: leave it alone; ``desired`` ``None``: annotate
+        only."""
+        if layout is None:
+            return value
+        if not isinstance(value, DTensor):
+            # checked here, where DTensor would either wrap the dim or fail in its internals
+            normalize(layout, value.ndim)
+            if desired is not None:
+                normalize(desired, value.ndim)
+        dt = self.annotate(value, layout)
+        if desired is not None:
+            dt = self.redistribute(dt, desired)
+        return dt.to_local() if use_local else dt
+
+    def enter_replicated(self, value: torch.Tensor, layout: Placement) -> torch.Tensor:
+        """The whole input of a column-parallel computation, as a local tensor.
+
+        Every rank computes with the whole input, so each rank's input gradient is only its
+        own contribution: the backward sums them (all-reduce, or reduce-scatter when the
+        input came in sharded).
+        """
+        if not isinstance(value, DTensor):
+            normalize(layout, value.ndim)
+        whole = self.redistribute(self.annotate(value, layout), Replicate())
+        return whole.to_local(grad_placements=(Partial(),))
+
+    def enter_sharded(
+        self, value: torch.Tensor, layout: Placement, want: Placement
+    ) -> torch.Tensor:
+        """The local shard (on ``want``) of a row-parallel computation's input."""
+        return self.redistribute(self.annotate(value, layout), want).to_local()
+
+    def reduce_partial(
+        self, partial: torch.Tensor, layout: Placement, use_local: bool
+    ) -> torch.Tensor:
+        """Sum the partial results of a row-parallel computation into ``layout``."""
+        # a partial sum has the global shape on every rank
+        dt = DTensor.from_local(
+            partial, self.mesh, (Partial(),), shape=partial.shape, stride=partial.stride()
+        )
+        dt = self.redistribute(dt, layout)
+        return dt.to_local() if use_local else dt
+
+    def leave(
+        self,
+        local: torch.Tensor,
+        computed: Placement,
+        layout: Placement,
+        use_local: bool,
+        global_shape: torch.Size,
+    ) -> torch.Tensor:
+        """Turn a locally computed result laid out ``computed`` into the module's output.
+
+        ``global_shape`` is passed explicitly because shards need not be even (a vocabulary
+        of 1001 over two ranks), which DTensor cannot infer from one rank's local shape.
+        """
+        dt = DTensor.from_local(
+            local,
+            self.mesh,
+            (computed,),
+            run_check=False,
+            shape=global_shape,
+            stride=contiguous_stride(global_shape),
+        )
+        dt = self.redistribute(dt, layout)
+        return dt.to_local() if use_local else dt
+
+    def local_parameter(
+        self, module: nn.Module, name: str, *, partial: bool = False
+    ) -> torch.Tensor | None:
+        """The local value of ``module``'s DTensor parameter ``name``, for its own computation.
+
+        Its gradient is a DTensor laid out like the parameter. With ``partial`` the parameter
+        is replicated and the computation sees only this rank's share of the data: each
+        rank's gradient is then a partial sum, which :meth:`sum_partial_gradients` makes
+        whole.
+        """
+        param = _parameter(module, name)
+        if not isinstance(param, DTensor):
+            return param
+        if not partial:
+            return param.to_local()
+        # the sum happens here, in from_local's backward (Partial to the parameter's
+        # Replicate), not in a hook: module.to() would lose a hook
+        whole = DTensor.from_local(param.to_local(), param.device_mesh, param.placements)
+        return whole.to_local(grad_placements=(Partial(),))
+
+    def sum_partial_gradients(self, param: nn.Parameter) -> None:
+        """Make ``param``'s partial gradients whole (replicated), wherever it is used."""
+        # a strong reference (a weak one would make the parameter unswappable by module.to())
+        param.register_hook(_replicate_partial)
+
+
+def _parameter(module: nn.Module, name: str) -> torch.Tensor | None:
+    params = module._parameters
+    # not registered under its name when parametrized: then the computed tensor
+    return params[name] if name in params else getattr(module, name)
+
+
+def _replicate_partial(grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(grad, DTensor) and grad.placements == (Partial(),):
+        return grad.redistribute(placements=(Replicate(),))
+    return grad
+
+
+# ------------------------------------------------------------------------------------------
+# The fast runtime
+# ------------------------------------------------------------------------------------------
+
+
+class FastRuntime(DTensorRuntime):
+    """The default runtime (``TORCH_TP_RUNTIME=fast``): regions, shared entries, one
+    end-of-backward reduction, DTensor's C++ constructor on the hot paths; plain DTensor
+    (:class:`DTensorRuntime`) for everything else.
+
+    Args:
+        mesh (DeviceMesh): the 1-D mesh the module is parallelized on.
+    """
+
+    mode = "fast"
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__(mesh)
+        self.reduction = PartialGradientReduction.of(mesh)
+
+    def prepare(
+        self, value: Any, layout: Placement | None, desired: Placement | None, use_local: bool
+    ) -> Any:
+        if layout is None or isinstance(value, DTensor):
+            return super().prepare(value, layout, desired, use_local)
+        mesh = self.mesh
         normalize(layout, value.ndim)
         if desired is not None:
             normalize(desired, value.ndim)
@@ -100,178 +386,125 @@ def prepare(
             # redistribution: whoever consumes the replicated DTensor may hand back a partial
             # or a replicated gradient; labelled Partial, both are summed by the region
             if isinstance(layout, Replicate):
-                local = _CopyToRegion.apply(value, mesh) if value.requires_grad else value
+                local = (
+                    _regions.copy_to_tensor_parallel_region(value, mesh)
+                    if value.requires_grad
+                    else value
+                )
                 return _replicated(local, mesh)
             if isinstance(layout, Shard):
                 dim = normalize(layout, value.ndim).dim
-                local = _GatherFromSequenceRegion.apply(value, mesh, dim)
+                local = _regions.gather_from_sequence_parallel_region(value, mesh, dim)
                 return _replicated(local, mesh)
-    dt = annotate(value, mesh, layout)
-    if desired is not None:
-        dt = redistribute(dt, desired)
-    return dt.to_local() if use_local else dt
+        return super().prepare(value, layout, desired, use_local)
+
+    def enter_replicated(self, value: torch.Tensor, layout: Placement) -> torch.Tensor:
+        mesh = self.mesh
+        if isinstance(value, DTensor):
+            if value.placements != _REPLICATED:
+                value = self.redistribute(value, Replicate())
+            return _partial_local(value)
+        if isinstance(layout, Replicate):
+            if not value.requires_grad:
+                return value  # nothing to gather now, no gradient to reduce later
+            return _shared_entry(
+                value, mesh, None, lambda: _regions.copy_to_tensor_parallel_region(value, mesh)
+            )
+        if isinstance(layout, Shard):
+            dim = normalize(layout, value.ndim).dim
+            return _shared_entry(
+                value,
+                mesh,
+                dim,
+                lambda: _regions.gather_from_sequence_parallel_region(value, mesh, dim),
+            )
+        return _partial_local(self.redistribute(self.annotate(value, layout), Replicate()))
+
+    def enter_sharded(
+        self, value: torch.Tensor, layout: Placement, want: Placement
+    ) -> torch.Tensor:
+        if not isinstance(value, DTensor) and layout == want:
+            return value  # already the local shard; its gradient is the local shard too
+        return super().enter_sharded(value, layout, want)
+
+    def reduce_partial(
+        self, partial: torch.Tensor, layout: Placement, use_local: bool
+    ) -> torch.Tensor:
+        if use_local and isinstance(layout, Replicate):
+            return _regions.reduce_from_tensor_parallel_region(partial, self.mesh)
+        if use_local and isinstance(layout, Shard):
+            return _regions.reduce_scatter_to_sequence_parallel_region(
+                partial, self.mesh, layout.dim
+            )
+        return super().reduce_partial(partial, layout, use_local)
+
+    def leave(
+        self,
+        local: torch.Tensor,
+        computed: Placement,
+        layout: Placement,
+        use_local: bool,
+        global_shape: torch.Size,
+    ) -> torch.Tensor:
+        if computed == layout and use_local:
+            return local  # the common case pays for no DTensor at all
+        if (
+            use_local
+            and isinstance(computed, Shard)
+            and isinstance(layout, Replicate)
+            and global_shape[computed.dim] % self.mesh.size() == 0
+        ):
+            return _regions.gather_from_tensor_parallel_region(local, self.mesh, computed.dim)
+        return super().leave(local, computed, layout, use_local, global_shape)
+
+    def local_parameter(
+        self, module: nn.Module, name: str, *, partial: bool = False
+    ) -> torch.Tensor | None:
+        """``param.to_local()``, with the same value and the same gradient, for the hot path:
+        every Linear, every step. A partial gradient joins the parameters that
+        :class:`PartialGradientReduction` sums at the end of backward, in one all-reduce.
+
+        The gradient's spec is the parameter's own, known at forward time, instead of being
+        rebuilt and checked in every backward: a third of ``to_local()``'s cost (80 against
+        230 us for a forward and backward on CPU). Without grad it is the local tensor itself.
+
+        (A view kept across steps would save the autograd Function too, but not correctly:
+        its node would keep the sequence number of the step that made it, so the engine would
+        run it after every node of later steps, and FSDP2's post-backward would find no
+        gradient.)
+        """
+        param = _parameter(module, name)
+        if not isinstance(param, DTensor) or torch.compiler.is_compiling():
+            # compiled graphs have no per-op cost to save (and a compiled backward cannot
+            # schedule the reduction of a partial gradient: the parameter's hook does it)
+            return super().local_parameter(module, name, partial=partial)
+        local = param._local_tensor
+        if not (param.requires_grad and torch.is_grad_enabled()):
+            return local  # nothing flows back
+        if partial:
+            return _PartialLocal.apply(param, self.reduction)
+        return _LocalValue.apply(param)
+
+    def sum_partial_gradients(self, param: nn.Parameter) -> None:
+        """Make ``param``'s partial gradients whole at the end of every backward.
+
+        The gradient still arrives on ``param.grad`` as on one device, and accumulates across
+        backward passes (micro-batches) without extra communication. This hook covers the
+        parameter wherever it is used; it is lost when ``module.to()`` or ``to_empty()``
+        swaps the parameter's contents, which is why the styles' own local paths use
+        :meth:`local_parameter` instead, which needs no hook.
+        """
+        # a strong reference (a weak one would make the parameter unswappable by module.to())
+        param.register_hook(functools.partial(self.reduction.add, param))
 
 
-# ------------------------------------------------------------------------------------------
-# Regions (Megatron's names): each collective is an autograd Function whose backward is the
-# conjugate collective. They move local tensors of a known layout; DTensor is not involved,
-# so the hot path pays for no DTensor construction. CommDebugMode sees them (as c10d ops).
-# ------------------------------------------------------------------------------------------
-
-
-class _CopyToRegion(torch.autograd.Function):
-    """Replicated input of a column-parallel computation: identity, all-reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        ctx.mesh = mesh
-        # an alias that holds no reference to x (a view would, through its _base): the
-        # shared entry lives on x, and must not keep it alive
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.mesh), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """Partial sums leaving a row-parallel computation, replicated: all-reduce, identity
-    backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        # out of place: the partial sums may be saved elsewhere (selective activation
-        # checkpointing keeps matmul outputs), and must stay partial there
-        return _all_reduce(x, mesh)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    """Shards on ``dim`` leaving a computation, replicated: all-gather, and the backward
-    keeps this rank's slice (the gradient of a replicated value is the same everywhere)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-        ctx.mesh, ctx.dim = mesh, dim
-        return _all_gather(x, mesh, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        # the forward's shards are even; narrow, not chunk()[rank]: the rank may be symbolic
-        size = grad.shape[ctx.dim] // ctx.mesh.size()
-        piece = grad.narrow(ctx.dim, ctx.mesh.get_local_rank() * size, size)
-        return piece.contiguous(), None, None
-
-
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    """Shards on ``dim`` entering a computation that needs them whole: all-gather,
-    reduce-scatter backward (each rank's gradient of the whole is a partial sum)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-        ctx.mesh, ctx.dim = mesh, dim
-        return _all_gather(x, mesh, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.mesh, ctx.dim), None, None
-
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    """Partial sums leaving a row-parallel computation, sharded on ``dim``: reduce-scatter,
-    all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-        ctx.mesh, ctx.dim = mesh, dim
-        return _reduce_scatter(x, mesh, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.mesh, ctx.dim), None, None
-
-
-# The collectives are c10d's, called directly: on this path they cost about half of what the
-# functional collectives' dispatch and wait machinery adds on top of them (measured on
-# CPU/gloo: 0.7 ms against 1.2 ms for a small all-reduce). torch.compile traces them as
-# functional collectives all the same.
-
-
-def _size(mesh: DeviceMesh) -> int:
-    """``mesh.size()`` of a 1-D mesh, computed once per mesh (torch recomputes it from the
-    mesh's layout on every call, some microseconds on every collective). Only the size is
-    kept: a process group held here would outlive ``destroy_process_group`` and be torn down
-    at interpreter exit, which can abort the process."""
-    if torch.compiler.is_compiling():
-        return mesh.size()  # traced once anyway; no Python state
-    key = id(mesh)
-    entry = _SIZES.get(key)
-    if entry is None or entry[0]() is not mesh:
-        forget = functools.partial(_SIZES.pop, key, None)
-        entry = _SIZES[key] = (weakref.ref(mesh, lambda _: forget()), mesh.size())
-    return entry[1]
-
-
-# id(mesh) -> (weak reference to the mesh, its size); an entry goes with its mesh
-_SIZES: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    out = x.contiguous().clone()  # out of place: autograd may still need x
-    dist.all_reduce(out, group=mesh.get_group())
-    return out
-
-
-def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    # c10d concatenates along dim 0: gather whole shards, then put the rank index just
-    # before ``dim`` and merge the two. One copy at most, none when ``dim`` leads (or the
-    # dims before it have size 1); the result is contiguous either way, once here rather
-    # than in every consumer (q, k and v would each copy it, and each save its own copy)
-    n, dim = _size(mesh), dim % x.ndim
-    x = x.contiguous()
-    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=mesh.get_group())
-    whole = out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
-    return whole.contiguous()
-
-
-def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    # c10d scatters along dim 0: bring the ranks' chunks of ``dim`` to the front (one copy,
-    # none when ``dim`` leads); this rank's chunk then comes out contiguous
-    n, dim = _size(mesh), dim % x.ndim
-    chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
-    out = x.new_empty(chunks.shape[1:])
-    dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=mesh.get_group())
-    return out
-
-
-def enter_replicated(value: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
-    """Make the full input of a column-parallel computation, as a local tensor.
-
-    Every rank computes with the whole input, so each rank's input gradient is only its own
-    contribution: the backward sums them (all-reduce, or reduce-scatter when the input came
-    in sharded).
-    """
-    if isinstance(value, DTensor):
-        if value.placements != _REPLICATED:
-            value = redistribute(value, Replicate())
-        return _partial_local(value)
-    if isinstance(layout, Replicate):
-        if not value.requires_grad:
-            return value  # nothing to gather now, no gradient to reduce later
-        return _shared_entry(value, mesh, None, lambda: _CopyToRegion.apply(value, mesh))
-    if isinstance(layout, Shard):
-        dim = normalize(layout, value.ndim).dim
-        return _shared_entry(
-            value, mesh, dim, lambda: _GatherFromSequenceRegion.apply(value, mesh, dim)
-        )
-    return _partial_local(redistribute(annotate(value, mesh, layout), Replicate()))
-
-
+_RUNTIMES: dict[str, type[DTensorRuntime]] = {"fast": FastRuntime, "dtensor": DTensorRuntime}
 _REPLICATED = (Replicate(),)
+
+
+# ------------------------------------------------------------------------------------------
+# The fast runtime's shared entries and replicated DTensors
+# ------------------------------------------------------------------------------------------
 
 
 def _shared_entry(value: torch.Tensor, mesh: DeviceMesh, dim: int | None, enter) -> torch.Tensor:
@@ -431,162 +664,89 @@ class _LocalOfReplicated(torch.autograd.Function):
         return _dtensor(grad, spec, False)
 
 
-def enter_sharded(value: torch.Tensor, mesh: DeviceMesh, layout: Placement, want: Shard):
-    """Make the local shard (on ``want``) of a row-parallel computation's input."""
-    if not isinstance(value, DTensor):
-        if layout == want:
-            return value  # already the local shard; its gradient is the local shard too
-        value = annotate(value, mesh, layout)
-    return redistribute(value, want).to_local()
-
-
-def reduce_partial(
-    partial: torch.Tensor, mesh: DeviceMesh, layout: Placement, use_local: bool
-) -> torch.Tensor:
-    """Sum the partial results of a row-parallel computation into ``layout``."""
-    if use_local and isinstance(layout, Replicate):
-        return _ReduceFromRegion.apply(partial, mesh)
-    if use_local and isinstance(layout, Shard):
-        return _ReduceScatterToSequenceRegion.apply(partial, mesh, layout.dim)
-    # a partial sum has the global shape on every rank
-    dt = DTensor.from_local(
-        partial, mesh, (Partial(),), shape=partial.shape, stride=partial.stride()
-    )
-    dt = redistribute(dt, layout)
-    return dt.to_local() if use_local else dt
-
-
-def leave(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    computed: Placement,
-    layout: Placement,
-    use_local: bool,
-    global_shape: torch.Size,
-) -> torch.Tensor:
-    """Turn a locally computed result with layout ``computed`` into the module's output.
-
-    ``global_shape`` is passed explicitly because shards need not be even (a vocabulary of
-    1001 over two ranks), which DTensor cannot infer from one rank's local shape.
-    """
-    if computed == layout and use_local:
-        return local  # the common case pays for no DTensor at all
-    if (
-        use_local
-        and isinstance(computed, Shard)
-        and isinstance(layout, Replicate)
-        and global_shape[computed.dim] % mesh.size() == 0
-    ):
-        return _GatherFromRegion.apply(local, mesh, computed.dim)
-    dt = DTensor.from_local(
-        local,
-        mesh,
-        (computed,),
-        run_check=False,
-        shape=global_shape,
-        stride=contiguous_stride(global_shape),
-    )
-    dt = redistribute(dt, layout)
-    return dt.to_local() if use_local else dt
-
-
-def shard_range(size: int, mesh: DeviceMesh) -> tuple[int, int]:
-    """The ``[start, stop)`` of this rank's rows when ``size`` rows are ``Shard``-ed."""
-    return chunk_range(size, mesh.size(), mesh.get_local_rank())
-
-
-def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of chunk ``index`` of ``size`` items split as DTensor's ``Shard``
-    (and :func:`torch.chunk`) split them: ``ceil(size / n)`` each, the tail ones shorter or
-    empty."""
-    chunk = -(-size // num_chunks)  # ceil, in integers
-    start = index * chunk
-    if not isinstance(start, int):
-        # a rank that differs per simulated rank (a SymInt under LocalTensorMode): min()
-        # would compare it as one value
-        start = torch.sym_min(start, size)
-        return start, torch.sym_min(start + chunk, size)
-    start = min(start, size)
-    return start, min(start + chunk, size)
-
-
-def _on_rank_zero(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """``local`` on rank 0 of the 1-D ``mesh``, zeros of its shape on the others: a whole
-    value as a partial sum, exactly (unlike dividing it by the mesh size)."""
-    rank = mesh.get_local_rank()
-    if isinstance(rank, int):
-        return local if rank == 0 else torch.zeros_like(local)
-    # a SymInt under LocalTensorMode (every rank simulated in one process), where a branch
-    # on the rank would take one side for all ranks: multiply by 1 on rank 0, 0 elsewhere
-    return local * (1 - torch.sym_min(rank, 1))
-
-
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (as torch computes them)."""
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 # ------------------------------------------------------------------------------------------
 # Gradients of replicated parameters
 #
 # A replicated parameter used on shards (a norm on a sequence shard, the bias of a row-wise
 # layer whose output is sharded) gets a *partial* gradient on each rank: each rank saw only
 # its part of the tokens. DTensor labels it Partial; the full gradient is the sum over ranks.
-# Reducing each one as it arrives costs a collective per parameter. Instead the gradients
-# stay Partial during backward and are summed at its end in one flat all-reduce per mesh:
+# Reducing each one as it arrives costs a collective per parameter. The fast runtime keeps
+# them Partial during backward and sums them at its end in one flat all-reduce per mesh:
 # Megatron's coalesced all-reduce of sequence-parallel norm gradients, done automatically.
 # ------------------------------------------------------------------------------------------
 
-_pending: dict[int, nn.Parameter] = {}  # params whose partial gradient awaits the reduction
 
+class PartialGradientReduction:
+    """The end-of-backward reduction of the partial gradients of replicated parameters on one
+    mesh.
 
-def sum_partial_gradient_at_end_of_backward(param: nn.Parameter) -> None:
-    """Make ``param``'s partial gradients full (Replicate) at the end of every backward.
-
-    The gradient still arrives on ``param.grad`` as on one device, and accumulates across
-    backward passes (micro-batches) without extra communication. This hook covers the
-    parameter wherever it is used; it is lost when ``module.to()`` or ``to_empty()`` swaps the
-    parameter's contents, which is why the styles' own local paths use
-    :func:`local_parameter` instead, which needs no hook.
+    One per :class:`DeviceMesh`, made by the first fast runtime on it and kept on the mesh
+    object itself (:meth:`of`), so that every module parallelized on that mesh, in one
+    :func:`~torch_tp.parallelize_module` call or in many (one per block), shares one
+    all-reduce per backward pass; it goes away with the mesh. The parameters it covers
+    reference it from their hooks and autograd Functions. It holds parameters only between
+    the first partial gradient of a backward pass and the reduction at the pass's end; a pass
+    that raised never runs its reduction, and its pending gradients are summed at the end of
+    the next pass, with that pass's own.
     """
-    # a strong reference (a weak one would make the parameter unswappable by module.to())
-    param.register_hook(functools.partial(_on_partial_gradient, param))
 
+    _ATTRIBUTE = "_torch_tp_partial_gradients"
 
-def local_parameter(module: nn.Module, name: str, *, partial: bool = False) -> torch.Tensor | None:
-    """The local value of ``module``'s DTensor parameter ``name``, for its own computation.
+    def __init__(self) -> None:
+        self._pending: dict[int, nn.Parameter] = {}
+        self._queued_for = -1  # the backward pass whose end runs the reduction
 
-    ``param.to_local()``, with the same value and the same gradient (a DTensor laid out like
-    the parameter), for the hot path: every Linear, every step. With ``partial`` the
-    parameter is replicated and the computation sees only this rank's share of the data:
-    each rank's gradient is then a partial sum, summed over the ranks at the end of
-    backward, with every other such gradient, in one all-reduce.
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> PartialGradientReduction:
+        """The reduction of ``mesh`` (made on first use)."""
+        found = mesh.__dict__.get(cls._ATTRIBUTE)
+        if found is None:
+            found = mesh.__dict__[cls._ATTRIBUTE] = cls()
+        return found
 
-    The gradient's spec is the parameter's own, known at forward time, instead of being
-    rebuilt and checked in every backward: a third of ``to_local()``'s cost (80 against
-    230 us for a forward and backward on CPU). Without grad it is the local tensor itself.
+    @property
+    def pending(self) -> int:
+        """How many parameters' gradients await the reduction."""
+        return len(self._pending)
 
-    (A view kept across steps would save the autograd Function too, but not correctly: its
-    node would keep the sequence number of the step that made it, so the engine would run it
-    after every node of later steps, and FSDP2's post-backward would find no gradient.)
-    """
-    params = module._parameters
-    # not registered under its name when parametrized: then the computed tensor
-    param = params[name] if name in params else getattr(module, name)
-    if not isinstance(param, DTensor):
-        return param
-    if torch.compiler.is_compiling():
-        # compiled graphs have no per-op cost to save (and a compiled backward cannot
-        # schedule the reduction of a partial gradient: the parameter's hook does it)
-        return param.to_local(grad_placements=(Partial(),) if partial else None)
-    local = param._local_tensor
-    if not (param.requires_grad and torch.is_grad_enabled()):
-        return local  # nothing flows back
-    return (_PartialLocal if partial else _LocalValue).apply(param)
+    def add(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """Defer ``param``'s gradient ``grad`` to the end of the backward pass if it is
+        partial (a tensor hook: returns the gradient to accumulate)."""
+        if not isinstance(grad, DTensor) or grad.placements != (Partial(),):
+            return grad
+        previous = param.grad
+        if isinstance(previous, DTensor) and previous.placements == _REPLICATED:
+            # accumulation onto a full gradient: express it as a partial sum (rank 0 holds it,
+            # the others zeros — exact, unlike dividing by the mesh size) so that the new
+            # partial adds locally and the single reduction at the end sums both
+            mesh = previous.device_mesh
+            local = _on_rank_zero(previous.to_local(), mesh)
+            param.grad = DTensor.from_local(
+                local, mesh, (Partial(),), shape=grad.shape, stride=grad.stride()
+            )
+        self._pending[id(param)] = param
+        # one callback per backward pass
+        task = torch._C._current_graph_task_id()
+        if task != self._queued_for:
+            self._queued_for = task
+            Variable._execution_engine.queue_callback(self._reduce)
+        return grad
+
+    def _reduce(self) -> None:
+        params = [p for p in self._pending.values() if isinstance(p.grad, DTensor)]
+        self._pending.clear()
+        by_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
+        for param in params:
+            if param.grad.placements == (Partial(),):
+                by_mesh.setdefault(param.grad.device_mesh, []).append(param)
+        for mesh, group in by_mesh.items():
+            locals_ = [p.grad.to_local() for p in group]
+            flat = _regions.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)
+            sizes = [t.numel() for t in locals_]
+            for param, piece in zip(group, flat.split(sizes), strict=True):
+                grad = param.grad
+                local = piece.view_as(grad._local_tensor)
+                param.grad = _dtensor(local, _respec(grad._spec, Replicate()), False)
 
 
 class _LocalValue(torch.autograd.Function):
@@ -612,16 +772,16 @@ class _PartialLocal(torch.autograd.Function):
     gradient is labelled Partial and summed over the ranks at the end of backward."""
 
     @staticmethod
-    def forward(ctx, param: DTensor) -> torch.Tensor:
-        ctx.param = param
+    def forward(ctx, param: DTensor, reduction: PartialGradientReduction) -> torch.Tensor:
+        ctx.param, ctx.reduction = param, reduction
         local = param._local_tensor
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> DTensor:
+    def backward(ctx, grad: torch.Tensor):
         param = ctx.param
         partial = _dtensor(grad.contiguous(), _respec(param._spec, Partial()), False)
-        return _on_partial_gradient(param, partial)
+        return ctx.reduction.add(param, partial), None
 
 
 def _respec(spec: DTensorSpec, placement: Placement) -> DTensorSpec:
@@ -635,47 +795,3 @@ def _respec(spec: DTensorSpec, placement: Placement) -> DTensorSpec:
 
 
 _RESPEC = "_torch_tp_respec"
-
-
-def _on_partial_gradient(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-    if not isinstance(grad, DTensor) or grad.placements != (Partial(),):
-        return grad
-    previous = param.grad
-    if isinstance(previous, DTensor) and previous.placements == (Replicate(),):
-        # accumulation onto a full gradient: express it as a partial sum (rank 0 holds it,
-        # the others zeros — exact, unlike dividing by the mesh size) so that the new partial
-        # adds locally and the single reduction at the end sums both
-        mesh = previous.device_mesh
-        local = _on_rank_zero(previous.to_local(), mesh)
-        param.grad = DTensor.from_local(
-            local, mesh, (Partial(),), shape=grad.shape, stride=grad.stride()
-        )
-    _pending[id(param)] = param
-    # one callback per backward pass (a pass that raised never ran its callbacks; the next
-    # one has another id)
-    task = torch._C._current_graph_task_id()
-    if task != _queued_for[0]:
-        _queued_for[0] = task
-        Variable._execution_engine.queue_callback(_reduce_pending)
-    return grad
-
-
-_queued_for = [-1]  # the backward pass whose end reduces the pending gradients
-
-
-def _reduce_pending() -> None:
-    if not _pending:
-        return
-    params = [p for p in _pending.values() if isinstance(p.grad, DTensor)]
-    _pending.clear()
-    by_mesh: dict[DeviceMesh, list[nn.Parameter]] = {}
-    for param in params:
-        if param.grad.placements == (Partial(),):
-            by_mesh.setdefault(param.grad.device_mesh, []).append(param)
-    for mesh, group in by_mesh.items():
-        locals_ = [p.grad.to_local() for p in group]
-        flat = _all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)
-        for param, piece in zip(group, flat.split([t.numel() for t in locals_]), strict=True):
-            grad = param.grad
-            local = piece.view_as(grad._local_tensor)
-            param.grad = _dtensor(local, _respec(grad._spec, Replicate()), False)

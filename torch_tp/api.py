@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torch_tp import _layouts
 from torch_tp.plan import is_style, mark_applied, resolve_plan, validate_plan
 from torch_tp.random import _ensure_tracker
 from torch_tp.style import ParallelStyle
@@ -56,6 +57,12 @@ def parallelize_module(
             and ties them again afterwards; a later call that lays the other module's weight
             out alike on the same mesh shares the same parameter again). Default: ``True``.
 
+    The environment variable ``TORCH_TP_RUNTIME``, read once per call, selects how the
+    parallelized modules change layouts at run time: ``fast`` (the default: Megatron-style
+    regions, shared entries and one end-of-backward reduction of partial gradients) or
+    ``dtensor`` (every layout change through plain DTensor: the reference, to tell a wrong
+    result apart from a wrong fast path). Both give the same results.
+
     Returns:
         The parallelized :class:`nn.Module` (``module`` itself, or what a single style's
         ``_apply`` returns).
@@ -64,7 +71,8 @@ def parallelize_module(
         TypeError: the plan is not a style or a dict, or a plan value is not a style.
         ValueError: a key matches no submodule or a tied weight would come apart (when
             ``strict``), two keys match one module, a module was parallelized before, a
-            style name is unknown, or the mesh is not 1-D.
+            style name is unknown, the mesh is not 1-D, or ``TORCH_TP_RUNTIME`` names no
+            runtime.
         NotImplementedError: a style does not support the type of the module it names, or a
             style name has no torch_tp style yet.
 
@@ -90,16 +98,19 @@ def parallelize_module(
 
     entries = resolve_plan(module, parallelize_plan, strict=strict)
     validate_plan(entries, device_mesh, module, strict=strict)
+    _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
     # dropout in a fork() region works out of the box; this never reseeds the default stream
     _ensure_tracker(device_mesh)
 
     result = module
-    for entry in entries:
-        entry.style.src_data_rank = src_data_rank
-        applied = entry.style._apply(entry.module, device_mesh)
-        mark_applied(entry)
-        if is_style(parallelize_plan):
-            result = applied
+    # every style of this call gets the runtime TORCH_TP_RUNTIME selects now
+    with _layouts.applying():
+        for entry in entries:
+            entry.style.src_data_rank = src_data_rank
+            applied = entry.style._apply(entry.module, device_mesh)
+            mark_applied(entry)
+            if is_style(parallelize_plan):
+                result = applied
     return result
 
 

@@ -285,17 +285,19 @@ def _in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> Value
 
 def _distribute_parameters(
     module: nn.Module,
-    device_mesh: DeviceMesh,
+    rt: _layouts.DTensorRuntime,
     placements: dict[str, Placement],
     src_data_rank: int | None,
 ) -> None:
-    """Replace each named direct parameter of ``module`` by a DTensor with that placement.
+    """Replace each named direct parameter of ``module`` by a DTensor with that placement, on
+    the runtime's mesh.
 
     A parameter tied between modules (GPT-2's ``wte`` and ``lm_head``) is distributed once:
     the first module's style leaves the new DTensor parameter on the old one, and the
     others register that same object, so the weights stay tied. :func:`parallelize_module`
     has checked that every owner lays it out alike.
     """
+    device_mesh = rt.mesh
     for name, placement in placements.items():
         param = getattr(module, name)
         if param is None:
@@ -313,7 +315,7 @@ def _distribute_parameters(
             # computing on shards (a sequence shard, a sharded output) leaves each rank with a
             # partial sum of a replicated parameter's gradient: sum it (once per backward for
             # all such parameters), so every rank holds the full gradient, as on one device
-            _layouts.sum_partial_gradient_at_end_of_backward(new)
+            rt.sum_partial_gradients(new)
         setattr(param, _DISTRIBUTED_AS, new)
         module.register_parameter(name, new)
 
@@ -426,16 +428,17 @@ class _ShardLinearEmbedding(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported type must not be half-applied
+        rt = _layouts.runtime(device_mesh)
         params = self._parameter_placements(module)
-        _distribute_parameters(module, device_mesh, params, self.src_data_rank)
+        _distribute_parameters(module, rt, params, self.src_data_rank)
         if _uses_stock_forward(module):
             forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
-            module.forward = functools.partial(forward, module, device_mesh)
+            module.forward = functools.partial(forward, module, rt)
         else:
             _hook_dtensor_forward(
                 self,
                 module,
-                device_mesh,
+                rt,
                 self.input_layouts[0],
                 self._desired_input(module),
                 self.output_layouts[0],
@@ -517,20 +520,22 @@ class ColwiseParallel(_ShardLinearEmbedding):
         out_dim = 0 if isinstance(module, nn.Linear) else 1
         return {"weight": self._shard(out_dim), "bias": self._shard(0)}
 
-    def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
+    def _linear(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
         try:
-            x = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
-            weight = _layouts.local_parameter(module, "weight")
-            y = _project(module, x, weight, _layouts.local_parameter(module, "bias"))
-            return self._leave(y, mesh, _out_features(module))
+            x = rt.enter_replicated(input, self.input_layouts[0])
+            weight = rt.local_parameter(module, "weight")
+            y = _project(module, x, weight, rt.local_parameter(module, "bias"))
+            return self._leave(y, rt, _out_features(module))
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
 
     def _embedding(
-        self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
+        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor
     ) -> torch.Tensor:
         try:
-            ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+            ids = rt.enter_replicated(input, self.input_layouts[0])
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
         try:
@@ -538,7 +543,7 @@ class ColwiseParallel(_ShardLinearEmbedding):
             # GPU, with a device-side assert, as on one device)
             y = F.embedding(
                 ids,
-                _layouts.local_parameter(module, "weight"),
+                rt.local_parameter(module, "weight"),
                 module.padding_idx,
                 scale_grad_by_freq=module.scale_grad_by_freq,
             )
@@ -547,18 +552,18 @@ class ColwiseParallel(_ShardLinearEmbedding):
                 f"{_where(self, module)}: {err}: token ids must be in [0, {module.num_embeddings})"
             ) from err
         try:
-            return self._leave(y, mesh, module.embedding_dim)
+            return self._leave(y, rt, module.embedding_dim)
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
 
-    def _leave(self, y: torch.Tensor, mesh: DeviceMesh, features: int) -> torch.Tensor:
+    def _leave(self, y: torch.Tensor, rt: _layouts.DTensorRuntime, features: int) -> torch.Tensor:
         """``y``, computed sharded on its last dim (``features`` in all), as the output."""
         layout = self.output_layouts[0]
         if self.use_local_output and type(layout) is Shard and layout.dim in (-1, y.ndim - 1):
             return y  # the common case: as computed
         layout = _layouts.normalize(layout, y.ndim)
         shape = torch.Size((*y.shape[:-1], features))
-        return _layouts.leave(y, mesh, Shard(y.ndim - 1), layout, self.use_local_output, shape)
+        return rt.leave(y, Shard(y.ndim - 1), layout, self.use_local_output, shape)
 
 
 class RowwiseParallel(_ShardLinearEmbedding):
@@ -660,15 +665,17 @@ class RowwiseParallel(_ShardLinearEmbedding):
         biased = not isinstance(module, nn.Embedding) and getattr(module, "bias", None) is not None
         return ("bias",) if sharded and biased else ()
 
-    def _linear(self, module: nn.Module, mesh: DeviceMesh, input: torch.Tensor) -> torch.Tensor:
+    def _linear(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
         layout, x = self.input_layouts[0], input
         last = type(layout) is Shard and layout.dim in (-1, x.ndim - 1)
         try:
             if isinstance(x, DTensor) or not last:  # else the local shard it computes with
                 layout = _layouts.normalize(layout, x.ndim)
-                x = _layouts.enter_sharded(x, mesh, layout, self._shard(x.ndim - 1))
-            partial = _project(module, x, _layouts.local_parameter(module, "weight"), None)
-            y = self._reduce(partial, mesh, module)
+                x = rt.enter_sharded(x, layout, self._shard(x.ndim - 1))
+            partial = _project(module, x, rt.local_parameter(module, "weight"), None)
+            y = self._reduce(partial, rt, module)
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
         if module.bias is None:
@@ -678,14 +685,14 @@ class RowwiseParallel(_ShardLinearEmbedding):
             return y + module.bias
         # on a sharded output each rank's bias gradient sums over its shard only: partial
         if isinstance(self.output_layouts[0], Shard):
-            return y + _layouts.local_parameter(module, "bias", partial=True)
-        return y + _layouts.local_parameter(module, "bias")
+            return y + rt.local_parameter(module, "bias", partial=True)
+        return y + rt.local_parameter(module, "bias")
 
     def _embedding(
-        self, module: nn.Embedding, mesh: DeviceMesh, input: torch.Tensor
+        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor
     ) -> torch.Tensor:
         try:
-            ids = _layouts.enter_replicated(input, mesh, self.input_layouts[0])
+            ids = rt.enter_replicated(input, self.input_layouts[0])
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
         if ids.numel() and not ids.is_meta and not torch.compiler.is_compiling():
@@ -698,8 +705,8 @@ class RowwiseParallel(_ShardLinearEmbedding):
             low, high = torch.aminmax(ids)
             if ((low < 0) | (high >= module.num_embeddings)).item():
                 raise self._ids_out_of_range(module, ids)
-        start, stop = _layouts.shard_range(module.num_embeddings, mesh)
-        weight = _layouts.local_parameter(module, "weight")
+        start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)
+        weight = rt.local_parameter(module, "weight")
         # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
         # (the reduction below) then holds exactly one real row per id
         foreign = (ids < start) | (ids >= stop)
@@ -711,7 +718,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         else:  # an empty shard (tiny vocabulary): contribute zeros, keep the graph
             y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
         try:
-            return self._reduce(y, mesh, module)
+            return self._reduce(y, rt, module)
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
 
@@ -726,24 +733,24 @@ class RowwiseParallel(_ShardLinearEmbedding):
             f"found {shown} ({bad.numel()} of {ids.numel()} ids out of range)"
         )
 
-    def _reduce(self, partial: torch.Tensor, mesh: DeviceMesh, module: nn.Module):
+    def _reduce(self, partial: torch.Tensor, rt: _layouts.DTensorRuntime, module: nn.Module):
         layout = self.output_layouts[0]
         if type(layout) is not Replicate:
             layout = _layouts.normalize(layout, partial.ndim)
         if (
             self.use_local_output
             and isinstance(layout, Shard)
-            and partial.shape[layout.dim] % mesh.size()
+            and partial.shape[layout.dim] % rt.mesh.size()
         ):
             # uneven local shards cannot be annotated back into a DTensor downstream (from a
             # local tensor alone the global size is unknown): fail here, clearly
             raise ValueError(
                 f"{_where(self, module)}: the output is sharded on dim {layout.dim} of size "
-                f"{partial.shape[layout.dim]}, which does not divide by the {mesh.size()} "
+                f"{partial.shape[layout.dim]}, which does not divide by the {rt.mesh.size()} "
                 "ranks; make it divisible (e.g. the sequence length, for sequence "
                 "parallelism) or pass use_local_output=False"
             )
-        return _layouts.reduce_partial(partial, mesh, layout, self.use_local_output)
+        return rt.reduce_partial(partial, layout, self.use_local_output)
 
 
 class _Packed:
@@ -861,7 +868,7 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
         super()._validate(module, device_mesh)
         self._validate_parts(_out_features(module), "the output features", device_mesh)
 
-    def _leave(self, y: torch.Tensor, mesh: DeviceMesh, features: int) -> torch.Tensor:
+    def _leave(self, y: torch.Tensor, rt: _layouts.DTensorRuntime, features: int) -> torch.Tensor:
         computed = _StridedShard(y.ndim - 1, split_factor=self.parts)
         if isinstance(self.output_layouts[0], Replicate):
             layout = Replicate()
@@ -870,7 +877,7 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
         else:
             layout = computed
         shape = torch.Size((*y.shape[:-1], features))
-        return _layouts.leave(y, mesh, computed, layout, self.use_local_output, shape)
+        return rt.leave(y, computed, layout, self.use_local_output, shape)
 
 
 class PackedRowwiseParallel(_Packed, RowwiseParallel):
@@ -953,14 +960,17 @@ class _ReplicatedParameters(ParallelStyle):
         return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rt = _layouts.runtime(device_mesh)
         params = self._parameter_placements(module)
-        _distribute_parameters(module, device_mesh, params, self.src_data_rank)
+        _distribute_parameters(module, rt, params, self.src_data_rank)
         own_forward = type(module).forward
-        module.forward = functools.partial(self._forward, module, device_mesh, own_forward)
+        module.forward = functools.partial(self._forward, module, rt, own_forward)
         return module
 
     @abstractmethod
-    def _forward(self, module: nn.Module, mesh: DeviceMesh, own_forward, *inputs, **kwargs):
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
         """The module's forward, given its own (unbound) ``own_forward``."""
 
 
@@ -1031,7 +1041,9 @@ class SequenceParallel(_ReplicatedParameters):
             )
         _check_not_distributed(module)
 
-    def _forward(self, module: nn.Module, mesh: DeviceMesh, own_forward, *inputs, **kwargs):
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             found = type(inputs[0]).__name__ if inputs else "no input"
             raise ValueError(
@@ -1045,7 +1057,7 @@ class SequenceParallel(_ReplicatedParameters):
             raise _in_module(self, module, err) from None
         global_shape = None  # a local input: even shards, as everywhere
         if isinstance(x, DTensor):
-            x = _layouts.redistribute(x, layout)
+            x = rt.redistribute(x, layout)
             global_shape = x.shape
             x = x.to_local()
         if own_forward is nn.Dropout.forward:
@@ -1059,17 +1071,17 @@ class SequenceParallel(_ReplicatedParameters):
                     module.p,
                     module.training,
                     module.inplace,
-                    device_mesh=mesh,
+                    device_mesh=rt.mesh,
                     sequence_dim=layout.dim,
                     global_shape=global_shape,
                 )
         else:
             # the module's own forward, on the local sequence shard: a norm treats every
             # position alike, so the shard's result is the shard of the whole result
-            out = _run_on_local_parameters(module, True, own_forward, x, *inputs[1:], **kwargs)
+            out = _run_on_local_parameters(module, rt, True, own_forward, x, *inputs[1:], **kwargs)
         if self.use_local_output or not isinstance(out, torch.Tensor):
             return out
-        return DTensor.from_local(out, mesh, (layout,))
+        return DTensor.from_local(out, rt.mesh, (layout,))
 
 
 class ReplicateParallel(_ReplicatedParameters):
@@ -1126,8 +1138,12 @@ class ReplicateParallel(_ReplicatedParameters):
             )
         _check_not_distributed(module)
 
-    def _forward(self, module: nn.Module, mesh: DeviceMesh, own_forward, *inputs, **kwargs):
-        return _run_on_local_parameters(module, self.sum_gradients, own_forward, *inputs, **kwargs)
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        return _run_on_local_parameters(
+            module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
+        )
 
 
 class AttentionHeads(ParallelStyle):
@@ -1259,7 +1275,12 @@ def _is_attribute_path(text: str) -> bool:
 
 
 def _run_on_local_parameters(
-    module: nn.Module, partial: bool, forward, *inputs: Any, **kwargs: Any
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    partial: bool,
+    forward,
+    *inputs: Any,
+    **kwargs: Any,
 ) -> Any:
     """Run ``forward`` (``module``'s own, unbound) with its DTensor parameters seen as local
     tensors.
@@ -1270,7 +1291,7 @@ def _run_on_local_parameters(
     """
     params = module._parameters
     module.__dict__["_parameters"] = {
-        name: _layouts.local_parameter(module, name, partial=partial) for name in params
+        name: rt.local_parameter(module, name, partial=partial) for name in params
     }
     try:
         return forward(module, *inputs, **kwargs)
@@ -1281,7 +1302,7 @@ def _run_on_local_parameters(
 def _hook_dtensor_forward(
     style: ParallelStyle,
     module: nn.Module,
-    mesh: DeviceMesh,
+    rt: _layouts.DTensorRuntime,
     input_layout: Placement,
     desired_input: Placement,
     output_layout: Placement,
@@ -1292,7 +1313,7 @@ def _hook_dtensor_forward(
 
     def enter(mod: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         try:
-            x = _layouts.prepare(inputs[0], mesh, input_layout, desired_input, False)
+            x = rt.prepare(inputs[0], input_layout, desired_input, False)
         except _layouts.ShardDimError as err:
             raise _in_module(style, mod, err) from None
         return (x, *inputs[1:])
@@ -1301,7 +1322,7 @@ def _hook_dtensor_forward(
         if not isinstance(output, DTensor):
             return output
         try:
-            out = _layouts.redistribute(output, _layouts.normalize(output_layout, output.ndim))
+            out = rt.redistribute(output, _layouts.normalize(output_layout, output.ndim))
         except _layouts.ShardDimError as err:
             raise _in_module(style, mod, err) from None
         return out.to_local() if use_local_output else out
@@ -1409,35 +1430,42 @@ class PrepareModuleInput(ParallelStyle):
         return Boundary(args, kwargs, exact=self.input_layouts is not None)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rt = _layouts.runtime(device_mesh)
         if self.with_kwargs:
             module.register_forward_pre_hook(
-                functools.partial(self._prepare_with_kwargs, device_mesh), with_kwargs=True
+                functools.partial(self._prepare_with_kwargs, rt), with_kwargs=True
             )
         else:
-            module.register_forward_pre_hook(functools.partial(self._prepare_hook, device_mesh))
+            module.register_forward_pre_hook(functools.partial(self._prepare_hook, rt))
         return module
 
-    def _prepare_hook(self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...]):
-        return self._prepare_args(mesh, module, inputs)
+    def _prepare_hook(
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
+    ):
+        return self._prepare_args(rt, module, inputs)
 
     def _prepare_with_kwargs(
-        self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict
+        self,
+        rt: _layouts.DTensorRuntime,
+        module: nn.Module,
+        inputs: tuple[Any, ...],
+        kwargs: dict,
     ):
         prepared = {
             key: self._prepare_one(
                 module,
                 key,
                 value,
-                mesh,
+                rt,
                 self.input_kwarg_layouts.get(key),
                 self.desired_input_kwarg_layouts.get(key),
             )
             for key, value in kwargs.items()
         }
-        return self._prepare_args(mesh, module, inputs), prepared
+        return self._prepare_args(rt, module, inputs), prepared
 
     def _prepare_args(
-        self, mesh: DeviceMesh, module: nn.Module, inputs: tuple[Any, ...]
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
     ) -> tuple[Any, ...]:
         if self.input_layouts is None:
             return inputs
@@ -1447,14 +1475,19 @@ class PrepareModuleInput(ParallelStyle):
                 f"length! found {len(inputs)} inputs for {len(self.input_layouts)} layouts"
             )
         return tuple(
-            self._prepare_one(module, i, value, mesh, layout, desired)
+            self._prepare_one(module, i, value, rt, layout, desired)
             for i, (value, layout, desired) in enumerate(
                 zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
             )
         )
 
     def _prepare_one(
-        self, module: nn.Module, where: int | str, value: Any, mesh: DeviceMesh, *layouts
+        self,
+        module: nn.Module,
+        where: int | str,
+        value: Any,
+        rt: _layouts.DTensorRuntime,
+        *layouts: Placement | None,
     ):
         """Prepare one input; ``where`` is its position, or its keyword (named on error only:
         this runs for every input of every call)."""
@@ -1466,7 +1499,7 @@ class PrepareModuleInput(ParallelStyle):
                 f"{layouts[0]}, found {type(value).__name__}"
             )
         try:
-            return _layouts.prepare(value, mesh, *layouts, self.use_local_output)
+            return rt.prepare(value, *layouts, self.use_local_output)
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
 
@@ -1539,10 +1572,13 @@ class PrepareModuleOutput(ParallelStyle):
             )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(functools.partial(self._prepare_hook, device_mesh))
+        rt = _layouts.runtime(device_mesh)
+        module.register_forward_hook(functools.partial(self._prepare_hook, rt))
         return module
 
-    def _prepare_hook(self, mesh: DeviceMesh, module: nn.Module, inputs: Any, outputs: Any):
+    def _prepare_hook(
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: Any, outputs: Any
+    ):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outputs) != len(self.output_layouts):
             raise ValueError(
@@ -1559,9 +1595,7 @@ class PrepareModuleOutput(ParallelStyle):
                     f"layout {layout}, found {type(value).__name__}"
                 )
             try:
-                prepared.append(
-                    _layouts.prepare(value, mesh, layout, desired, self.use_local_output)
-                )
+                prepared.append(rt.prepare(value, layout, desired, self.use_local_output))
             except _layouts.ShardDimError as err:
                 raise _in_module(self, module, err) from None
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
