@@ -3,10 +3,12 @@
 All project metadata lives here; ``pyproject.toml`` only declares the build system and the
 tool configuration (ruff, pytest).
 
-``torch`` is a lower bound, never a bare name: CI and the README install ``torch==2.13.0``
-(the CPU build on the project's machine) first, and a requirement that this version already
-satisfies keeps pip from replacing it with another (possibly multi-GB CUDA) build. It stays
-the first requirement.
+``torch`` is a range, never a bare name: CI and the README install ``torch==2.13.0`` (the CPU
+build on the project's machine) first, and a requirement that this version already satisfies
+keeps pip from replacing it with another (possibly multi-GB CUDA) build. It stays the first
+requirement. The range is the tested one: CI runs the whole suite on 2.13.0 and again, in a
+second virtualenv, on 2.15.0, the newest release; the private torch APIs torch_tp relies on
+are all in ``torch_tp/_torch_compat.py`` (whose ``SUPPORTED`` states the same range).
 
 The other two requirements are small and depend on nothing (in particular not on torch, so
 they never pull a torch build of their own): ``numpy``, without which torch warns at import,
@@ -34,7 +36,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torch_tp", "torch_tp.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.13", "numpy>=1.26,<3", "safetensors>=0.4"],
+    install_requires=["torch>=2.13,<2.16", "numpy>=1.26,<3", "safetensors>=0.4"],
     extras_require={
         "test": [
             "pytest>=8",

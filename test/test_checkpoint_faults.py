@@ -34,8 +34,8 @@ from helpers import (
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from torch_tp import checkpoint
 from torch_tp.checkpoint import CheckpointError
+from torch_tp.features import checkpoint
 from torch_tp.testing import RankError, run_distributed
 
 # --------------------------------------------------------------------------- helpers

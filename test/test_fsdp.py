@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import torch_tp
-from torch_tp._clip import clip_grad_norm_
+from torch_tp import clip_grad_norm_
 from torch_tp.models import Llama
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import device_type, run_distributed

@@ -29,7 +29,7 @@ from torch_tp import (
     SequenceParallel,
     parallelize_module,
 )
-from torch_tp._layouts import DTensorRuntime, FastRuntime, PartialGradientReduction
+from torch_tp.core._layouts import DTensorRuntime, FastRuntime, PartialGradientReduction
 from torch_tp.testing import run_distributed
 
 

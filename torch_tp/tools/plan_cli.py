@@ -159,7 +159,7 @@ def _build_model(spec: str, seq_len: int) -> nn.Module:
 
 
 def _plan(args: argparse.Namespace, model: nn.Module) -> Any:
-    from torch_tp.plan import from_dict
+    from torch_tp.core.plan import from_dict
 
     spec = args.plan or ("llama" if args.model in BUILT_IN_MODELS else None)
     if spec is None:
@@ -213,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
     Wrong arguments, an unreadable or invalid plan, and a forward that fails on the meta
     device print one error line on stderr, with no traceback.
     """
-    from torch_tp.report import plan_report
+    from torch_tp.tools.report import plan_report
 
     try:
         model = _build_model(args.model, args.seq_len)

@@ -46,18 +46,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Placement, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._pytree import tree_leaves
 
-from torch_tp import _names
-from torch_tp.plan import (
+from torch_tp._torch_compat import StridedShard, tree_leaves
+from torch_tp.core import _names
+from torch_tp.core.plan import (
     PlanEntry,
     parameter_owners,
     planned_placements,
     resolve_plan,
     tied_parameters,
 )
-from torch_tp.style import ParallelStyle
+from torch_tp.core.style import ParallelStyle
 from torch_tp.tools.report.render import (
     _SEVERITIES,
     Collective,
@@ -273,7 +272,7 @@ def _placements(entry: PlanEntry) -> dict[str, Placement]:
 
 
 def _largest_shard(shape: tuple[int, ...], placement: Placement | None, n: int):
-    if not isinstance(placement, (Shard, _StridedShard)):
+    if not isinstance(placement, (Shard, StridedShard)):
         return shape
     local = list(shape)
     local[placement.dim] = math.ceil(shape[placement.dim] / n)
@@ -359,7 +358,7 @@ def _unsharded(model: nn.Module, entries: list[PlanEntry]) -> list[Problem]:
     sharded = {
         id(e.module)
         for e in entries
-        if any(isinstance(p, (Shard, _StridedShard)) for p in _placements(e).values())
+        if any(isinstance(p, (Shard, StridedShard)) for p in _placements(e).values())
     }
     groups: dict[str, list[int]] = {}
     shapes: dict[str, str] = {}

@@ -23,14 +23,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
-from torch_tp import _names
-from torch_tp._layouts import normalize
-from torch_tp.contract import Boundary, Layout
-from torch_tp.plan import (
+from torch_tp._torch_compat import StridedShard, tree_leaves
+from torch_tp.core import _names
+from torch_tp.core._layouts import normalize
+from torch_tp.core.contract import Boundary, Layout
+from torch_tp.core.plan import (
     PlanEntry,
 )
 from torch_tp.tools.report.render import (
@@ -52,8 +51,8 @@ def _neg(layout: Placement, ndim: int) -> Placement:
     """``Shard(d)`` counted from the end, so that it survives ops that add leading dims."""
     if isinstance(layout, Shard) and layout.dim >= 0:
         return Shard(layout.dim - ndim)
-    if isinstance(layout, _StridedShard) and layout.dim >= 0:
-        return _StridedShard(layout.dim - ndim, split_factor=layout.split_factor)
+    if isinstance(layout, StridedShard) and layout.dim >= 0:
+        return StridedShard(layout.dim - ndim, split_factor=layout.split_factor)
     return layout
 
 
@@ -495,7 +494,7 @@ class _Trace:
                 new = _Broken()
             else:
                 new = local[0]
-                if func in _SPLITS and isinstance(new.layout, _StridedShard):
+                if func in _SPLITS and isinstance(new.layout, StridedShard):
                     new = _Local(Shard(new.layout.dim), new.origin, new.ndim)
         for t in outputs:
             if not any(t is i for i in inputs):  # an in-place op keeps its state

@@ -18,6 +18,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torch_tp import _torch_compat as compat
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -101,5 +103,5 @@ def clip_grad_norm_(
             for local in locals_:
                 local.mul_(coef)
         else:
-            torch._foreach_mul_(locals_, coef)
+            compat.foreach_mul_(locals_, coef)
     return total_norm

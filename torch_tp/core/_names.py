@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from torch_tp.contract import STYLE_REGISTRY
-from torch_tp.style import ParallelStyle, _arguments, short_repr
+from torch_tp._torch_compat import StridedShard
+from torch_tp.core.registry import STYLE_REGISTRY
+from torch_tp.core.style import ParallelStyle, _arguments, short_repr
 
 __all__: list[str] = []  # private module: the public entry points are in torch_tp.plan
 
@@ -124,7 +124,7 @@ def placement_to_str(placement: Placement) -> str:
     ``"StridedShard(1, split_factor=3)"`` (a packed weight)."""
     if type(placement) is Shard:
         return f"Shard({placement.dim})"
-    if type(placement) is _StridedShard:  # a packed weight: each rank's slice of each part
+    if type(placement) is StridedShard:  # a packed weight: each rank's slice of each part
         return f"StridedShard({placement.dim}, split_factor={placement.split_factor})"
     if type(placement) is Replicate:
         return "Replicate()"
@@ -158,7 +158,7 @@ def placement_from_str(text: str) -> Placement:
             raise ValueError(
                 f"the split_factor of {text!r} must be a positive int, found {split_factor}"
             )
-        return _StridedShard(int(match.group(1)), split_factor=split_factor)
+        return StridedShard(int(match.group(1)), split_factor=split_factor)
     if match := _PARTIAL.fullmatch(text):
         return Partial(match.group(1) or "sum")
     raise ValueError(

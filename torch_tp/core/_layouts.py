@@ -58,13 +58,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from torch_tp import _regions
+from torch_tp import _torch_compat as compat
+from torch_tp._torch_compat import DTensorSpec, StridedShard, TensorMeta
+from torch_tp.core import _regions
 
 __all__: list[str] = []  # private module
 
@@ -145,7 +144,7 @@ def normalize(layout: Placement, ndim: int) -> Placement:
         ShardDimError: ``layout`` shards a dimension outside ``[-ndim, ndim)``. Collectives
             would otherwise wrap it (``Shard(99)`` of a 3-D tensor gathering dim 0).
     """
-    if isinstance(layout, (Shard, _StridedShard)):
+    if isinstance(layout, (Shard, StridedShard)):
         dim = layout.dim
         if not -ndim <= dim < ndim:
             raise ShardDimError(
@@ -153,8 +152,8 @@ def normalize(layout: Placement, ndim: int) -> Placement:
                 f"in [{-ndim}, {ndim})"
             )
         if dim < 0:
-            if isinstance(layout, _StridedShard):
-                return _StridedShard(dim + ndim, split_factor=layout.split_factor)
+            if isinstance(layout, StridedShard):
+                return StridedShard(dim + ndim, split_factor=layout.split_factor)
             return Shard(dim + ndim)
     return layout
 
@@ -339,7 +338,7 @@ class DTensorRuntime:
 
 
 def _parameter(module: nn.Module, name: str) -> torch.Tensor | None:
-    params = module._parameters
+    params = compat.direct_parameters(module)
     # not registered under its name when parametrized: then the computed tensor
     return params[name] if name in params else getattr(module, name)
 
@@ -478,7 +477,7 @@ class FastRuntime(DTensorRuntime):
             # compiled graphs have no per-op cost to save (and a compiled backward cannot
             # schedule the reduction of a partial gradient: the parameter's hook does it)
             return super().local_parameter(module, name, partial=partial)
-        local = param._local_tensor
+        local = compat.local_tensor(param)
         if not (param.requires_grad and torch.is_grad_enabled()):
             return local  # nothing flows back
         if partial:
@@ -536,7 +535,7 @@ def _shared_entry(value: torch.Tensor, mesh: DeviceMesh, dim: int | None, enter)
     grad = torch.is_grad_enabled() and value.requires_grad
     if grad and value.grad_fn is None:
         return enter()
-    key = (dim, value._version, grad)
+    key = (dim, compat.version(value), grad)
     if dim is None:
         cached = value.__dict__.get(_ENTRY)
     else:
@@ -568,12 +567,12 @@ def _partial_local(value: DTensor) -> torch.Tensor:
         # compiled graphs have no per-op overhead to save (and the cache is Python state)
         return value.to_local(grad_placements=(Partial(),))
     if not torch.is_grad_enabled():
-        return value._local_tensor  # no graph to join
+        return compat.local_tensor(value)  # no graph to join
     if value.is_inference():
         return _LocalOfReplicated.apply(value)  # no version counter to check
     # never share a view made before an in-place change of the DTensor: its graph would miss
     # the change (the DTensor's own version counts it; its local tensor's does not)
-    version = value._version
+    version = compat.version(value)
     cached = value.__dict__.get(_PARTIAL_LOCAL)
     if cached is not None and cached[1] == version:
         return cached[0]
@@ -593,17 +592,8 @@ _PARTIAL_LOCAL = "_torch_tp_partial_local"
 # the "tiny" benchmark model went to those two DTensor round trips).
 
 
-def _dtensor(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> DTensor:
-    """``DTensor(local, spec, requires_grad=...)``, for the hot paths (one per parameter per
-    step): DTensor's ``__init__`` only calls ``Tensor.__init__`` through a dynamo-disabling
-    and an export-marking decorator, which cost as much as the construction itself; its
-    ``__new__`` is the C++ constructor, called here directly when torch has it."""
-    if _DTENSOR_NEW is None:
-        return DTensor(local, spec, requires_grad=requires_grad)
-    return _DTENSOR_NEW(DTensor, local, spec, requires_grad=requires_grad)
-
-
-_DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
+# DTensor's C++ constructor, for the hot paths (one per parameter per step)
+_dtensor = compat.dtensor_from_spec
 
 
 def _replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -615,7 +605,7 @@ def _replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     if torch.is_grad_enabled() and not value.is_inference():
         # its partial local value (what a column-parallel reader computes with) is ``local``
         # itself: the readers' gradients then reach ``local`` directly, no DTensor between
-        value.__dict__[_PARTIAL_LOCAL] = (local, value._version)
+        value.__dict__[_PARTIAL_LOCAL] = (local, compat.version(value))
     return value
 
 
@@ -634,8 +624,8 @@ class _ReplicatedFromLocal(torch.autograd.Function):
             # a whole gradient on every rank: rank 0 holds it, the others zeros, so that the
             # sum over ranks (the caller's reduction) is exact
             grad = grad.redistribute(placements=(Replicate(),))
-            return _on_rank_zero(grad._local_tensor, ctx.mesh), None
-        return grad._local_tensor, None
+            return _on_rank_zero(compat.local_tensor(grad), ctx.mesh), None
+        return compat.local_tensor(grad), None
 
 
 @functools.lru_cache(maxsize=256)
@@ -649,9 +639,9 @@ def _replicated_spec(
 class _LocalOfReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value: DTensor) -> torch.Tensor:
-        spec = value._spec
+        spec = compat.dtensor_spec(value)
         ctx.partial = DTensorSpec(spec.mesh, (Partial(),), tensor_meta=spec.tensor_meta)
-        local = value._local_tensor
+        local = compat.local_tensor(value)
         return local.view_as(local)
 
     @staticmethod
@@ -726,10 +716,10 @@ class PartialGradientReduction:
             )
         self._pending[id(param)] = param
         # one callback per backward pass
-        task = torch._C._current_graph_task_id()
+        task = compat.current_graph_task_id()
         if task != self._queued_for:
             self._queued_for = task
-            Variable._execution_engine.queue_callback(self._reduce)
+            compat.queue_callback(self._reduce)
         return grad
 
     def _reduce(self) -> None:
@@ -745,8 +735,8 @@ class PartialGradientReduction:
             sizes = [t.numel() for t in locals_]
             for param, piece in zip(group, flat.split(sizes), strict=True):
                 grad = param.grad
-                local = piece.view_as(grad._local_tensor)
-                param.grad = _dtensor(local, _respec(grad._spec, Replicate()), False)
+                local = piece.view_as(compat.local_tensor(grad))
+                param.grad = _dtensor(local, _respec(compat.dtensor_spec(grad), Replicate()), False)
 
 
 class _LocalValue(torch.autograd.Function):
@@ -757,8 +747,8 @@ class _LocalValue(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
-        ctx.spec = param._spec
-        local = param._local_tensor
+        ctx.spec = compat.dtensor_spec(param)
+        local = compat.local_tensor(param)
         return local.view_as(local)
 
     @staticmethod
@@ -774,13 +764,13 @@ class _PartialLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor, reduction: PartialGradientReduction) -> torch.Tensor:
         ctx.param, ctx.reduction = param, reduction
-        local = param._local_tensor
+        local = compat.local_tensor(param)
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         param = ctx.param
-        partial = _dtensor(grad.contiguous(), _respec(param._spec, Partial()), False)
+        partial = _dtensor(grad.contiguous(), _respec(compat.dtensor_spec(param), Partial()), False)
         return ctx.reduction.add(param, partial), None
 
 

@@ -1,0 +1,256 @@
+"""Every private torch API torch_tp uses, in one place.
+
+A private torch name is anything reached through a ``_``-prefixed module or attribute of
+torch. torch_tp uses a few, each because no public API does the same at the same cost; they
+may move between releases, so every use goes through this module (``test/test_torch_compat.py``
+fails on one anywhere else), and a release that moves one breaks this file only. Each entry
+says what it is, why it is used, and where it falls back.
+
+Checked on torch 2.13.0 (the pinned CPU build) and 2.15.0 (the newest release): CI runs the
+whole test suite on both. ``SUPPORTED`` is the range ``setup.py`` declares; importing
+torch_tp with a torch outside it warns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "SUPPORTED",
+    "TORCH_VERSION",
+    "DTensorSpec",
+    "IncompatibleKeys",
+    "StridedShard",
+    "TensorMeta",
+    "compute_local_shape_and_global_offset",
+    "current_graph_task_id",
+    "current_mesh",
+    "direct_parameters",
+    "dtensor_from_spec",
+    "dtensor_spec",
+    "enabled_local_tensor_mode",
+    "foreach_mul_",
+    "functional_collectives",
+    "lazy_init",
+    "legacy_reduction",
+    "local_tensor",
+    "log_api_usage_once",
+    "per_rank_ints",
+    "per_rank_rng_states",
+    "queue_callback",
+    "shard_split_tensor",
+    "swapped_direct_parameters",
+    "tree_leaves",
+    "version",
+]
+
+#: The torch releases torch_tp supports, ``[first, past_last)`` as (major, minor); setup.py
+#: states the same range.
+SUPPORTED = ((2, 13), (2, 16))
+
+
+def _parse(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+#: The installed torch's (major, minor).
+TORCH_VERSION = _parse(torch.__version__)
+
+if not SUPPORTED[0] <= TORCH_VERSION < SUPPORTED[1]:
+    warnings.warn(
+        f"torch_tp is tested with torch {SUPPORTED[0][0]}.{SUPPORTED[0][1]} to "
+        f"{SUPPORTED[1][0]}.{SUPPORTED[1][1] - 1}, found {torch.__version__}: the private torch "
+        "APIs in torch_tp/_torch_compat.py may have moved",
+        stacklevel=2,
+    )
+
+
+def _first(*candidates: tuple[str, str]) -> Any:
+    """The first ``(module, name)`` that imports; the error names every place looked in."""
+    for module, name in candidates:
+        with contextlib.suppress(ImportError, AttributeError):
+            return getattr(importlib.import_module(module), name)
+    places = ", ".join(f"{module}.{name}" for module, name in candidates)
+    raise ImportError(
+        f"torch {torch.__version__} has none of {places}; see torch_tp/_torch_compat.py"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# DTensor internals
+# ------------------------------------------------------------------------------------------
+
+#: DTensor's placement for "this rank's slice of each of ``split_factor`` parts" (a packed
+#: projection's weight). The only placement that describes it; torch keeps it private.
+StridedShard = _first(("torch.distributed.tensor.placement_types", "_StridedShard"))
+
+#: A DTensor's layout and its global shape, stride and dtype: built once and reused on the
+#: hot paths instead of letting DTensor rebuild and check one on every call.
+DTensorSpec = _first(
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+    ("torch.distributed._tensor.placement_types", "DTensorSpec"),
+)
+TensorMeta = _first(
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
+    ("torch.distributed._tensor.placement_types", "TensorMeta"),
+)
+
+#: The local shape and global offset of this rank's shard (checkpoint loads read exactly it).
+compute_local_shape_and_global_offset = _first(
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+)
+
+
+def local_tensor(value: DTensor) -> torch.Tensor:
+    """``value.to_local()`` without an autograd node (the fast runtime's own Functions make
+    the gradient)."""
+    return value._local_tensor
+
+
+def dtensor_spec(value: DTensor) -> Any:
+    """The :data:`DTensorSpec` of ``value``."""
+    return value._spec
+
+
+# DTensor's __init__ only calls Tensor.__init__ through a dynamo-disabling and an
+# export-marking decorator, which cost as much as the construction itself; its __new__ is the
+# C++ constructor, called directly when torch has it
+_DTENSOR_NEW = getattr(torch.Tensor, "_dtensor__new__", None)
+
+
+def dtensor_from_spec(local: torch.Tensor, spec: Any, requires_grad: bool) -> DTensor:
+    """``DTensor(local, spec, requires_grad=...)``, for the hot paths (one per parameter per
+    step); falls back to the Python constructor where the C++ one is missing."""
+    if _DTENSOR_NEW is None:
+        return DTensor(local, spec, requires_grad=requires_grad)
+    return _DTENSOR_NEW(DTensor, local, spec, requires_grad=requires_grad)
+
+
+def shard_split_tensor(
+    placement: Any, tensor: torch.Tensor, num_chunks: int, *, contiguous: bool = True
+) -> list[torch.Tensor]:
+    """The chunks DTensor's ``Shard`` (or strided shard) splits ``tensor`` into, unpadded: the
+    only statement of how a strided shard orders the pieces of each part."""
+    chunks, _ = placement._split_tensor(
+        tensor, num_chunks, with_padding=False, contiguous=contiguous
+    )
+    return chunks
+
+
+def current_mesh() -> Any:
+    """The mesh of the enclosing ``with device_mesh:`` (``RuntimeError`` when there is none)."""
+    mesh_resources = _first(("torch.distributed.device_mesh", "_mesh_resources"))
+    return mesh_resources.get_current_mesh()
+
+
+# ------------------------------------------------------------------------------------------
+# Autograd internals
+# ------------------------------------------------------------------------------------------
+
+
+def current_graph_task_id() -> int:
+    """The id of the backward pass running now (``-1`` outside one): one end-of-backward
+    callback per pass."""
+    return torch._C._current_graph_task_id()
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass running now ends (not if it raises)."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+def version(value: torch.Tensor) -> int:
+    """``value``'s version counter: it counts in-place changes (cache keys)."""
+    return value._version
+
+
+# ------------------------------------------------------------------------------------------
+# nn.Module internals
+# ------------------------------------------------------------------------------------------
+
+#: What ``load_state_dict`` returns (missing and unexpected keys), for the loads of
+#: :mod:`torch_tp.checkpoint` to return the same.
+IncompatibleKeys = _first(("torch.nn.modules.module", "_IncompatibleKeys"))
+
+
+def direct_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter slots by name (``None`` included), as registered: unlike
+    ``getattr``, a parametrized parameter's slot, not the computed tensor."""
+    return module._parameters
+
+
+@contextlib.contextmanager
+def swapped_direct_parameters(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
+    """``module`` with its own parameter slots replaced by ``values`` (local tensors) for the
+    block: its own forward then computes with them, unchanged."""
+    params = module._parameters
+    module.__dict__["_parameters"] = values
+    try:
+        yield
+    finally:
+        module.__dict__["_parameters"] = params
+
+
+# ------------------------------------------------------------------------------------------
+# Odds and ends
+# ------------------------------------------------------------------------------------------
+
+
+def log_api_usage_once(event: str) -> None:
+    """torch's API usage logging, as its own entry points do."""
+    torch._C._log_api_usage_once(event)
+
+
+#: ``torch.utils._pytree.tree_leaves``: the tensors in nested outputs (no public pytree).
+tree_leaves = _first(("torch.utils._pytree", "tree_leaves"))
+
+#: Collectives that autograd and torch.compile trace (``all_reduce`` with an op name,
+#: ``all_gather_single``), which vocabulary-parallel cross-entropy uses.
+functional_collectives = importlib.import_module("torch.distributed._functional_collectives")
+
+#: ``size_average``/``reduce`` (the deprecated loss arguments) to a reduction name, as
+#: ``F.cross_entropy`` reads them.
+legacy_reduction = _first(("torch.nn._reduction", "legacy_get_string"))
+
+#: The fused in-place multiply of a list of tensors by a scalar (gradient clipping).
+foreach_mul_ = torch._foreach_mul_
+
+
+def lazy_init(device_module: Any) -> None:
+    """Initialize a lazily initialized device module (``torch.cuda``) so that its default
+    generators exist; a no-op for one that has nothing to initialize."""
+    getattr(device_module, "_lazy_init", lambda: None)()
+
+
+# ------------------------------------------------------------------------------------------
+# LocalTensorMode: one process simulating every rank (PyTorch's own distributed tests)
+# ------------------------------------------------------------------------------------------
+
+
+def enabled_local_tensor_mode() -> Any:
+    """The enabled ``LocalTensorMode``, or ``None``."""
+    return _first(("torch.distributed._local_tensor", "enabled_local_tensor_mode"))()
+
+
+def per_rank_rng_states(mode: Any) -> dict[int, tuple[Any, ...]]:
+    """The default random states of each simulated rank, ``{rank: (cpu_state,
+    accelerator_states)}``, which the mode loads into the default generators before it runs
+    an op for a rank and reads back afterwards."""
+    return mode._per_rank_rng_states
+
+
+def per_rank_ints(node: Any) -> dict[int, int] | None:
+    """The per-rank values of an int the mode made per simulated rank (a ``LocalIntNode``),
+    or ``None`` for one that is the same on every rank."""
+    return getattr(node, "_local_ints", None)

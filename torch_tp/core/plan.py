@@ -1,0 +1,440 @@
+"""Plans as data: resolving a plan to ``(path, module, style)`` and checking it whole.
+
+A plan is one :class:`ParallelStyle` (applied to the module itself) or a dict from module
+paths to styles. A path is dotted; each segment is matched against the names of the
+children at that level with :mod:`fnmatch` wildcards (``layers.*.attention.wq``), and the
+empty path ``""`` names the module itself. Nothing here touches a module: resolution and
+validation only read, so a plan can be checked before anything changes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
+
+from torch_tp.core import _names
+from torch_tp.core.style import (
+    MODULE_PATH_ATTR,
+    STYLE_REPR_LIMIT,
+    ParallelStyle,
+    short_repr,
+)
+
+__all__ = ["PlanEntry", "from_dict", "resolve_plan", "to_dict", "validate_plan"]
+
+# set on every module a style was applied to; a second style on it is refused
+_APPLIED_STYLE = "_torch_tp_style"
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One module a plan applies a style to.
+
+    Attributes:
+        key: the plan key that matched (may hold wildcards).
+        path: the module's dotted path from the root (``""`` for the root itself).
+        module: the module.
+        style: the style to apply.
+    """
+
+    key: str
+    path: str
+    module: nn.Module
+    style: ParallelStyle
+
+
+def is_style(value: object) -> bool:
+    """A :class:`ParallelStyle`, or an object honouring the same contract.
+
+    The duck-typed case (an ``_apply`` method and a ``src_data_rank`` attribute) admits styles
+    written against ``torch.distributed.tensor.parallel``'s own ``ParallelStyle`` base, so
+    that switching the import is the whole migration. Modules (which have an unrelated
+    ``_apply``) and classes are not styles.
+    """
+    if isinstance(value, ParallelStyle):
+        return True
+    if isinstance(value, (type, nn.Module)):
+        return False
+    return callable(getattr(value, "_apply", None)) and hasattr(value, "src_data_rank")
+
+
+def _describe(path: str) -> str:
+    return f"'{path}'" if path else "the root module ('')"
+
+
+def _style(style: object) -> str:
+    """A style as error messages show it: its repr, bounded (a user's may be anything)."""
+    return short_repr(style, STYLE_REPR_LIMIT)
+
+
+def _check_keys(plan: Mapping[Any, Any]) -> None:
+    for key in plan:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"plan key {short_repr(key)}: module paths must be str, found {type(key).__name__}"
+            )
+
+
+def _match(root: nn.Module, key: str) -> tuple[list[tuple[str, nn.Module]], str | None]:
+    """All ``(path, module)`` that ``key`` names, or why it names none."""
+    if key == "":
+        return [("", root)], None
+    frontier = [("", root)]
+    for segment in key.split("."):
+        found = [
+            (f"{path}.{name}" if path else name, child)
+            for path, module in frontier
+            for name, child in module.named_children()
+            if fnmatchcase(name, segment)
+        ]
+        if not found:
+            path, module = frontier[0]
+            children = [name for name, _ in module.named_children()]
+            shown = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "")
+            return [], (
+                f"segment {short_repr(segment)} matches no child of {_describe(path)} "
+                f"(children: {shown or 'none'})"
+            )
+        frontier = found
+    return frontier, None
+
+
+def resolve_plan(
+    module: nn.Module,
+    parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle],
+    *,
+    strict: bool = True,
+) -> list[PlanEntry]:
+    """Resolve a plan's keys to the modules they name, in plan order.
+
+    Args:
+        module: the root module the plan's paths are relative to.
+        parallelize_plan: a :class:`ParallelStyle` for ``module`` itself, or a dict from
+            module paths (with ``fnmatch`` wildcards per dotted segment) to styles.
+        strict: raise for a key that matches no submodule; when ``False``, warn and skip it.
+
+    Returns:
+        One :class:`PlanEntry` per matched module, in the order of the plan's keys and, for
+        a wildcard key, of :meth:`nn.Module.named_children`.
+
+    Raises:
+        TypeError: the plan is neither a style nor a dict, a key is not a string, or a value
+            is not a :class:`ParallelStyle`.
+        ValueError: a key matches no submodule (``strict=True``), two keys name the same
+            module, or a value is an unknown style name.
+        NotImplementedError: a value is a transformers style name that no torch_tp style
+            expresses yet.
+    """
+    if is_style(parallelize_plan):
+        return [PlanEntry("", "", module, parallelize_plan)]
+    if not isinstance(parallelize_plan, Mapping):
+        raise TypeError(
+            "Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for parallelize_plan, "
+            f"{type(parallelize_plan)} found!"
+        )
+    _check_keys(parallelize_plan)
+    parallelize_plan = _names.resolve_names(parallelize_plan)
+    for key, style in parallelize_plan.items():
+        if not is_style(style):
+            raise TypeError(
+                f"plan key {short_repr(key)}: expected a ParallelStyle (e.g. ColwiseParallel()) "
+                f"or a style name (e.g. 'colwise'), found {type(style).__name__} "
+                f"{short_repr(style)}"
+            )
+
+    entries: list[PlanEntry] = []
+    owner: dict[int, PlanEntry] = {}
+    for key, style in parallelize_plan.items():
+        matches, why = _match(module, key)
+        if not matches:
+            message = f"parallelize_plan key {short_repr(key)} matches no submodule: {why}"
+            if strict:
+                raise ValueError(message)
+            warnings.warn(message + "; skipping it (strict=False)", stacklevel=3)
+            continue
+        for path, submodule in matches:
+            if id(submodule) in owner:
+                first = owner[id(submodule)]
+                raise ValueError(
+                    f"module {_describe(path)} is matched by plan keys {short_repr(first.key)} "
+                    f"({_style(first.style)}) and {short_repr(key)} ({_style(style)}); a module "
+                    "takes one style"
+                )
+            entry = PlanEntry(key, path, submodule, style)
+            owner[id(submodule)] = entry
+            entries.append(entry)
+    return entries
+
+
+def validate_plan(
+    entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Module, *, strict: bool = True
+) -> None:
+    """Check every entry before any is applied; raise on the first that cannot apply.
+
+    Each style's :meth:`ParallelStyle._validate` is asked about its module; its error is
+    re-raised with the same type and a message naming the module path and the style. A
+    module that already carries a style from an earlier :func:`parallelize_module` call is
+    refused, and so is a built-in style that would replace a parameter other modules share
+    (tied weights would silently come apart): with ``strict=False`` that one only warns, and
+    the weights come apart as with ``torch.distributed.tensor.parallel``.
+    """
+    owners = parameter_owners(root) if entries else {}
+    by_path = {entry.path: entry for entry in entries}
+    untying: list[str] = []  # warned about once the whole plan is known to apply
+    for entry in entries:
+        where = f"{_style(entry.style)} on {_describe(entry.path)} ({type(entry.module).__name__})"
+        previous = getattr(entry.module, _APPLIED_STYLE, None)
+        if previous is not None:
+            raise ValueError(
+                f"cannot apply {where}: the module was already parallelized with "
+                f"{_style(previous)}; a module takes one style"
+            )
+        untied = _untied_parameter(entry, owners, by_path)
+        if untied is not None:
+            untying.append(_refuse_untying(entry, where, untied, strict))
+        validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
+        try:
+            if validate is not None:
+                validate(entry.module, device_mesh)
+        except (NotImplementedError, ValueError, TypeError) as err:
+            raise type(err)(f"cannot apply {where}: {err}") from err
+    for message in untying:
+        warnings.warn(message, stacklevel=3)
+
+
+def _refuse_untying(entry: PlanEntry, where: str, untied: _Untied, strict: bool) -> str:
+    """Raise (``strict``) or return the warning that applying ``entry`` unties the weight
+    ``untied``.
+
+    Upstream distributes each module's parameters on its own, so code written for it
+    parallelizes tied modules in separate calls and ties the weights again afterwards
+    (PyTorch's test ``Transformer.parallelize``); ``strict=False`` lets that code run.
+    """
+    name, _, layouts = untied
+    here = _join(entry.path, name)
+    paths = list(dict.fromkeys([entry.path, *(other.rpartition(".")[0] for other in layouts)]))
+    modules = " and ".join(
+        filter(None, [", ".join(map(_describe, paths[:-1])), _describe(paths[-1])])
+    )
+    retie = "; ".join(f"{_attribute(other)} = {_attribute(here)}" for other in layouts)
+    if strict:
+        raise ValueError(
+            f"cannot apply {where}: {_untied_message(untied)}. Two ways out: parallelize "
+            f"{modules} in one parallelize_module call with such styles, which keeps the "
+            "weight tied (one DTensor parameter); or pass strict=False to parallelize them in "
+            "separate calls with such styles, as code written for "
+            "torch.distributed.tensor.parallel does, and re-tie the weights after the last "
+            f"call ({retie})"
+        )
+    names = ", ".join(map(repr, layouts))
+    return (
+        f"{where}: {_shared_with(untied)}. strict=False: {name!r} is distributed as this "
+        f"style lays it out and {names} no longer {'shares' if len(layouts) == 1 else 'share'} "
+        "it (the weights are untied, as with torch.distributed.tensor.parallel). A later "
+        f"parallelize_module call that gives {names} the same layout on the same mesh shares "
+        f"this parameter again, and re-tying by hand after the last call ({retie}) is then a "
+        "no-op; weights laid out differently cannot be re-tied (each style computes on the "
+        "local shard of the layout it gave the weight)"
+    )
+
+
+def _attribute(parameter_path: str) -> str:
+    """Python that names the parameter at ``parameter_path`` of a root called ``model``."""
+    module, _, name = parameter_path.rpartition(".")
+    if not module:
+        return f"model.{name}"
+    if all(part.isidentifier() for part in module.split(".")):
+        return f"model.{module}.{name}"
+    return f"model.get_submodule({module!r}).{name}"  # e.g. "layers.0"
+
+
+def planned_placements(entry: PlanEntry) -> Mapping[str, Placement]:
+    """The placement ``entry``'s style gives each of its module's own parameters, as its
+    contract declares (empty: the style distributes none, or declares no contract)."""
+    contract = getattr(entry.style, "contract", None)
+    if contract is None:
+        return {}
+    try:
+        return contract.parameters(entry.style, entry.module) or {}
+    except (AttributeError, NotImplementedError):
+        return {}  # a module type the style refuses: its own validation says so
+
+
+def planned_placement(entry: PlanEntry, name: str) -> Placement | None:
+    """The placement ``entry``'s style gives its module's parameter ``name`` (``None``: the
+    style leaves it alone)."""
+    return planned_placements(entry).get(name)
+
+
+# a parameter a style would untie: its name, its placement under the style, and every other
+# path it is reachable by, with the placement the plan gives it there (None: not in the plan)
+_Untied = tuple[str, Placement, dict[str, Placement | None]]
+
+
+def tied_parameters(
+    entry: PlanEntry, owners: dict[int, list[str]], by_path: Mapping[str, PlanEntry]
+) -> str | None:
+    """Why ``entry`` would untie a weight shared with another module (``None`` if it would
+    not); ``owners`` is :func:`parameter_owners` of the root, ``by_path`` the plan's entries
+    by module path.
+
+    A tied weight may be distributed when every module holding it is in the plan with a
+    style that lays it out the same way (GPT-2's vocabulary-sharded ``wte`` and
+    column-parallel ``lm_head``, both ``Shard(0)``): it is then distributed once and stays
+    tied.
+    """
+    untied = _untied_parameter(entry, owners, by_path)
+    return None if untied is None else _untied_message(untied)
+
+
+def _untied_parameter(
+    entry: PlanEntry, owners: dict[int, list[str]], by_path: Mapping[str, PlanEntry]
+) -> _Untied | None:
+    """The first parameter of ``entry``'s module that applying it would untie, if any."""
+    placements = planned_placements(entry)
+    for name, param in entry.module.named_parameters(recurse=False):
+        placement = placements.get(name)
+        if placement is None:
+            continue
+        others = [p for p in owners[id(param)] if p != _join(entry.path, name)]
+        if not others:
+            continue
+        layouts = {}
+        for other in others:
+            path, _, other_name = other.rpartition(".")
+            other_entry = by_path.get(path)
+            layouts[other] = (
+                None if other_entry is None else planned_placement(other_entry, other_name)
+            )
+        if all(layout == placement for layout in layouts.values()):
+            continue
+        return name, placement, layouts
+    return None
+
+
+def _shared_with(untied: _Untied) -> str:
+    name, placement, layouts = untied
+    found = ", ".join(
+        f"{other!r} ({'not in the plan' if layout is None else repr(layout)})"
+        for other, layout in layouts.items()
+    )
+    return f"its parameter {name!r} ({placement!r} here) is shared with {found} (tied weights)"
+
+
+def _untied_message(untied: _Untied) -> str:
+    return (
+        f"{_shared_with(untied)}; sharding it differently, or in one place only, would untie "
+        "them: give every module holding it a style that lays it out alike"
+    )
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def parameter_owners(root: nn.Module) -> dict[int, list[str]]:
+    """Every path each parameter object is reachable by (several for tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(_join(path, name))
+    return owners
+
+
+def mark_applied(entry: PlanEntry) -> None:
+    """Record on the module that ``entry.style`` was applied to it, and by which path."""
+    setattr(entry.module, _APPLIED_STYLE, entry.style)
+    setattr(entry.module, MODULE_PATH_ATTR, entry.path)
+
+
+# ------------------------------------------------------------------------------------------
+# Style names and plans as plain data
+# ------------------------------------------------------------------------------------------
+
+
+def to_dict(plan: ParallelStyle | Mapping[str, ParallelStyle | str]) -> dict[str, str | dict]:
+    """Write a plan as plain, JSON-able data: to print, diff or store it.
+
+    Each style becomes its name when it equals a named style (``"colwise"``, ``"rowwise"``,
+    ``"sequence_parallel"``, ...: the table is in the "Writing plans" guide), else a dict of
+    its class and the arguments that differ from their defaults, with placements as strings
+    (``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"``). A plan that is one style becomes
+    ``{"": ...}``. Name values are checked and written under their canonical name.
+
+    Args:
+        plan: a style, or a dict from module paths to styles or style names.
+
+    Returns:
+        A dict from module paths to names or dicts, which :func:`from_dict` turns back into an
+        equal plan (``from_dict(to_dict(plan)) == plan``).
+
+    Raises:
+        TypeError: a value is not a built-in style (a user-defined style has no data form).
+        ValueError: a value is an unknown style name.
+
+    Example::
+        >>> from torch_tp.plans.llama import llama_plan
+        >>> data = to_dict(llama_plan())
+        >>> data["layers.*.attention.wq"], data["output"]
+        ('colwise', 'colwise_gather_output')
+        >>> import json
+        >>> from_dict(json.loads(json.dumps(data))) == llama_plan()
+        True
+    """
+    if is_style(plan):
+        plan = {"": plan}
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"expected a ParallelStyle or a dict of them, found {type(plan).__name__} "
+            f"{short_repr(plan)}"
+        )
+    _check_keys(plan)
+    return {
+        key: _names.style_to_data(style, key) for key, style in _names.resolve_names(plan).items()
+    }
+
+
+def from_dict(data: Mapping[str, str | Mapping[str, Any]]) -> dict[str, ParallelStyle]:
+    """Read a plan written by :func:`to_dict` (or by hand, or a transformers ``tp_plan``).
+
+    Args:
+        data: a dict from module paths to style names (``"colwise"``) or to dicts
+            ``{"style": "RowwiseParallel", "output_layouts": "Shard(1)", ...}``.
+
+    Returns:
+        A dict from module paths to style objects, for :func:`parallelize_module`.
+
+    The data is checked as strictly as the styles' own arguments: flags must be JSON
+    booleans (``"false"`` is not false), placements must read as one, and every error names
+    the plan key and the style and shows a bounded prefix of the offending value. Whether a
+    ``Shard`` dim exists is checked where the tensor is known: parameters when
+    :func:`parallelize_module` validates the plan, activations at the forward.
+
+    Raises:
+        ValueError: an unknown style name, class or placement string, a ``StridedShard``
+            whose ``split_factor`` is not positive, or data nested deeper than 32 levels.
+        NotImplementedError: a transformers style name that no torch_tp style expresses yet.
+        TypeError: a key is not a string, a value is neither a name nor a dict whose
+            ``"style"`` entry is a class name, or its arguments do not fit the style (a flag
+            that is not a ``bool``, a dim that is not an ``int``, an unknown argument).
+
+    Example::
+        >>> wo = {"style": "RowwiseParallel", "output_layouts": "Shard(1)"}
+        >>> plan = from_dict({"wq": "colwise", "wo": wo})
+        >>> plan["wq"] == ColwiseParallel(), plan["wo"] == RowwiseParallel(output_layouts=Shard(1))
+        (True, True)
+    """
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"expected a dict from module paths to styles, found {type(data).__name__} "
+            f"{short_repr(data)}"
+        )
+    _check_keys(data)
+    return {key: _names.style_from_data(value, key) for key, value in data.items()}

@@ -1,0 +1,1700 @@
+"""Parallel styles: one class per way of parallelizing a module.
+
+A style is a contract with the module it is applied to. It owns the whole story: which
+module types it accepts (:meth:`ParallelStyle._validate`), how their parameters become
+DTensors, and how inputs and outputs are laid out around the module
+(:meth:`ParallelStyle._apply`). The semantics, arguments and defaults are those of
+``torch.distributed.tensor.parallel``.
+
+Linear and Embedding layers compute on their local shards: DTensor is used only at the
+boundaries, to annotate and move layouts, while the matmul or the lookup runs on plain
+tensors. Parameters stay DTensors, so optimizers, FSDP2 and checkpoints see one kind of
+parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import reprlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+
+from torch_tp import _torch_compat as compat
+from torch_tp._torch_compat import StridedShard
+from torch_tp.core import _layouts
+from torch_tp.core.contract import Boundary, Layout, StyleContract, kind_name
+from torch_tp.core.random import sequence_parallel_dropout
+from torch_tp.core.registry import STYLE_REGISTRY
+
+# ParallelStyle and every style defined here (test_contract.py checks that none is missing);
+# torch_tp.__all__ re-exports them all
+__all__ = [
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "PackedColwiseParallel",
+    "PackedRowwiseParallel",
+    "SequenceParallel",
+    "ReplicateParallel",
+    "AttentionHeads",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+]
+
+
+class ParallelStyle(ABC):
+    """The contract between :func:`parallelize_module` and one way of parallelizing a module.
+
+    Subclasses implement :meth:`_apply`, which shards the parameters the style owns into
+    DTensors and installs the input and output layout transforms around the module. They may
+    also implement :meth:`_validate`, which :func:`parallelize_module` calls on every
+    ``(module, style)`` pair of a plan before the first :meth:`_apply`, so that a bad plan
+    fails before anything changes.
+
+    What :meth:`_apply` does is declared once, as data, in the class attribute ``contract``
+    (a :class:`~torch_tp.contract.StyleContract`): the module kinds the style accepts, each
+    parameter's placement, the layouts of the inputs and outputs, the partial gradients, the
+    constructor arguments and the plan names. ``repr``, ``==``, the plain-data form of plans,
+    the tied-weight and chaining checks and the dry-run report read it. A class that
+    declares a contract is registered under its name and plan names when it is defined.
+
+    Styles are plain values: they compare equal when their arguments are equal and print as
+    the call that builds them.
+
+    Attributes:
+        src_data_rank (int, optional): the rank whose values are scattered or broadcast when
+            parameters are distributed; ``None`` means each rank keeps its local values.
+            :func:`parallelize_module` sets it from its own ``src_data_rank`` argument.
+        contract (StyleContract, optional): the style's declaration; ``None`` (a style that
+            declares nothing): the report says it cannot predict it, and the style has no
+            plain-data form.
+    """
+
+    src_data_rank: int | None = 0
+    contract: ClassVar[StyleContract | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("contract") is not None:
+            STYLE_REGISTRY.register(cls)
+
+    @abstractmethod
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        """Parallelize ``module`` in place on ``device_mesh`` and return it."""
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        """Raise if this style cannot be applied to ``module``; never modify anything.
+
+        Raise ``NotImplementedError`` for an unsupported module type and ``ValueError`` or
+        ``TypeError`` for anything else. :func:`parallelize_module` adds the module's path
+        and the style to the message. The default checks the module kinds the contract
+        lists.
+        """
+        self._check_kind(module)
+
+    def _check_kind(self, module: nn.Module) -> None:
+        """Raise ``NotImplementedError`` unless the contract accepts ``module``'s kind."""
+        contract = self.contract
+        if contract is not None and not contract.accepts(module):
+            raise NotImplementedError(
+                f"{type(self).__name__} supports {contract.describe_modules()} (and their "
+                f"subclasses), found {kind_name(type(module))}"
+            )
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{name}={value!r}" for name, value in _arguments(self).items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(self) is not type(other):
+            return NotImplemented
+        return _arguments(self) == _arguments(other)
+
+    __hash__ = None  # type: ignore[assignment]  # styles are mutable (src_data_rank)
+
+
+def _arguments(style: ParallelStyle) -> dict[str, Any]:
+    """The constructor arguments of ``style``, as its contract reads them."""
+    contract = style.contract or StyleContract()
+    return contract.arguments(style)
+
+
+# parallelize_module records on each module the path it was reached by, for runtime errors
+MODULE_PATH_ATTR = "_torch_tp_path"
+
+
+def _where(style: ParallelStyle, module: nn.Module) -> str:
+    """``ColwiseParallel(...) on 'layers.0.attention.wq' (Linear)``, for error messages."""
+    path = getattr(module, MODULE_PATH_ATTR, None)
+    place = f"'{path}'" if path else ("the root module" if path == "" else "a module")
+    return f"{short_repr(style, STYLE_REPR_LIMIT)} on {place} ({type(module).__name__})"
+
+
+# ------------------------------------------------------------------------------------------
+# Checking arguments. Errors echo user values through short_repr: a plan is data a user may
+# have generated, and an error message must stay readable whatever it holds.
+# ------------------------------------------------------------------------------------------
+
+# the most characters of one user value an error message shows (styles: a little more, so
+# that every ordinary style prints whole)
+REPR_LIMIT = 200
+STYLE_REPR_LIMIT = 500
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``reprlib`` with room for placements and names: a few items, a few levels deep."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = self.maxfrozenset = 8
+        self.maxdeque = self.maxarray = 8
+        self.maxstring = self.maxother = self.maxlong = limit
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        # in insertion order (reprlib sorts): a plan entry reads {'style': ..., arguments}
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = itertools.islice(x.items(), self.maxdict)
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in items]
+        if len(x) > self.maxdict:
+            pieces.append("...")
+        return "{" + ", ".join(pieces) + "}"
+
+
+_BOUNDED_REPRS: dict[int, _BoundedRepr] = {}
+
+
+def short_repr(value: object, limit: int = REPR_LIMIT) -> str:
+    """``repr(value)`` for an error message: at most ``limit`` characters of it, then
+    ``... (N chars)`` or ``... (N items)``.
+
+    Containers are walked only a few items wide and a few levels deep, so neither a huge nor
+    a deeply nested (or self-referential) value is walked whole; a repr that fails is named
+    instead of raising from inside an error message.
+    """
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return repr(value)
+        return f"{value[:limit]!r}... ({len(value)} chars)"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        bounded = _BOUNDED_REPRS.get(limit)
+        if bounded is None:
+            bounded = _BOUNDED_REPRS[limit] = _BoundedRepr(limit)
+        text, size = bounded.repr(value), f"{len(value)} items"
+    else:
+        try:
+            text = repr(value)
+        except Exception as err:  # noqa: BLE001 - any repr may fail; the message must not
+            return f"<{type(value).__name__} object (repr failed: {type(err).__name__})>"
+        size = f"{len(text)} chars"
+    if len(text) <= limit:
+        return text if size.endswith("chars") or len(value) <= 8 else f"{text} ({size})"
+    return f"{text[:limit]}... ({size})"
+
+
+def _check_flag(value: object, what: str) -> bool:
+    """``value`` if it is a ``bool``; a string such as ``"false"`` would be taken as true."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{what} must be a bool (True or False), found {type(value).__name__} "
+            f"{short_repr(value)}"
+        )
+    return value
+
+
+def _check_int(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, found {type(value).__name__} {short_repr(value)}")
+    return value
+
+
+def _check_placement(layout: object, what: str) -> None:
+    """A :class:`Placement` whose own arguments are valid (DTensor does not check them)."""
+    if not isinstance(layout, Placement):
+        raise TypeError(
+            f"{what} must hold Placements (or None), found {type(layout).__name__} "
+            f"{short_repr(layout)}"
+        )
+    if isinstance(layout, StridedShard) and layout.split_factor < 1:
+        raise ValueError(
+            f"{what}: the split_factor of {layout!r} must be a positive int, found "
+            f"{layout.split_factor}"
+        )
+
+
+def _as_tuple(layouts: Placement | tuple[Placement | None, ...] | None, what: str):
+    """Normalize a layouts argument to a tuple (or ``None``), checking every element."""
+    if layouts is None:
+        return None
+    if isinstance(layouts, Placement):
+        _check_placement(layouts, what)
+        return (layouts,)
+    if not isinstance(layouts, (tuple, list)):
+        raise TypeError(
+            f"{what} must be a Placement or a tuple of them, found {type(layouts).__name__} "
+            f"{short_repr(layouts)}"
+        )
+    for layout in layouts:
+        if layout is not None:
+            _check_placement(layout, what)
+    return tuple(layouts)
+
+
+def _as_kwarg_layouts(layouts: Mapping[str, Placement] | None, what: str) -> dict[str, Placement]:
+    """Normalize a keyword-layouts argument to a dict, checking every entry."""
+    if layouts is None:
+        return {}
+    if not isinstance(layouts, Mapping):
+        raise TypeError(
+            f"{what} must be a dict from keyword names to Placements, found "
+            f"{type(layouts).__name__} {short_repr(layouts)}"
+        )
+    for name, layout in layouts.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{what} must have str keys, found {short_repr(name)}")
+        _check_placement(layout, f"{what}[{short_repr(name)}]")
+    return dict(layouts)
+
+
+def _single(layout: Placement | None, default: Placement, what: str) -> tuple[Placement]:
+    """The single-element layout tuples of Colwise/Rowwise (upstream keeps them as tuples)."""
+    if layout is None:
+        return (default,)
+    if not isinstance(layout, Placement):
+        raise TypeError(
+            f"{what} must be a Placement, found {type(layout).__name__} {short_repr(layout)}"
+        )
+    _check_placement(layout, what)
+    return (layout,)
+
+
+def _in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> ValueError:
+    """A layout error (:class:`_layouts.ShardDimError`) again, as a ``ValueError`` naming
+    the style and the module it runs on.
+
+    The layout helpers raise without knowing either; the styles catch at their entry points
+    (a ``try`` costs nothing until something raises).
+    """
+    return ValueError(f"{_where(style, module)}: {err}")
+
+
+def _distribute_parameters(
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    placements: dict[str, Placement],
+    src_data_rank: int | None,
+) -> None:
+    """Replace each named direct parameter of ``module`` by a DTensor with that placement, on
+    the runtime's mesh.
+
+    A parameter tied between modules (GPT-2's ``wte`` and ``lm_head``) is distributed once:
+    the first module's style leaves the new DTensor parameter on the old one, and the
+    others register that same object, so the weights stay tied. :func:`parallelize_module`
+    has checked that every owner lays it out alike.
+    """
+    device_mesh = rt.mesh
+    for name, placement in placements.items():
+        param = getattr(module, name)
+        if param is None:
+            continue
+        tied = getattr(param, _DISTRIBUTED_AS, None)
+        if tied is not None and tied.device_mesh == device_mesh and tied.placements == (placement,):
+            module.register_parameter(name, tied)
+            continue
+        # src_data_rank=None keeps each rank's local values (no scatter or broadcast)
+        dtensor = distribute_tensor(
+            param.detach(), device_mesh, (placement,), src_data_rank=src_data_rank
+        )
+        new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        if isinstance(placement, Replicate) and new.requires_grad:
+            # computing on shards (a sequence shard, a sharded output) leaves each rank with a
+            # partial sum of a replicated parameter's gradient: sum it (once per backward for
+            # all such parameters), so every rank holds the full gradient, as on one device
+            rt.sum_partial_gradients(new)
+        setattr(param, _DISTRIBUTED_AS, new)
+        module.register_parameter(name, new)
+
+
+_DISTRIBUTED_AS = "_torch_tp_distributed_as"
+
+
+def _conv1d_base(module: nn.Module) -> type | None:
+    """transformers' ``Conv1D`` class if ``module`` is one (or a subclass), else ``None``.
+
+    GPT-2's projections are ``Conv1D``: a Linear whose weight is stored transposed,
+    ``(in_features, out_features)``, computing ``x @ weight + bias``. It is recognized by
+    name and shape (``nx``/``nf`` attributes, a 2-D weight), so torch_tp needs no import of
+    transformers.
+    """
+    for cls in type(module).__mro__:
+        if cls.__name__ == "Conv1D":
+            weight = getattr(module, "weight", None)
+            shape = (getattr(module, "nx", None), getattr(module, "nf", None))
+            if isinstance(weight, torch.Tensor) and tuple(weight.shape) == shape:
+                return cls
+            return None
+    return None
+
+
+def _out_features(module: nn.Module) -> int:
+    return module.out_features if isinstance(module, nn.Linear) else module.nf
+
+
+def _project(
+    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``module``'s own computation (Linear or Conv1D) with local ``weight`` and ``bias``."""
+    if isinstance(module, nn.Linear):
+        return F.linear(x, weight, bias)
+    # Conv1D, as transformers computes it: addmm on the flattened tokens
+    flat = x.reshape(-1, x.shape[-1])
+    y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+    return y.view(*x.shape[:-1], weight.shape[-1])
+
+
+def _own_forward_caveat(module: nn.Module) -> str | None:
+    if _uses_stock_forward(module):
+        return None
+    return (
+        f"{type(module).__name__} overrides forward, which then runs on DTensors: the "
+        "collectives inside it are not predicted"
+    )
+
+
+def _uses_stock_forward(module: nn.Module) -> bool:
+    """True when ``module`` runs the forward of torch's Linear/Embedding, unchanged.
+
+    Only then may a style replace the forward by an equivalent computation on local shards;
+    a subclass with its own forward keeps it and runs on DTensors instead.
+    """
+    for base in (nn.Linear, nn.Embedding, _conv1d_base(module)):
+        if base is not None and isinstance(module, base):
+            return type(module).forward is base.forward
+    return False
+
+
+class _ShardLinearEmbedding(ParallelStyle):
+    """What :class:`ColwiseParallel` and :class:`RowwiseParallel` share."""
+
+    _default_input: Placement
+    _default_output: Placement
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.input_layouts = _single(input_layouts, self._default_input, "input_layouts")
+        self.output_layouts = _single(output_layouts, self._default_output, "output_layouts")
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_kind(module)
+        if not isinstance(module, (nn.Linear, nn.Embedding)) and _conv1d_base(module) is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: {type(module).__qualname__} is named Conv1D but is "
+                "not transformers' Conv1D (a 2-D weight of shape (nx, nf))"
+            )
+        _check_not_distributed(module)
+        _check_parameter_placements(module, self._parameter_placements(module))
+        if isinstance(module, nn.Embedding):
+            if module.sparse:
+                raise ValueError("sparse embedding gradients are not supported")
+            if module.max_norm is not None:
+                raise ValueError(
+                    "max_norm renormalizes whole rows in place, which a sharded weight "
+                    "cannot do locally; remove max_norm"
+                )
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """The placement of each parameter of ``module`` this style shards or replicates."""
+        raise NotImplementedError
+
+    def _shard(self, dim: int) -> Placement:
+        """How a sharded dimension of a parameter is split (the packed styles stride it)."""
+        return Shard(dim)
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        """The layout ``module``'s own forward needs its input in (DTensor fallback path)."""
+        return Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)  # an unsupported type must not be half-applied
+        rt = _layouts.runtime(device_mesh)
+        params = self._parameter_placements(module)
+        _distribute_parameters(module, rt, params, self.src_data_rank)
+        if _uses_stock_forward(module):
+            forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
+            module.forward = functools.partial(forward, module, rt)
+        else:
+            _hook_dtensor_forward(
+                self,
+                module,
+                rt,
+                self.input_layouts[0],
+                self._desired_input(module),
+                self.output_layouts[0],
+                self.use_local_output,
+            )
+        return module
+
+
+class ColwiseParallel(_ShardLinearEmbedding):
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` by output column.
+
+    ``nn.Linear``: ``weight`` and ``bias`` are sharded on the output features (``Shard(0)``).
+    ``nn.Embedding``: ``weight`` is sharded on the embedding dimension (``Shard(1)``).
+    transformers' ``Conv1D`` (GPT-2's projections, weight stored ``(in, out)``): ``weight`` is
+    sharded on the output features (``Shard(1)``), ``bias`` too (``Shard(0)``).
+    The module computes with the whole (replicated) input and produces its output sharded on
+    the last dimension; that output is then moved to ``output_layouts``. Pair it with
+    :class:`RowwiseParallel` to shard an MLP or an attention block with one reduction.
+
+    Keyword Args:
+        input_layouts (Placement, optional): the layout of the module's input when it arrives
+            as a local :class:`torch.Tensor`, used to annotate it as a DTensor. A DTensor input
+            carries its own layout. Default: ``Replicate()``.
+        output_layouts (Placement, optional): the layout of the module's output.
+            Default: ``Shard(-1)``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that shards the module column-wise.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, ColwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with an "w1" nn.Linear submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # input of "w1" is taken as replicated; its output is a local shard of the last dim
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"w1": ColwiseParallel()})
+
+    .. note:: The default output is sharded on the last dimension: code between this module
+        and the paired :class:`RowwiseParallel` sees only the local columns (for attention,
+        the local heads), so shapes must be derived from tensors, not from the config.
+    """
+
+    _default_input = Replicate()
+    _default_output = Shard(-1)
+
+    contract = StyleContract(
+        names={
+            # replicated input, output sharded on the last dim (an MLP's or attention's first half)
+            "colwise": {},
+            # the output all-gathered (an lm_head returning whole logits)
+            "colwise_gather_output": {"output_layouts": Replicate()},
+            "colwise_rep": {"output_layouts": Replicate()},
+            # on an nn.Embedding: weight sharded on the embedding dim, output gathered
+            "embedding_colwise": {"output_layouts": Replicate()},
+        },
+        arguments=lambda s: {
+            "input_layouts": s.input_layouts[0],
+            "output_layouts": s.output_layouts[0],
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, nn.Embedding, "Conv1D"),
+        parameters=lambda s, m: s._parameter_placements(m),
+        # every rank computes with the whole input: its input gradients are partial sums
+        inputs=lambda s, m: Boundary((Layout(s.input_layouts[0], Replicate(), grad=Partial()),)),
+        outputs=lambda s, m: Boundary(
+            (Layout(s._shard(-1), s.output_layouts[0], s.use_local_output),)
+        ),
+        local_forward=lambda s, m: True,
+        caveat=lambda s, m: _own_forward_caveat(m),
+    )
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Embedding):
+            return {"weight": Shard(1)}
+        # the output features: dim 0 of a Linear's weight, dim 1 of a Conv1D's
+        out_dim = 0 if isinstance(module, nn.Linear) else 1
+        return {"weight": self._shard(out_dim), "bias": self._shard(0)}
+
+    def _linear(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
+        try:
+            x = rt.enter_replicated(input, self.input_layouts[0])
+            weight = rt.local_parameter(module, "weight")
+            y = _project(module, x, weight, rt.local_parameter(module, "bias"))
+            return self._leave(y, rt, _out_features(module))
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+    def _embedding(
+        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
+        try:
+            ids = rt.enter_replicated(input, self.input_layouts[0])
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        try:
+            # the whole vocabulary on every rank: F.embedding checks the ids itself (on a
+            # GPU, with a device-side assert, as on one device)
+            y = F.embedding(
+                ids,
+                rt.local_parameter(module, "weight"),
+                module.padding_idx,
+                scale_grad_by_freq=module.scale_grad_by_freq,
+            )
+        except IndexError as err:
+            raise IndexError(
+                f"{_where(self, module)}: {err}: token ids must be in [0, {module.num_embeddings})"
+            ) from err
+        try:
+            return self._leave(y, rt, module.embedding_dim)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+    def _leave(self, y: torch.Tensor, rt: _layouts.DTensorRuntime, features: int) -> torch.Tensor:
+        """``y``, computed sharded on its last dim (``features`` in all), as the output."""
+        layout = self.output_layouts[0]
+        if self.use_local_output and type(layout) is Shard and layout.dim in (-1, y.ndim - 1):
+            return y  # the common case: as computed
+        layout = _layouts.normalize(layout, y.ndim)
+        shape = torch.Size((*y.shape[:-1], features))
+        return rt.leave(y, Shard(y.ndim - 1), layout, self.use_local_output, shape)
+
+
+class RowwiseParallel(_ShardLinearEmbedding):
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` by input row.
+
+    ``nn.Linear``: ``weight`` is sharded on the input features (``Shard(1)``) and ``bias`` is
+    replicated; the input must be sharded on its last dimension. ``nn.Embedding``: ``weight``
+    is sharded on the vocabulary (``Shard(0)``) and the input ids are replicated; each rank
+    looks up the ids it owns. transformers' ``Conv1D`` (weight stored ``(in, out)``):
+    ``weight`` is sharded on the input features (``Shard(0)``), ``bias`` is replicated. Either
+    way every rank holds a partial sum, which is reduced to ``output_layouts`` (an all-reduce
+    for ``Replicate()``, a reduce-scatter for ``Shard(d)``). Sizes need not divide by the mesh
+    size.
+
+    Keyword Args:
+        input_layouts (Placement, optional): the layout of the module's input when it arrives
+            as a local :class:`torch.Tensor`. Default: ``Shard(-1)``.
+        output_layouts (Placement, optional): the layout of the module's output.
+            Default: ``Replicate()``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that shards the module row-wise.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, RowwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with a "w2" nn.Linear submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # input of "w2" is a local shard of the last dim; its output is replicated
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"w2": RowwiseParallel()})
+    """
+
+    _default_input = Shard(-1)
+    _default_output = Replicate()
+
+    contract = StyleContract(
+        names={
+            # input sharded on the last dim, partial sums all-reduced to a replicated output
+            "rowwise": {},
+            # a replicated input, of which each rank uses its slice
+            "rowwise_split_input": {"input_layouts": Replicate()},
+            "rowwise_rep": {"input_layouts": Replicate()},
+            # on an nn.Embedding: vocabulary-parallel lookup of replicated ids, output all-reduced
+            "embedding_rowwise": {"input_layouts": Replicate()},
+        },
+        arguments=lambda s: {
+            "input_layouts": s.input_layouts[0],
+            "output_layouts": s.output_layouts[0],
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, nn.Embedding, "Conv1D"),
+        parameters=lambda s, m: s._parameter_placements(m),
+        partial_gradients=lambda s, m: s._partial_gradients(m),
+        # a Linear computes with its slice of the input features; an Embedding looks up
+        # every id (ids carry no gradient)
+        inputs=lambda s, m: Boundary(
+            (Layout(s.input_layouts[0], Replicate(), grad=Partial()),)
+            if isinstance(m, nn.Embedding)
+            else (Layout(s.input_layouts[0], s._shard(-1)),)
+        ),
+        outputs=lambda s, m: Boundary(
+            (Layout(Partial(), s.output_layouts[0], s.use_local_output),)
+        ),
+        local_forward=lambda s, m: True,
+        caveat=lambda s, m: _own_forward_caveat(m),
+    )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
+            raise ValueError(
+                "scale_grad_by_freq counts ids over the whole vocabulary, which a "
+                "vocabulary shard cannot do locally; remove scale_grad_by_freq"
+            )
+        if not isinstance(module, nn.Embedding) and module.bias is not None:
+            layout = self.output_layouts[0]
+            if not isinstance(layout, (Replicate, Shard)):
+                raise ValueError(
+                    f"a biased Linear needs output_layouts Replicate() or Shard(d), found "
+                    f"{layout}: the bias would be added once per rank to a partial sum"
+                )
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Embedding):
+            return {"weight": Shard(0)}
+        # the input features: dim 1 of a Linear's weight, dim 0 of a Conv1D's
+        in_dim = 1 if isinstance(module, nn.Linear) else 0
+        return {"weight": self._shard(in_dim), "bias": Replicate()}
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+
+    def _partial_gradients(self, module: nn.Module) -> tuple[str, ...]:
+        # the bias is added to a sharded output: each rank's gradient covers its shard only
+        sharded = isinstance(self.output_layouts[0], Shard)
+        biased = not isinstance(module, nn.Embedding) and getattr(module, "bias", None) is not None
+        return ("bias",) if sharded and biased else ()
+
+    def _linear(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
+        layout, x = self.input_layouts[0], input
+        last = type(layout) is Shard and layout.dim in (-1, x.ndim - 1)
+        try:
+            if isinstance(x, DTensor) or not last:  # else the local shard it computes with
+                layout = _layouts.normalize(layout, x.ndim)
+                x = rt.enter_sharded(x, layout, self._shard(x.ndim - 1))
+            partial = _project(module, x, rt.local_parameter(module, "weight"), None)
+            y = self._reduce(partial, rt, module)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        if module.bias is None:
+            return y
+        # added after the reduction, so that it is added once
+        if isinstance(y, DTensor):
+            return y + module.bias
+        # on a sharded output each rank's bias gradient sums over its shard only: partial
+        if isinstance(self.output_layouts[0], Shard):
+            return y + rt.local_parameter(module, "bias", partial=True)
+        return y + rt.local_parameter(module, "bias")
+
+    def _embedding(
+        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
+        try:
+            ids = rt.enter_replicated(input, self.input_layouts[0])
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        if ids.numel() and not ids.is_meta and not torch.compiler.is_compiling():
+            # Ids out of the vocabulary would be foreign to every rank: rows of zeros, where
+            # one device raises. Every rank holds all the ids (replicated), so every rank
+            # finds the same ones and raises alike, with no collective. Reading the min and
+            # max back is a host sync on a GPU (one: both are read as one flag). Under
+            # torch.compile the check is left out: a branch on data would break the graph
+            # (meta ids have no values to check).
+            low, high = torch.aminmax(ids)
+            if ((low < 0) | (high >= module.num_embeddings)).item():
+                raise self._ids_out_of_range(module, ids)
+        start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)
+        weight = rt.local_parameter(module, "weight")
+        # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
+        # (the reduction below) then holds exactly one real row per id
+        foreign = (ids < start) | (ids >= stop)
+        if stop > start:
+            pad = module.padding_idx
+            local_pad = pad - start if pad is not None and start <= pad < stop else None
+            y = F.embedding((ids - start).masked_fill(foreign, 0), weight, local_pad)
+            y = y.masked_fill(foreign.unsqueeze(-1), 0.0)
+        else:  # an empty shard (tiny vocabulary): contribute zeros, keep the graph
+            y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
+        try:
+            return self._reduce(y, rt, module)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+    def _ids_out_of_range(self, module: nn.Embedding, ids: torch.Tensor) -> IndexError:
+        """The error of one device's ``F.embedding``, naming the module and a few of the ids."""
+        size = module.num_embeddings
+        bad = ids[(ids < 0) | (ids >= size)]
+        values = torch.unique(bad).tolist()
+        shown = ", ".join(map(str, values[:5])) + (", ..." if len(values) > 5 else "")
+        return IndexError(
+            f"{_where(self, module)}: index out of range: token ids must be in [0, {size}), "
+            f"found {shown} ({bad.numel()} of {ids.numel()} ids out of range)"
+        )
+
+    def _reduce(self, partial: torch.Tensor, rt: _layouts.DTensorRuntime, module: nn.Module):
+        layout = self.output_layouts[0]
+        if type(layout) is not Replicate:
+            layout = _layouts.normalize(layout, partial.ndim)
+        if (
+            self.use_local_output
+            and isinstance(layout, Shard)
+            and partial.shape[layout.dim] % rt.mesh.size()
+        ):
+            # uneven local shards cannot be annotated back into a DTensor downstream (from a
+            # local tensor alone the global size is unknown): fail here, clearly
+            raise ValueError(
+                f"{_where(self, module)}: the output is sharded on dim {layout.dim} of size "
+                f"{partial.shape[layout.dim]}, which does not divide by the {rt.mesh.size()} "
+                "ranks; make it divisible (e.g. the sequence length, for sequence "
+                "parallelism) or pass use_local_output=False"
+            )
+        return rt.reduce_partial(partial, layout, self.use_local_output)
+
+
+class _Packed:
+    """What the packed styles share: a fused weight made of ``parts`` equal blocks."""
+
+    parts: int
+
+    def _check_parts(self, parts: int) -> int:
+        if _check_int(parts, "parts") < 1:
+            raise ValueError(f"parts must be a positive int, found {parts}")
+        return parts
+
+    def _shard(self, dim: int) -> Placement:
+        # rank r holds block r of every part: DTensor's strided shard, so that the full
+        # tensor (a checkpoint, full_tensor()) is the single-device one, parts in order
+        return StridedShard(dim, split_factor=self.parts)
+
+    def _check_module(self, module: nn.Module) -> None:
+        self._check_kind(module)
+        # a module with its own forward would run on DTensors, which have no rule for a
+        # strided-shard weight in a matmul
+        if (isinstance(module, nn.Linear) or _conv1d_base(module)) and not _uses_stock_forward(
+            module
+        ):
+            raise NotImplementedError(
+                f"{type(self).__name__} needs the stock forward of nn.Linear or Conv1D; "
+                f"{type(module).__qualname__} overrides it"
+            )
+
+    def _validate_parts(self, size: int, what: str, device_mesh: DeviceMesh) -> None:
+        n = device_mesh.size()
+        if size % (self.parts * n):
+            raise ValueError(
+                f"{what} of size {size} holds {self.parts} packed parts, each to be split over "
+                f"{n} ranks: the size must be a multiple of {self.parts} x {n} = "
+                f"{self.parts * n}"
+            )
+
+
+class PackedColwiseParallel(_Packed, ColwiseParallel):
+    """Shard a fused projection (``qkv_proj``, ``gate_up_proj``, GPT-2's ``c_attn``) by output
+    column, part by part.
+
+    The output features are ``parts`` equal blocks laid end to end (q, k and v; gate and up).
+    :class:`ColwiseParallel` would give the first rank all of q; this style gives every rank
+    its slice of each part, so that rank ``r`` computes ``[q_r, k_r, v_r]``: its own heads of
+    q, k and v, which the module then splits locally. The weight (and bias) become DTensors
+    with DTensor's strided-shard placement, so gathering them (``full_tensor()``,
+    :mod:`torch_tp.checkpoint`) gives the single-device tensor. Supports ``nn.Linear`` and
+    transformers' ``Conv1D``.
+
+    .. note:: Not supported under FSDP2 yet: ``fully_shard`` on top of a strided shard gives
+        placements that do not describe what each rank holds (training runs, but gathered
+        values are scrambled), and :mod:`torch_tp.checkpoint` refuses such parameters.
+
+    Args:
+        parts (int, optional): the number of packed blocks. Default: 2 (``gate_up_proj``).
+
+    Keyword Args:
+        input_layouts (Placement, optional): as for :class:`ColwiseParallel`.
+            Default: ``Replicate()``.
+        output_layouts (Placement, optional): ``None`` keeps the packed local slices
+            (``[q_r, k_r, v_r]``); ``Replicate()`` gathers the whole output. Default: ``None``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PackedColwiseParallel, AttentionHeads
+        >>> # GPT-2: c_attn packs q, k and v; GPT2Attention splits it by its split_size
+        >>> plan = {
+        ...     "h.*.attn": AttentionHeads("num_heads", divide=("num_heads", "split_size")),
+        ...     "h.*.attn.c_attn": PackedColwiseParallel(3),
+        ...     "h.*.attn.c_proj": RowwiseParallel(),
+        ... }
+    """
+
+    contract = dataclasses.replace(
+        ColwiseParallel.contract,
+        # a fused projection packing two parts along its outputs (gate_up_proj)
+        names={"packed_colwise": {"parts": 2}},
+        arguments=lambda s: {
+            "parts": s.parts,
+            "input_layouts": s.input_layouts[0],
+            "output_layouts": s.output_layouts[0]
+            if isinstance(s.output_layouts[0], Replicate)
+            else None,
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, "Conv1D"),
+    )
+
+    def __init__(
+        self,
+        parts: int = 2,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        if output_layouts is not None and not isinstance(output_layouts, Replicate):
+            raise ValueError(
+                f"output_layouts of a packed projection must be None (packed local slices) "
+                f"or Replicate(), found {short_repr(output_layouts)}"
+            )
+        self.parts = self._check_parts(parts)
+        super().__init__(
+            input_layouts=input_layouts,
+            output_layouts=output_layouts or StridedShard(-1, split_factor=self.parts),
+            use_local_output=use_local_output,
+        )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_module(module)
+        super()._validate(module, device_mesh)
+        self._validate_parts(_out_features(module), "the output features", device_mesh)
+
+    def _leave(self, y: torch.Tensor, rt: _layouts.DTensorRuntime, features: int) -> torch.Tensor:
+        computed = StridedShard(y.ndim - 1, split_factor=self.parts)
+        if isinstance(self.output_layouts[0], Replicate):
+            layout = Replicate()
+        elif self.use_local_output:
+            return y  # the packed slices, as the module splits them
+        else:
+            layout = computed
+        shape = torch.Size((*y.shape[:-1], features))
+        return rt.leave(y, computed, layout, self.use_local_output, shape)
+
+
+class PackedRowwiseParallel(_Packed, RowwiseParallel):
+    """Shard a projection whose input features are ``parts`` packed blocks, part by part.
+
+    The row-wise partner of :class:`PackedColwiseParallel`: the input arrives as this rank's
+    slice of every part (``[a_r, b_r]``), and the weight is sharded on its input features
+    the same way (DTensor's strided shard), so the partial sums are reduced as for
+    :class:`RowwiseParallel`. Supports ``nn.Linear`` and transformers' ``Conv1D``.
+
+    Args:
+        parts (int, optional): the number of packed blocks. Default: 2.
+
+    Keyword Args:
+        output_layouts (Placement, optional): as for :class:`RowwiseParallel`.
+            Default: ``Replicate()``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+    """
+
+    contract = dataclasses.replace(
+        RowwiseParallel.contract,
+        # the row-parallel partner of packed_colwise, its input features packed the same way
+        names={"packed_rowwise": {"parts": 2}},
+        arguments=lambda s: {
+            "parts": s.parts,
+            "output_layouts": s.output_layouts[0],
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, "Conv1D"),
+    )
+
+    def __init__(
+        self,
+        parts: int = 2,
+        *,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        self.parts = self._check_parts(parts)
+        super().__init__(output_layouts=output_layouts, use_local_output=use_local_output)
+        # the input is this rank's slice of every part, as a packed column-parallel gives it
+        self.input_layouts = (StridedShard(-1, split_factor=self.parts),)
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_module(module)
+        super()._validate(module, device_mesh)
+        in_features = module.in_features if isinstance(module, nn.Linear) else module.nx
+        self._validate_parts(in_features, "the input features", device_mesh)
+
+
+def _check_parameter_placements(module: nn.Module, placements: dict[str, Placement]) -> None:
+    """Every placement a style gives a parameter names a dimension the parameter has."""
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if not isinstance(param, torch.Tensor) or not isinstance(placement, (Shard, StridedShard)):
+            continue
+        if not -param.ndim <= placement.dim < param.ndim:
+            raise ValueError(
+                f"the placement {placement!r} of parameter {name!r} names dim {placement.dim} "
+                f"of a {param.ndim}-D tensor (shape {tuple(param.shape)}): a Shard dim must "
+                f"be in [{-param.ndim}, {param.ndim})"
+            )
+
+
+def _check_not_distributed(module: nn.Module) -> None:
+    for name, param in module.named_parameters(recurse=False):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name!r} is already a DTensor with placements "
+                f"{param.placements}: the module was parallelized before"
+            )
+
+
+class _ReplicatedParameters(ParallelStyle):
+    """What :class:`SequenceParallel` and :class:`ReplicateParallel` share: the module's own
+    parameters become replicated DTensors, and its own forward runs inside ``_forward``."""
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rt = _layouts.runtime(device_mesh)
+        params = self._parameter_placements(module)
+        _distribute_parameters(module, rt, params, self.src_data_rank)
+        own_forward = type(module).forward
+        module.forward = functools.partial(self._forward, module, rt, own_forward)
+        return module
+
+    @abstractmethod
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        """The module's forward, given its own (unbound) ``own_forward``."""
+
+
+class SequenceParallel(_ReplicatedParameters):
+    """Run a normalization or dropout layer on a sequence shard of its input.
+
+    The module's parameters are replicated (broadcast from ``src_data_rank``, so they need
+    not be ones); its first input is taken as sharded on ``sequence_dim`` (a local tensor is
+    annotated so, a DTensor is moved there), and so is its output. Gradients of the
+    replicated parameters are summed over the sequence shards, so every rank holds the full
+    gradient. This is the sequence parallelism of `Reducing Activation Recomputation in Large
+    Transformer Models <https://arxiv.org/abs/2205.05198>`__.
+
+    Supported modules: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Dropout``, and hand-written norms
+    whose class name ends in ``RMSNorm`` or ``LayerNorm`` and whose parameters are 1-D (the
+    per-feature scale and shift of Llama-style models). ``nn.Dropout`` draws the mask the
+    single-device model would draw from the same seed and keeps this rank's slice of it.
+
+    Keyword Args:
+        sequence_dim (int, optional): the sequence dimension of the input. Default: 1.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` that runs the module sequence-parallel.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, SequenceParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with a "norm" nn.LayerNorm submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # "norm" takes a sequence shard and returns a DTensor sharded on the sequence
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"norm": SequenceParallel()})
+    """
+
+    contract = StyleContract(
+        # a norm or dropout on a sequence shard (dim 1), handing on a local tensor
+        names={"sequence_parallel": {"use_local_output": True}},
+        arguments=lambda s: {
+            "sequence_dim": s.sequence_sharding[0].dim,
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.LayerNorm, nn.RMSNorm, nn.Dropout, "*RMSNorm", "*LayerNorm"),
+        parameters=lambda s, m: s._parameter_placements(m),
+        # computed on a sequence shard: each rank's gradient covers its positions only
+        partial_gradients=lambda s, m: tuple(n for n, _ in m.named_parameters(recurse=False)),
+        inputs=lambda s, m: Boundary((Layout(s.sequence_sharding[0], s.sequence_sharding[0]),)),
+        outputs=lambda s, m: Boundary(
+            (Layout(s.sequence_sharding[0], s.sequence_sharding[0], s.use_local_output),)
+        ),
+        local_forward=lambda s, m: True,
+    )
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        super().__init__()
+        self.sequence_sharding = (Shard(_check_int(sequence_dim, "sequence_dim")),)
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_kind(module)
+        stock = isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.Dropout))
+        if not stock and any(p.ndim != 1 for p in module.parameters(recurse=False)):
+            raise NotImplementedError(
+                f"SequenceParallel supports hand-written norms ({type(module).__qualname__}) "
+                "whose parameters are per-feature scales and shifts (1-D), found "
+                f"{[tuple(p.shape) for p in module.parameters(recurse=False)]}"
+            )
+        _check_not_distributed(module)
+
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            found = type(inputs[0]).__name__ if inputs else "no input"
+            raise ValueError(
+                f"{_where(self, module)}: expecting the first input to be a torch.Tensor or "
+                f"DTensor, found {found}"
+            )
+        x = inputs[0]
+        try:
+            layout = _layouts.normalize(self.sequence_sharding[0], x.ndim)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        global_shape = None  # a local input: even shards, as everywhere
+        if isinstance(x, DTensor):
+            x = rt.redistribute(x, layout)
+            global_shape = x.shape
+            x = x.to_local()
+        if own_forward is nn.Dropout.forward:
+            if not module.training or module.p == 0.0:
+                out = x  # the identity, as nn.Dropout's
+            else:
+                # a mask of the local shape would be the same on every rank, and not the
+                # single-device one: draw the full mask and keep this rank's slice
+                out = sequence_parallel_dropout(
+                    x,
+                    module.p,
+                    module.training,
+                    module.inplace,
+                    device_mesh=rt.mesh,
+                    sequence_dim=layout.dim,
+                    global_shape=global_shape,
+                )
+        else:
+            # the module's own forward, on the local sequence shard: a norm treats every
+            # position alike, so the shard's result is the shard of the whole result
+            out = _run_on_local_parameters(module, rt, True, own_forward, x, *inputs[1:], **kwargs)
+        if self.use_local_output or not isinstance(out, torch.Tensor):
+            return out
+        return DTensor.from_local(out, rt.mesh, (layout,))
+
+
+class ReplicateParallel(_ReplicatedParameters):
+    """Replicate a module's parameters as DTensors; the module computes on local tensors.
+
+    Every rank keeps the whole module, and its parameters become ``Replicate()`` DTensors,
+    like every other parameter of the model (one kind of parameter for the optimizer,
+    gradient clipping and checkpoints). The module's own forward runs unchanged on local
+    views of them, on whatever local tensors it is given; no input or output is moved.
+
+    A module that sees the whole activation (a router, a norm in the replicated region)
+    computes the whole gradient on every rank: keep ``sum_gradients=False``. A module that
+    sees only this rank's share of it (per-head ``q_norm``/``k_norm`` after a column-parallel
+    projection) gets a partial gradient on each rank: ``sum_gradients=True`` sums them over
+    the ranks (in the one all-reduce at the end of backward that sums all partial gradients).
+
+    Keyword Args:
+        sum_gradients (bool, optional): sum the parameters' gradients over the ranks.
+            Default: ``False``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {"layers.*.self_attn.q_norm": ReplicateParallel(sum_gradients=True)}
+    """
+
+    contract = StyleContract(
+        names={
+            # every rank keeps the whole module; parameters are replicated DTensors
+            "replicate": {},
+            # a module that sees this rank's share of the activation (per-head q_norm/k_norm)
+            "replicated_with_grad_allreduce": {"sum_gradients": True},
+        },
+        arguments=lambda s: {"sum_gradients": s.sum_gradients},
+        parameters=lambda s, m: s._parameter_placements(m),
+        partial_gradients=lambda s, m: (
+            tuple(n for n, _ in m.named_parameters(recurse=False)) if s.sum_gradients else ()
+        ),
+        local_forward=lambda s, m: True,
+    )
+
+    def __init__(self, *, sum_gradients: bool = False) -> None:
+        super().__init__()
+        self.sum_gradients = _check_flag(sum_gradients, "sum_gradients")
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        nested = [
+            name for name, child in module.named_children() if any(True for _ in child.parameters())
+        ]
+        if nested:
+            raise ValueError(
+                f"ReplicateParallel replicates a module's own parameters; the children "
+                f"{nested} have parameters of their own: give them their own styles"
+            )
+        _check_not_distributed(module)
+
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        return _run_on_local_parameters(
+            module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
+        )
+
+
+class AttentionHeads(ParallelStyle):
+    """Check that an attention module's heads split evenly, and make its sizes per-rank.
+
+    Column-parallel q/k/v projections give each rank whole heads only when the numbers of
+    query and key/value heads divide by the TP degree; otherwise the model fails mid-forward
+    (or worse, computes with half heads). This style goes on the attention module itself,
+    next to the styles of its projections, and refuses such a plan before anything changes.
+    It owns no parameters and moves no data.
+
+    Some attention modules read their sizes from attributes in ``forward`` (GPT-2 splits its
+    fused projection by ``split_size``): the attributes named in ``divide`` are divided by
+    the TP degree, so that the module sees this rank's share.
+
+    Args:
+        num_heads (int or str): the number of query heads, or the dotted attribute of the
+            module holding it (``"num_heads"``, ``"config.num_attention_heads"``).
+        num_kv_heads (int or str, optional): the number of key/value heads (grouped-query
+            attention), likewise. Default: ``None`` (as many as query heads).
+
+    Keyword Args:
+        divide (Sequence[str], optional): integer attributes of the module itself to divide
+            by the TP degree. Default: ``()``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {
+        ...     "model.layers.*.self_attn": AttentionHeads(
+        ...         "config.num_attention_heads", "config.num_key_value_heads"
+        ...     ),
+        ...     "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        ...     # ...
+        ... }
+    """
+
+    contract = StyleContract(
+        arguments=lambda s: {
+            "num_heads": s.num_heads,
+            "num_kv_heads": s.num_kv_heads,
+            "divide": s.divide,
+        },
+    )
+
+    def __init__(
+        self,
+        num_heads: int | str,
+        num_kv_heads: int | str | None = None,
+        *,
+        divide: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        super().__init__()
+        for what, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if value is None or isinstance(value, str) and _is_attribute_path(value):
+                continue
+            if isinstance(value, str):
+                raise ValueError(
+                    f"{what} must be an int or the dotted name of a public attribute of the "
+                    f"module ('num_heads', 'config.num_attention_heads'), found "
+                    f"{short_repr(value)}"
+                )
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"{what} must be an int or an attribute name, found "
+                    f"{type(value).__name__} {short_repr(value)}"
+                )
+            if value < 1:
+                raise ValueError(f"{what} must be a positive int, found {value}")
+        if isinstance(divide, str) or not isinstance(divide, (tuple, list)):
+            raise TypeError(
+                f"divide must be a tuple or list of attribute names, found "
+                f"{type(divide).__name__} {short_repr(divide)}"
+            )
+        for name in divide:
+            if not isinstance(name, str) or not _is_attribute_path(name) or "." in name:
+                raise ValueError(
+                    f"divide names public attributes of the module itself, found "
+                    f"{short_repr(name)} (a shared object such as the config must not be "
+                    "changed per module)"
+                )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.divide = tuple(divide)
+
+    def _count(self, module: nn.Module, value: int | str | None) -> int | None:
+        if value is None or isinstance(value, int):
+            return value
+        found = module
+        for part in value.split("."):
+            if not hasattr(found, part):
+                raise ValueError(
+                    f"{type(module).__name__} has no attribute {value!r} (found no {part!r})"
+                )
+            found = getattr(found, part)
+        if not isinstance(found, int) or isinstance(found, bool):
+            raise ValueError(f"attribute {value!r} is a {type(found).__name__}, not an int")
+        return found
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        n = device_mesh.size()
+        heads = self._count(module, self.num_heads)
+        kv_heads = self._count(module, self.num_kv_heads)
+        for what, count in (("query heads", heads), ("key/value heads", kv_heads)):
+            if count is not None and count % n:
+                # the TP degrees worth naming (a count from a plan file may be huge)
+                divisors = [d for d in range(1, min(count, 1024) + 1) if count % d == 0]
+                raise ValueError(
+                    f"{count} {what} do not split over {n} ranks: each rank must hold whole "
+                    f"heads. Use a TP degree that divides {count} ({', '.join(map(str, divisors))})"
+                )
+        for name in self.divide:
+            value = self._count(module, name)
+            if value % n:
+                raise ValueError(f"attribute {name!r} = {value} does not divide by the {n} ranks")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.divide:
+            setattr(module, name, getattr(module, name) // device_mesh.size())
+        return module
+
+
+def _is_attribute_path(text: str) -> bool:
+    """``text`` is a dotted path of public attributes (``config.num_attention_heads``): not
+    one that reaches into private or special ones (``forward.__globals__``)."""
+    return len(text) <= REPR_LIMIT and all(
+        part.isidentifier() and not part.startswith("_") for part in text.split(".")
+    )
+
+
+def _run_on_local_parameters(
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    partial: bool,
+    forward,
+    *inputs: Any,
+    **kwargs: Any,
+) -> Any:
+    """Run ``forward`` (``module``'s own, unbound) with its DTensor parameters seen as local
+    tensors.
+
+    With ``partial`` the module computes on a shard of the data, so the gradient each rank
+    gets for a parameter is a partial sum: it is labelled so, and summed at the end of
+    backward. Without, each rank gets the full (replicated) gradient.
+    """
+    params = compat.direct_parameters(module)
+    local = {name: rt.local_parameter(module, name, partial=partial) for name in params}
+    with compat.swapped_direct_parameters(module, local):
+        return forward(module, *inputs, **kwargs)
+
+
+def _hook_dtensor_forward(
+    style: ParallelStyle,
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    input_layout: Placement,
+    desired_input: Placement,
+    output_layout: Placement,
+    use_local_output: bool,
+) -> None:
+    """Run ``module``'s own forward on DTensors: annotate and move the first input to
+    ``desired_input`` before it, move the output to ``output_layout`` after it."""
+
+    def enter(mod: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        try:
+            x = rt.prepare(inputs[0], input_layout, desired_input, False)
+        except _layouts.ShardDimError as err:
+            raise _in_module(style, mod, err) from None
+        return (x, *inputs[1:])
+
+    def leave(mod: nn.Module, inputs: Any, output: Any) -> Any:
+        if not isinstance(output, DTensor):
+            return output
+        try:
+            out = rt.redistribute(output, _layouts.normalize(output_layout, output.ndim))
+        except _layouts.ShardDimError as err:
+            raise _in_module(style, mod, err) from None
+        return out.to_local() if use_local_output else out
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Lay out a module's inputs as DTensors before its forward runs.
+
+    Each positional input with a layout in ``input_layouts`` (and each keyword input named
+    in ``input_kwarg_layouts``) is annotated with that layout if it is a local tensor, then
+    moved to the matching desired layout. ``None`` leaves an input untouched.
+
+    Keyword Args:
+        input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            positional inputs; ``None`` is a placeholder for an input to leave alone.
+            Default: ``None`` (positional inputs are left alone).
+        desired_input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts the
+            module should receive; same length as ``input_layouts``. Default: ``None``.
+        input_kwarg_layouts (Dict[str, Placement]): the layouts of keyword inputs.
+            Default: ``None``.
+        desired_input_kwarg_layouts (Dict[str, Placement]): the layouts the module should
+            receive for keyword inputs. Default: ``None``.
+        use_local_output (bool, optional): give the module local :class:`torch.Tensor` inputs
+            instead of DTensors. Default: ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's inputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleInput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)  # a module with an "attn" submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # the first input of "attn" arrives sharded on dim 0 and is replicated
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     {"attn": PrepareModuleInput(
+        ...         input_layouts=(Shard(0), None),
+        ...         desired_input_layouts=(Replicate(), None),
+        ...     )},
+        ... )
+    """
+
+    contract = StyleContract(
+        arguments=lambda s: {
+            "input_layouts": s.input_layouts,
+            "desired_input_layouts": s.desired_input_layouts,
+            "input_kwarg_layouts": s.input_kwarg_layouts if s.with_kwargs else None,
+            "desired_input_kwarg_layouts": s.desired_input_kwarg_layouts or None,
+            "use_local_output": s.use_local_output,
+        },
+        inputs=lambda s, m: s._boundary(),
+    )
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_output: bool = False,
+    ) -> None:
+        self.input_layouts = _as_tuple(input_layouts, "input_layouts")
+        self.desired_input_layouts = _as_tuple(desired_input_layouts, "desired_input_layouts")
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        if self.input_layouts is not None:
+            # AssertionError, as upstream raises: callers may catch it
+            if self.desired_input_layouts is None:
+                raise AssertionError("desired module inputs should not be None!")
+            if len(self.input_layouts) != len(self.desired_input_layouts):
+                raise AssertionError(
+                    "input_layouts and desired_input_layouts should have same length! "
+                    f"found {len(self.input_layouts)} and {len(self.desired_input_layouts)}"
+                )
+        self.with_kwargs = input_kwarg_layouts is not None
+        self.input_kwarg_layouts = _as_kwarg_layouts(input_kwarg_layouts, "input_kwarg_layouts")
+        self.desired_input_kwarg_layouts = _as_kwarg_layouts(
+            desired_input_kwarg_layouts, "desired_input_kwarg_layouts"
+        )
+        if self.with_kwargs and len(self.input_kwarg_layouts) != len(
+            self.desired_input_kwarg_layouts
+        ):
+            raise AssertionError(
+                "input_kwarg_layouts and desired_input_kwarg_layouts should have same length!"
+            )
+
+    def _boundary(self) -> Boundary:
+        local = self.use_local_output
+        args = tuple(
+            None if layout is None else Layout(layout, desired, local)
+            for layout, desired in zip(
+                self.input_layouts or (), self.desired_input_layouts or (), strict=True
+            )
+        )
+        kwargs = {
+            name: Layout(layout, self.desired_input_kwarg_layouts.get(name), local)
+            for name, layout in self.input_kwarg_layouts.items()
+        }
+        return Boundary(args, kwargs, exact=self.input_layouts is not None)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rt = _layouts.runtime(device_mesh)
+        if self.with_kwargs:
+            module.register_forward_pre_hook(
+                functools.partial(self._prepare_with_kwargs, rt), with_kwargs=True
+            )
+        else:
+            module.register_forward_pre_hook(functools.partial(self._prepare_hook, rt))
+        return module
+
+    def _prepare_hook(
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
+    ):
+        return self._prepare_args(rt, module, inputs)
+
+    def _prepare_with_kwargs(
+        self,
+        rt: _layouts.DTensorRuntime,
+        module: nn.Module,
+        inputs: tuple[Any, ...],
+        kwargs: dict,
+    ):
+        prepared = {
+            key: self._prepare_one(
+                module,
+                key,
+                value,
+                rt,
+                self.input_kwarg_layouts.get(key),
+                self.desired_input_kwarg_layouts.get(key),
+            )
+            for key, value in kwargs.items()
+        }
+        return self._prepare_args(rt, module, inputs), prepared
+
+    def _prepare_args(
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
+        if self.input_layouts is None:
+            return inputs
+        if len(inputs) != len(self.input_layouts):
+            raise ValueError(
+                f"{_where(self, module)}: module inputs and input_layouts should have same "
+                f"length! found {len(inputs)} inputs for {len(self.input_layouts)} layouts"
+            )
+        return tuple(
+            self._prepare_one(module, i, value, rt, layout, desired)
+            for i, (value, layout, desired) in enumerate(
+                zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
+            )
+        )
+
+    def _prepare_one(
+        self,
+        module: nn.Module,
+        where: int | str,
+        value: Any,
+        rt: _layouts.DTensorRuntime,
+        *layouts: Placement | None,
+    ):
+        """Prepare one input; ``where`` is its position, or its keyword (named on error only:
+        this runs for every input of every call)."""
+        if layouts[0] is not None and not isinstance(value, torch.Tensor):
+            what = f"input {where}" if isinstance(where, int) else f"keyword input {where!r}"
+            # AssertionError, as upstream raises
+            raise AssertionError(
+                f"{_where(self, module)}: expecting {what} to be a torch.Tensor for layout "
+                f"{layouts[0]}, found {type(value).__name__}"
+            )
+        try:
+            return rt.prepare(value, *layouts, self.use_local_output)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Lay out a module's outputs as DTensors after its forward runs.
+
+    Each output with a layout in ``output_layouts`` is annotated with that layout if it is a
+    local tensor, then moved to the matching desired layout; ``None`` leaves an output
+    untouched. A module returning one tensor gets one tensor back.
+
+    Keyword Args:
+        output_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            outputs; ``None`` is a placeholder for an output to leave alone.
+        desired_output_layouts (Union[Placement, Tuple[Placement]]): the layouts to return;
+            same length as ``output_layouts``.
+        use_local_output (bool, optional): return local :class:`torch.Tensor` outputs instead
+            of DTensors. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's outputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleOutput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # the block's replicated output is returned sharded on dim 0
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+        ... )
+    """
+
+    contract = StyleContract(
+        # the module's output is a partial sum: all-reduce it, hand on a local tensor
+        names={"all_reduce": {"output_layouts": Partial(), "desired_output_layouts": Replicate()}},
+        arguments=lambda s: {
+            "output_layouts": s.output_layouts,
+            "desired_output_layouts": s.desired_output_layouts,
+            "use_local_output": s.use_local_output,
+        },
+        outputs=lambda s, m: Boundary(
+            tuple(
+                None if layout is None else Layout(layout, desired, s.use_local_output)
+                for layout, desired in zip(s.output_layouts, s.desired_output_layouts, strict=True)
+            ),
+            exact=True,
+        ),
+    )
+
+    def __init__(
+        self,
+        *,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement, ...],
+        use_local_output: bool = True,
+    ) -> None:
+        self.output_layouts = _as_tuple(output_layouts, "output_layouts")
+        self.desired_output_layouts = _as_tuple(desired_output_layouts, "desired_output_layouts")
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        if self.output_layouts is None or self.desired_output_layouts is None:
+            raise AssertionError("output_layouts and desired_output_layouts must be given!")
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise AssertionError(
+                "output_layouts and desired_output_layouts should have same length! found "
+                f"{len(self.output_layouts)} and {len(self.desired_output_layouts)}"
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rt = _layouts.runtime(device_mesh)
+        module.register_forward_hook(functools.partial(self._prepare_hook, rt))
+        return module
+
+    def _prepare_hook(
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: Any, outputs: Any
+    ):
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if len(outputs) != len(self.output_layouts):
+            raise ValueError(
+                f"{_where(self, module)}: module outputs and output_layouts should have same "
+                f"length! found {len(outputs)} outputs for {len(self.output_layouts)} layouts"
+            )
+        prepared = []
+        for i, (value, layout, desired) in enumerate(
+            zip(outputs, self.output_layouts, self.desired_output_layouts, strict=True)
+        ):
+            if layout is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{_where(self, module)}: expecting output {i} to be a torch.Tensor for "
+                    f"layout {layout}, found {type(value).__name__}"
+                )
+            try:
+                prepared.append(rt.prepare(value, layout, desired, self.use_local_output))
+            except _layouts.ShardDimError as err:
+                raise _in_module(self, module, err) from None
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """Lay out a module's inputs before and its outputs after its forward runs.
+
+    The combination of :class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one
+    module; see those for the meaning of each argument.
+
+    Keyword Args:
+        input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            positional inputs. Default: ``None``.
+        desired_input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts the
+            module should receive. Default: ``None``.
+        input_kwarg_layouts (Dict[str, Placement]): the layouts of keyword inputs.
+            Default: ``None``.
+        desired_input_kwarg_layouts (Dict[str, Placement]): the layouts the module should
+            receive for keyword inputs. Default: ``None``.
+        use_local_input (bool, optional): give the module local tensors instead of DTensors.
+            Default: ``False``.
+        output_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            outputs.
+        desired_output_layouts (Union[Placement, Tuple[Placement]]): the layouts to return.
+        use_local_output (bool, optional): return local tensors instead of DTensors.
+            Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's inputs and outputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleInputOutput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     {"attn": PrepareModuleInputOutput(
+        ...         input_layouts=(Shard(0), None),
+        ...         desired_input_layouts=(Replicate(), None),
+        ...         output_layouts=Replicate(),
+        ...         desired_output_layouts=Shard(0),
+        ...     )},
+        ... )
+    """
+
+    contract = StyleContract(
+        arguments=lambda s: {
+            **{
+                ("use_local_input" if k == "use_local_output" else k): v
+                for k, v in _arguments(s.prepare_module_input).items()
+            },
+            **_arguments(s.prepare_module_output),
+        },
+        inputs=lambda s, m: s.prepare_module_input._boundary(),
+        outputs=lambda s, m: PrepareModuleOutput.contract.outputs(s.prepare_module_output, m),
+    )
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_input: bool = False,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement, ...],
+        use_local_output: bool = True,
+    ) -> None:
+        _check_flag(use_local_input, "use_local_input")
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input,
+        )
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.prepare_module_input._apply(module, device_mesh)
+        self.prepare_module_output._apply(module, device_mesh)
+        return module
