@@ -393,6 +393,22 @@ def _uses_stock_forward(module: nn.Module) -> bool:
     return False
 
 
+# what the contracts of ColwiseParallel and RowwiseParallel share: their arguments, the
+# modules they take, their parameters, and a forward on local shards (unless the module has
+# its own forward: then the caveat)
+_LINEAR_EMBEDDING_CONTRACT: dict[str, Any] = {
+    "arguments": lambda s: {
+        "input_layouts": s.input_layouts[0],
+        "output_layouts": s.output_layouts[0],
+        "use_local_output": s.use_local_output,
+    },
+    "modules": (nn.Linear, nn.Embedding, "Conv1D"),
+    "parameters": lambda s, m: s._parameter_placements(m),
+    "local_forward": lambda s, m: True,
+    "caveat": lambda s, m: _own_forward_caveat(m),
+}
+
+
 class _ShardLinearEmbedding(ParallelStyle):
     """What :class:`ColwiseParallel` and :class:`RowwiseParallel` share."""
 
@@ -512,20 +528,12 @@ class ColwiseParallel(_ShardLinearEmbedding):
             # on an nn.Embedding: weight sharded on the embedding dim, output gathered
             "embedding_colwise": {"output_layouts": Replicate()},
         },
-        arguments=lambda s: {
-            "input_layouts": s.input_layouts[0],
-            "output_layouts": s.output_layouts[0],
-            "use_local_output": s.use_local_output,
-        },
-        modules=(nn.Linear, nn.Embedding, "Conv1D"),
-        parameters=lambda s, m: s._parameter_placements(m),
+        **_LINEAR_EMBEDDING_CONTRACT,
         # every rank computes with the whole input: its input gradients are partial sums
         inputs=lambda s, m: Boundary((Layout(s.input_layouts[0], Replicate(), grad=Partial()),)),
         outputs=lambda s, m: Boundary(
             (Layout(s._shard(-1), s.output_layouts[0], s.use_local_output),)
         ),
-        local_forward=lambda s, m: True,
-        caveat=lambda s, m: _own_forward_caveat(m),
     )
 
     def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
@@ -627,13 +635,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
             # on an nn.Embedding: vocabulary-parallel lookup of replicated ids, output all-reduced
             "embedding_rowwise": {"input_layouts": Replicate()},
         },
-        arguments=lambda s: {
-            "input_layouts": s.input_layouts[0],
-            "output_layouts": s.output_layouts[0],
-            "use_local_output": s.use_local_output,
-        },
-        modules=(nn.Linear, nn.Embedding, "Conv1D"),
-        parameters=lambda s, m: s._parameter_placements(m),
+        **_LINEAR_EMBEDDING_CONTRACT,
         partial_gradients=lambda s, m: s._partial_gradients(m),
         # a Linear computes with its slice of the input features; an Embedding looks up
         # every id (ids carry no gradient)
@@ -645,8 +647,6 @@ class RowwiseParallel(_ShardLinearEmbedding):
         outputs=lambda s, m: Boundary(
             (Layout(Partial(), s.output_layouts[0], s.use_local_output),)
         ),
-        local_forward=lambda s, m: True,
-        caveat=lambda s, m: _own_forward_caveat(m),
     )
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
