@@ -17,7 +17,7 @@ import contextlib
 import importlib
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ __all__ = [
     "per_rank_rng_states",
     "queue_callback",
     "shard_split_tensor",
-    "swapped_direct_parameters",
+    "swap_direct_parameters",
     "tree_leaves",
     "version",
 ]
@@ -190,16 +190,15 @@ def direct_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
     return module._parameters
 
 
-@contextlib.contextmanager
-def swapped_direct_parameters(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
-    """``module`` with its own parameter slots replaced by ``values`` (local tensors) for the
-    block: its own forward then computes with them, unchanged."""
+def swap_direct_parameters(
+    module: nn.Module, values: dict[str, Any]
+) -> dict[str, nn.Parameter | None]:
+    """Replace ``module``'s own parameter slots by ``values`` (local tensors), so that its own
+    forward computes with them unchanged; returns the slots to put back (by calling this
+    again). A function, not a context manager: it runs for every norm of every step."""
     params = module._parameters
     module.__dict__["_parameters"] = values
-    try:
-        yield
-    finally:
-        module.__dict__["_parameters"] = params
+    return params
 
 
 # ------------------------------------------------------------------------------------------

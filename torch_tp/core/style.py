@@ -1306,8 +1306,11 @@ def _run_on_local_parameters(
     """
     params = compat.direct_parameters(module)
     local = {name: rt.local_parameter(module, name, partial=partial) for name in params}
-    with compat.swapped_direct_parameters(module, local):
+    compat.swap_direct_parameters(module, local)
+    try:
         return forward(module, *inputs, **kwargs)
+    finally:
+        compat.swap_direct_parameters(module, params)
 
 
 def _hook_dtensor_forward(
