@@ -8,7 +8,40 @@ says what it is, why it is used, and where it falls back.
 
 Checked on torch 2.13.0 (the pinned CPU build) and 2.15.0 (the newest release): CI runs the
 whole test suite on both. ``SUPPORTED`` is the range ``setup.py`` declares; importing
-torch_tp with a torch outside it warns.
+torch_tp with a torch outside it warns. Every entry is at the same place in both releases
+unless the table says otherwise:
+
+==========================================  ==================================================
+torch_tp name                               torch's (2.13.0 and 2.15.0)
+==========================================  ==================================================
+``StridedShard``                            ``torch.distributed.tensor.placement_types.``
+                                            ``_StridedShard``
+``DTensorSpec``, ``TensorMeta``             ``torch.distributed.tensor._dtensor_spec``
+``compute_local_shape_and_global_offset``   ``torch.distributed.tensor._utils``
+``local_tensor``, ``dtensor_spec``          ``DTensor._local_tensor``, ``DTensor._spec``
+``dtensor_from_spec``                       ``torch.Tensor._dtensor__new__`` (falls back to
+                                            ``DTensor(...)``)
+``shard_split_tensor``                      ``Shard._split_tensor`` (``_StridedShard``'s too)
+``current_mesh``                            ``torch.distributed.device_mesh._mesh_resources``
+``current_graph_task_id``                   ``torch._C._current_graph_task_id``
+``queue_callback``                          ``Variable._execution_engine.queue_callback``;
+                                            public from 2.15 (``torch.autograd.graph``), used
+                                            where it exists
+``version``                                 ``torch.Tensor._version``
+``IncompatibleKeys``                        ``torch.nn.modules.module._IncompatibleKeys``
+``direct_parameters``,                      ``nn.Module._parameters``
+``swap_direct_parameters``
+``COMPILED_MODULE_NAME``                    ``OptimizedModule._orig_mod`` (``torch.compile``)
+``log_api_usage_once``                      ``torch._C._log_api_usage_once``
+``tree_leaves``                             ``torch.utils._pytree.tree_leaves``
+``functional_collectives``                  ``torch.distributed._functional_collectives``
+``legacy_reduction``                        ``torch.nn._reduction.legacy_get_string``
+``foreach_mul_``                            ``torch._foreach_mul_``
+``lazy_init``                               ``init()`` of the device module where it has one
+                                            (public), else its ``_lazy_init``
+``enabled_local_tensor_mode``,              ``torch.distributed._local_tensor`` (all of
+``per_rank_rng_states``, ``per_rank_ints``  LocalTensorMode is private)
+==========================================  ==================================================
 """
 
 from __future__ import annotations
@@ -29,9 +62,11 @@ __all__ = [
     "SUPPORTED",
     "TORCH_VERSION",
     "DTensorSpec",
+    "COMPILED_MODULE_NAME",
     "IncompatibleKeys",
     "StridedShard",
     "TensorMeta",
+    "check_version",
     "compute_local_shape_and_global_offset",
     "current_graph_task_id",
     "current_mesh",
@@ -67,13 +102,29 @@ def _parse(version: str) -> tuple[int, int]:
 #: The installed torch's (major, minor).
 TORCH_VERSION = _parse(torch.__version__)
 
-if not SUPPORTED[0] <= TORCH_VERSION < SUPPORTED[1]:
+
+def check_version(version: str) -> bool:
+    """Whether torch ``version`` (a ``torch.__version__`` string) is in :data:`SUPPORTED`;
+    warns when it is not. An unsupported torch is not an error: torch_tp may still work, but
+    a private API it uses may have moved.
+
+    Example::
+
+        >>> check_version("2.15.0+cu132")
+        True
+    """
+    if SUPPORTED[0] <= _parse(version) < SUPPORTED[1]:
+        return True
     warnings.warn(
         f"torch_tp is tested with torch {SUPPORTED[0][0]}.{SUPPORTED[0][1]} to "
-        f"{SUPPORTED[1][0]}.{SUPPORTED[1][1] - 1}, found {torch.__version__}: the private torch "
+        f"{SUPPORTED[1][0]}.{SUPPORTED[1][1] - 1}, found {version}: the private torch "
         "APIs in torch_tp/_torch_compat.py may have moved",
         stacklevel=2,
     )
+    return False
+
+
+check_version(torch.__version__)
 
 
 def _first(*candidates: tuple[str, str]) -> Any:
@@ -106,7 +157,8 @@ TensorMeta = _first(
     ("torch.distributed._tensor.placement_types", "TensorMeta"),
 )
 
-#: The local shape and global offset of this rank's shard (checkpoint loads read exactly it).
+#: The local shape and global offset of this rank's shard (checkpoint loads read exactly it);
+#: no public API computes it without building the DTensor.
 compute_local_shape_and_global_offset = _first(
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
 )
@@ -119,7 +171,8 @@ def local_tensor(value: DTensor) -> torch.Tensor:
 
 
 def dtensor_spec(value: DTensor) -> Any:
-    """The :data:`DTensorSpec` of ``value``."""
+    """The :data:`DTensorSpec` of ``value`` (its public parts are ``device_mesh``,
+    ``placements`` and the shape; reusing the whole spec spares DTensor rebuilding it)."""
     return value._spec
 
 
@@ -149,7 +202,8 @@ def shard_split_tensor(
 
 
 def current_mesh() -> Any:
-    """The mesh of the enclosing ``with device_mesh:`` (``RuntimeError`` when there is none)."""
+    """The mesh of the enclosing ``with device_mesh:`` (``RuntimeError`` when there is none);
+    torch has no public getter for it."""
     mesh_resources = _first(("torch.distributed.device_mesh", "_mesh_resources"))
     return mesh_resources.get_current_mesh()
 
@@ -161,17 +215,25 @@ def current_mesh() -> Any:
 
 def current_graph_task_id() -> int:
     """The id of the backward pass running now (``-1`` outside one): one end-of-backward
-    callback per pass."""
+    callback per pass. No public API identifies the running backward pass."""
     return torch._C._current_graph_task_id()
 
 
-def queue_callback(callback: Callable[[], None]) -> None:
+def _engine_queue_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass running now ends (not if it raises)."""
     Variable._execution_engine.queue_callback(callback)
 
 
+# torch 2.15 made it public as torch.autograd.graph.queue_callback (the same engine call);
+# 2.13 has only the engine's
+queue_callback: Callable[[Callable[[], None]], None] = getattr(
+    torch.autograd.graph, "queue_callback", _engine_queue_callback
+)
+
+
 def version(value: torch.Tensor) -> int:
-    """``value``'s version counter: it counts in-place changes (cache keys)."""
+    """``value``'s version counter: it counts in-place changes (cache keys). Private, and
+    the only one."""
     return value._version
 
 
@@ -180,13 +242,15 @@ def version(value: torch.Tensor) -> int:
 # ------------------------------------------------------------------------------------------
 
 #: What ``load_state_dict`` returns (missing and unexpected keys), for the loads of
-#: :mod:`torch_tp.checkpoint` to return the same.
+#: :mod:`torch_tp.checkpoint` to return the same; the namedtuple has no public name.
 IncompatibleKeys = _first(("torch.nn.modules.module", "_IncompatibleKeys"))
 
 
 def direct_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
     """``module``'s own parameter slots by name (``None`` included), as registered: unlike
-    ``getattr``, a parametrized parameter's slot, not the computed tensor."""
+    ``getattr``, a parametrized parameter's slot, not the computed tensor. The public
+    ``named_parameters(recurse=False)`` leaves out the ``None`` slots (``bias=False``) and
+    builds a generator per call; this runs per module per step."""
     return module._parameters
 
 
@@ -195,10 +259,17 @@ def swap_direct_parameters(
 ) -> dict[str, nn.Parameter | None]:
     """Replace ``module``'s own parameter slots by ``values`` (local tensors), so that its own
     forward computes with them unchanged; returns the slots to put back (by calling this
-    again). A function, not a context manager: it runs for every norm of every step."""
+    again). A function, not a context manager: it runs for every norm of every step. No
+    public API serves: ``setattr`` registers a parameter, which refuses a plain tensor."""
     params = module._parameters
     module.__dict__["_parameters"] = values
     return params
+
+
+#: The name under which ``torch.compile(module)`` (an ``OptimizedModule``) holds ``module``,
+#: so a part of every parameter name of a compiled model; checkpoints strip it to match the
+#: uncompiled model's names. No public API names it.
+COMPILED_MODULE_NAME = "_orig_mod"
 
 
 # ------------------------------------------------------------------------------------------
@@ -207,7 +278,7 @@ def swap_direct_parameters(
 
 
 def log_api_usage_once(event: str) -> None:
-    """torch's API usage logging, as its own entry points do."""
+    """torch's API usage logging, as its own entry points do (it has no public one)."""
     torch._C._log_api_usage_once(event)
 
 
@@ -215,21 +286,28 @@ def log_api_usage_once(event: str) -> None:
 tree_leaves = _first(("torch.utils._pytree", "tree_leaves"))
 
 #: Collectives that autograd and torch.compile trace (``all_reduce`` with an op name,
-#: ``all_gather_single``), which vocabulary-parallel cross-entropy uses.
+#: ``all_gather_single``), which vocabulary-parallel cross-entropy uses: DTensor's own, out of
+#: place and taking a mesh; the public ``torch.distributed`` ones work in place on a group.
 functional_collectives = importlib.import_module("torch.distributed._functional_collectives")
 
 #: ``size_average``/``reduce`` (the deprecated loss arguments) to a reduction name, as
-#: ``F.cross_entropy`` reads them.
+#: ``F.cross_entropy`` reads them (the public losses do it inside, with no public function).
 legacy_reduction = _first(("torch.nn._reduction", "legacy_get_string"))
 
-#: The fused in-place multiply of a list of tensors by a scalar (gradient clipping).
+#: The fused in-place multiply of a list of tensors by a scalar (gradient clipping). The
+#: public ``torch.nn.utils.clip_grads_with_norm_`` calls it too, but on parameters, not on the
+#: local shards of their gradients.
 foreach_mul_ = torch._foreach_mul_
 
 
 def lazy_init(device_module: Any) -> None:
     """Initialize a lazily initialized device module (``torch.cuda``) so that its default
-    generators exist; a no-op for one that has nothing to initialize."""
-    getattr(device_module, "_lazy_init", lambda: None)()
+    generators exist; a no-op for one that has nothing to initialize. The public ``init()``
+    (``torch.cuda``, ``torch.xpu``, ``torch.mtia``) where the module has one, else its private
+    ``_lazy_init``."""
+    init = getattr(device_module, "init", None) or getattr(device_module, "_lazy_init", None)
+    if callable(init):
+        init()
 
 
 # ------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ region                                          forward                backward
 ``reduce_scatter_to_sequence_parallel_region``  reduce-scatter on dim  all-gather on dim
 ==============================================  =====================  =====================
 
-They are the fast path of :mod:`torch_tp._layouts` (``TORCH_TP_RUNTIME=fast``, the
+They are the fast path of :mod:`torch_tp.core._layouts` (``TORCH_TP_RUNTIME=fast``, the
 default); ``TORCH_TP_RUNTIME=dtensor`` uses none of them.
 """
 

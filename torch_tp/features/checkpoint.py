@@ -71,8 +71,9 @@ __all__ = [
     "save",
 ]
 
-# ``torch.compile`` wraps a module as ``_orig_mod``; the single-device name has no such part
-_WRAPPER_PARTS = ("_orig_mod",)
+# ``torch.compile`` wraps a module and holds it under this name; the single-device name has no
+# such part
+_WRAPPER_PARTS = (compat.COMPILED_MODULE_NAME,)
 
 
 # ------------------------------------------------------------------------------------------

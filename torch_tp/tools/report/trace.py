@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.core import _names
 from torch_tp.core._layouts import normalize
-from torch_tp.core.contract import Boundary, Layout
+from torch_tp.core.contract import Boundary, Layout, StyleContract
 from torch_tp.core.plan import (
     PlanEntry,
 )
@@ -370,7 +370,7 @@ class _Trace:
         return crossed
 
     def local_forward(self, entry: PlanEntry) -> bool:
-        contract = entry.style.contract
+        contract = _contract(entry)
         return contract is not None and bool(contract.local_forward(entry.style, entry.module))
 
     # -- hooks -----------------------------------------------------------------------------
@@ -380,7 +380,7 @@ class _Trace:
         if entry is None:
             return
         self.called.add(id(module))
-        style, contract = entry.style, entry.style.contract
+        style, contract = entry.style, _contract(entry)
         saved: list[tuple[torch.Tensor, _State | None]] = []
         self.saved.append(saved)
         if contract is None:
@@ -414,7 +414,7 @@ class _Trace:
             return
         for value, state in reversed(self.saved.pop()):
             self.set_state(value, state)
-        style, contract = entry.style, entry.style.contract
+        style, contract = entry.style, _contract(entry)
         if contract is None:
             return
         computed = self.local_forward(entry)
@@ -499,6 +499,11 @@ class _Trace:
         for t in outputs:
             if not any(t is i for i in inputs):  # an in-place op keeps its state
                 self.set_state(t, new)
+
+
+def _contract(entry: PlanEntry) -> StyleContract | None:
+    """The contract of ``entry``'s style (``None``: it declares none, or is duck-typed)."""
+    return getattr(entry.style, "contract", None)
 
 
 def _described(state: _Local) -> str:
