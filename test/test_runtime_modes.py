@@ -3,8 +3,9 @@ gradients.
 
 ``fast`` (the default) and ``dtensor`` (plain DTensor) must give the same results: CI runs the
 parity-heavy test files once more under ``TORCH_TP_RUNTIME=dtensor``. This file checks the
-switch itself, and that :class:`torch_tp._layouts.PartialGradientReduction` belongs to its
-mesh, is shared by separately parallelized models, and survives a backward that raised.
+switch itself, and that :class:`torch_tp.core._layouts.PartialGradientReduction` belongs to
+its mesh, is shared by separately parallelized models, survives a backward that raised (the
+gradients then accumulate as on one device), and keeps a backward run inside another apart.
 """
 
 from __future__ import annotations
@@ -235,3 +236,78 @@ def _by_hand() -> None:
 
 def test_a_style_applied_by_hand_reads_the_variable_then():
     run_distributed(_by_hand, 2)
+
+
+def _accumulating_after_a_raise() -> None:
+    """A backward that raised, then another without ``zero_grad``: the gradients are what one
+    device accumulates over the same two passes (the partial gradients the failed pass left
+    are made whole with the next pass's), in both runtimes."""
+    for mode in ("fast", "dtensor"):
+        torch.manual_seed(0)
+        mesh = tp_mesh()
+        reference = _Block()
+        with _runtime_env(mode):
+            model = parallelize_module(copy.deepcopy(reference), mesh, copy.deepcopy(_PLAN))
+
+        def boom(grad: torch.Tensor) -> torch.Tensor:
+            raise _Boom
+
+        x, y = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+        # the hook on the input is the very end of both backward passes: every parameter's
+        # gradient is in when it raises, on one device as on several
+        for net, value in ((model, _shard(x)), (reference, x)):
+            value = value.clone().requires_grad_()
+            value.register_hook(boom)
+            with pytest.raises(_Boom):
+                net(value).pow(2).sum().backward()
+        model(_shard(y)).pow(2).sum().backward()
+        reference(y).pow(2).sum().backward()
+        _check_grads(model, reference)
+
+
+def test_gradients_accumulate_exactly_across_a_backward_that_raised():
+    run_distributed(_accumulating_after_a_raise, 2)
+
+
+def _nested_backward() -> None:
+    """Two models parallelized apart, one's backward run inside the other's (a hook in the
+    middle of it): each pass's partial gradients are summed at its own end, and both models
+    get their single-device gradients, in both runtimes."""
+    for mode in ("fast", "dtensor"):
+        _nested_backward_in(mode)
+
+
+def _nested_backward_in(mode: str) -> None:
+    torch.manual_seed(0)
+    mesh = tp_mesh()
+    references = [_Block(), _Block()]
+    with _runtime_env(mode):
+        outer, inner = (
+            parallelize_module(copy.deepcopy(r), mesh, copy.deepcopy(_PLAN)) for r in references
+        )
+    xs = [torch.randn(2, 8, 16) for _ in references]
+    inner_loss = inner(_shard(xs[1])).pow(2).sum()
+    ran = []
+
+    def run_inner(grad: torch.Tensor) -> None:
+        # between down's partial bias gradient and the norm's: the outer pass has partial
+        # gradients pending when the inner one starts, and gets more after it ends
+        if mode == "fast":
+            assert outer.up.forward.args[1].reduction.pending > 0
+        inner_loss.backward()
+        ran.append(True)
+
+    def watch_input(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        args[0].register_hook(run_inner)
+
+    outer.down.register_forward_pre_hook(watch_input)
+    outer(_shard(xs[0])).pow(2).sum().backward()
+    assert ran == [True]
+    for reference, x in zip(references, xs, strict=True):
+        reference(x).pow(2).sum().backward()
+    _check_grads(outer, references[0])
+    _check_grads(inner, references[1])
+
+
+def test_a_backward_nested_in_another_gets_its_own_gradients():
+    run_distributed(_nested_backward, 2)
