@@ -283,8 +283,12 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.attention_dropout = nn.Dropout(config.dropout)
         self.ffn_norm = _make_norm(config)
-        self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+        self.feed_forward = self._make_feed_forward(config)
         self.ffn_dropout = nn.Dropout(config.dropout)
+
+    def _make_feed_forward(self, config: LlamaConfig) -> nn.Module:
+        """The block's feed-forward (a mixture-of-experts block builds another kind)."""
+        return FeedForward(config.dim, config.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention_dropout(self.attention(self.attention_norm(x), rope))
@@ -309,13 +313,17 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config = config if config is not None else LlamaConfig()
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(self._make_block(config) for _ in range(config.n_layers))
         self.norm = _make_norm(config)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         # Non-persistent: it is derived from the config, so it stays out of state dicts and
         # checkpoints, and parallelize_module leaves plain buffers alone.
         self.register_buffer("rope_cache", self._rope_table(), persistent=False)
         self.init_weights()
+
+    def _make_block(self, config: LlamaConfig) -> nn.Module:
+        """One transformer block (a mixture-of-experts model builds another kind)."""
+        return TransformerBlock(config)
 
     def _rope_table(self, device: torch.device | None = None) -> torch.Tensor:
         c = self.config
