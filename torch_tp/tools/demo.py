@@ -184,9 +184,16 @@ def _spawned_rank(
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
-        results.put(_run(args, device_type))
+        results.put(_run(args, device_type))  # a SimpleQueue: written before put() returns
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown of torch: on torch 2.15 it now and then aborted
+    # a rank after the demo had finished ("terminate called without an active exception",
+    # SIGABRT), failing the command, as it did benchmarks/bench_tp.py's ranks. An error above
+    # still propagates, and fails the command, as before.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------
