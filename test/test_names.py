@@ -77,6 +77,7 @@ packed_rowwise         "packed_rowwise"
 sequence_parallel      "sequence_parallel"
 replicate              "replicate"
 replicated_with_grad_allreduce "replicated_with_grad_allreduce"
+moe_tp_experts         "moe_tp_experts"
 all_reduce             "all_reduce\"""",
         )
         # and what those styles are, spelled out

@@ -274,6 +274,10 @@ class DTensorRuntime:
         whole = self.redistribute(self.annotate(value, layout), Replicate())
         return whole.to_local(grad_placements=(Partial(),))
 
+    def enter_replicated_many(self, values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """:meth:`enter_replicated` for several replicated local inputs of one computation."""
+        return tuple(self.enter_replicated(value, Replicate()) for value in values)
+
     def enter_sharded(
         self, value: torch.Tensor, layout: Placement, want: Placement
     ) -> torch.Tensor:
@@ -422,6 +426,12 @@ class FastRuntime(DTensorRuntime):
                 lambda: _regions.gather_from_sequence_parallel_region(value, mesh, dim),
             )
         return _partial_local(self.redistribute(self.annotate(value, layout), Replicate()))
+
+    def enter_replicated_many(self, values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if any(isinstance(v, DTensor) for v in values) or not any(v.requires_grad for v in values):
+            return super().enter_replicated_many(values)
+        # their input gradients are summed in one all-reduce
+        return _regions.copy_many_to_tensor_parallel_region(values, self.mesh)
 
     def enter_sharded(
         self, value: torch.Tensor, layout: Placement, want: Placement

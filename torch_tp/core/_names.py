@@ -57,7 +57,6 @@ UNSUPPORTED_NAMES: dict[str, str] = {
         "multi-head latent attention: the rotary part of the output needs its gradient "
         "all-reduced while the rest does not"
     ),
-    "moe_tp_experts": "tensor-parallel MoE experts (a fused experts module)",
     "moe_identity_expert": "an identity expert next to tensor-parallel MoE experts",
     "grouped_gemm": "expert parallelism (experts sharded over ranks), not tensor parallelism",
     "ep_dispatch_experts": "expert parallelism (token dispatch to experts), not tensor parallelism",

@@ -9,6 +9,7 @@ ops). The mesh is 1-D.
 region                                          forward                backward
 ==============================================  =====================  =====================
 ``copy_to_tensor_parallel_region``              identity               all-reduce
+``copy_many_to_tensor_parallel_region``         identities             one all-reduce
 ``reduce_from_tensor_parallel_region``          all-reduce             identity
 ``gather_from_tensor_parallel_region``          all-gather on dim      this rank's slice
 ``gather_from_sequence_parallel_region``        all-gather on dim      reduce-scatter on dim
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "all_reduce",
+    "copy_many_to_tensor_parallel_region",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
@@ -42,6 +44,15 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.T
     """The replicated input of a column-parallel computation: every rank computes with all of
     it, so its gradient is summed over the ranks."""
     return _CopyToRegion.apply(x, mesh)
+
+
+def copy_many_to_tensor_parallel_region(
+    tensors: tuple[torch.Tensor, ...], mesh: DeviceMesh
+) -> tuple[torch.Tensor, ...]:
+    """:func:`copy_to_tensor_parallel_region` for several inputs of one computation (an
+    experts layer's tokens and routing weights): their gradients are summed over the ranks in
+    one all-reduce of a flat buffer."""
+    return _CopyManyToRegion.apply(mesh, *tensors)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -82,6 +93,25 @@ class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return all_reduce(grad, ctx.mesh), None
+
+
+class _CopyManyToRegion(torch.autograd.Function):
+    """Replicated inputs of one computation: identities, one coalesced all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, mesh: DeviceMesh, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.mesh = mesh
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return None, *grads
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in present]), ctx.mesh)
+        pieces = iter(flat.split([g.numel() for g in present]))
+        summed = tuple(None if g is None else next(pieces).view_as(g) for g in grads)
+        return None, *summed
 
 
 class _ReduceFromRegion(torch.autograd.Function):

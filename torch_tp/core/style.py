@@ -52,6 +52,7 @@ __all__ = [
     "PackedRowwiseParallel",
     "SequenceParallel",
     "ReplicateParallel",
+    "TensorParallelExperts",
     "AttentionHeads",
     "PrepareModuleInput",
     "PrepareModuleOutput",
@@ -1159,6 +1160,98 @@ class ReplicateParallel(_ReplicatedParameters):
         return _run_on_local_parameters(
             module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
         )
+
+
+class TensorParallelExperts(ParallelStyle):
+    """Shard every expert of a mixture-of-experts layer on its hidden dimension.
+
+    For an experts module with stacked SwiGLU weights, as transformers' MoE models and
+    :class:`torch_tp.models.moe.Experts` hold them: ``gate_up_proj`` ``[n_experts, 2 * hidden,
+    dim]`` (each expert's gate rows, then its up rows) and ``down_proj`` ``[n_experts, dim,
+    hidden]``, called as ``experts(hidden_states, top_k_index, top_k_weights)`` on replicated
+    tokens. Rank ``r`` holds slice ``r`` of every expert's gate rows and of its up rows
+    (DTensor's strided shard of dim 1, as :class:`PackedColwiseParallel`) and the matching
+    columns of ``down_proj`` (``Shard(2)``). The module's own forward, run on those slices,
+    gives every token a partial sum of its experts' outputs, summed over the ranks in one
+    all-reduce; in the backward the gradients of the tokens and of the routing weights,
+    partial sums too, are summed in one all-reduce. The routing itself (the indices) is the
+    same on every rank. This is transformers' ``moe_tp_experts``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {
+        ...     "layers.*.feed_forward.router": ReplicateParallel(),
+        ...     "layers.*.feed_forward.experts": TensorParallelExperts(),
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"moe_tp_experts": {}},
+        arguments=lambda s: {},
+        parameters=lambda s, m: {
+            "gate_up_proj": StridedShard(1, split_factor=2),
+            "down_proj": Shard(2),
+        },
+        # every rank computes with all the tokens and routing weights: partial gradients
+        inputs=lambda s, m: Boundary(
+            (
+                Layout(Replicate(), Replicate(), grad=Partial()),
+                None,
+                Layout(Replicate(), Replicate(), grad=Partial()),
+            )
+        ),
+        outputs=lambda s, m: Boundary((Layout(Partial(), Replicate()),)),
+        local_forward=lambda s, m: True,
+    )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        stacked = all(isinstance(p, nn.Parameter) and p.ndim == 3 for p in (gate_up, down))
+        if not stacked:
+            raise NotImplementedError(
+                "TensorParallelExperts supports experts modules with stacked parameters "
+                "gate_up_proj [n_experts, 2 * hidden, dim] and down_proj [n_experts, dim, "
+                f"hidden], found {type(module).__qualname__} without them"
+            )
+        n_experts, two_hidden, dim = gate_up.shape
+        if two_hidden % 2 or tuple(down.shape) != (n_experts, dim, two_hidden // 2):
+            raise ValueError(
+                f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
+                "not the stacked weights of SwiGLU experts ([E, 2I, H] and [E, H, I])"
+            )
+        n = device_mesh.size()
+        if (two_hidden // 2) % n:
+            raise ValueError(
+                f"the experts' hidden size {two_hidden // 2} does not divide by the {n} ranks: "
+                "each rank must hold the same slice of every expert's gate and up rows"
+            )
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)  # an unsupported module must not be half-applied
+        rt = _layouts.runtime(device_mesh)
+        placements = self.contract.parameters(self, module)
+        _distribute_parameters(module, rt, placements, self.src_data_rank)
+        own_forward = type(module).forward
+        module.forward = functools.partial(self._forward, module, rt, own_forward)
+        return module
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
+        partial = _run_on_local_parameters(
+            module, rt, False, own_forward, hidden_states, top_k_index, top_k_weights
+        )
+        return rt.reduce_partial(partial, Replicate(), True)
 
 
 class AttentionHeads(ParallelStyle):
