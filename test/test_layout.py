@@ -95,3 +95,16 @@ def test_public_paths_are_re_exports(name):
     origin = __import__(source, fromlist=["__all__"])
     assert public.__all__ == origin.__all__
     assert all(getattr(public, item) is getattr(origin, item) for item in origin.__all__)
+
+
+@pytest.mark.slow  # a Python process of its own
+def test_public_paths_come_with_the_package():
+    """``import torch_tp`` alone makes every public module path an attribute (a fresh
+    interpreter: here, other tests may have imported them already)."""
+    import subprocess
+    import sys
+
+    names = ", ".join(repr(name) for name in PUBLIC_ALIASES)
+    code = f"import torch_tp; [getattr(torch_tp, name) for name in ({names})]"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -41,7 +41,7 @@ from torch_tp.testing import check_parity, run_distributed
 # styles of their own)
 STYLE_NAMES = {
     name: functools.partial(STYLE_REGISTRY.style, name)
-    for name in STYLE_REGISTRY
+    for name in STYLE_REGISTRY.names()
     if type(STYLE_REGISTRY.style(name)).__module__ == "torch_tp.core.style"
 }
 

@@ -177,7 +177,7 @@ class TensorParallelRNGTracker:
     @contextlib.contextmanager
     def _fork_simulated(self) -> Iterator[None]:
         """:meth:`fork` under LocalTensorMode: the same swap, on every simulated rank."""
-        states = _per_rank_default_states(_simulation(self.device_type))
+        states = compat.per_rank_rng_states(_simulation(self.device_type))
         outer = {rank: states[rank] for rank in self._simulated}
         for rank, state in self._simulated.items():
             states[rank] = (state, *states[rank][1:])
@@ -253,7 +253,7 @@ class TensorParallelRNGTracker:
         if self._simulated is not None:
             if not self._depth:
                 return dict(self._simulated)
-            states = _per_rank_default_states(_simulation(self.device_type))
+            states = compat.per_rank_rng_states(_simulation(self.device_type))
             return {rank: states[rank][0] for rank in self._simulated}
         if self._depth:
             return _default_generator(self.device_type).get_state()
@@ -660,19 +660,12 @@ def _simulation(device_type: str) -> Any:
             "this tracker was built under LocalTensorMode (its rank is per simulated rank): "
             "use it inside that mode only"
         )
-    if device_type != "cpu" or not _per_rank_default_states(mode):
+    if device_type != "cpu" or not compat.per_rank_rng_states(mode):
         raise NotImplementedError(
             f"the RNG tracker supports LocalTensorMode on CPU meshes with per-rank random "
             f"states only, found a {device_type!r} mesh"
         )
     return mode
-
-
-def _per_rank_default_states(mode: Any) -> dict[int, tuple[Any, ...]]:
-    """The default random states of each simulated rank, ``{rank: (cpu_state,
-    accelerator_states)}``, which LocalTensorMode loads into the default generators before
-    it runs an op for a rank and reads back afterwards."""
-    return compat.per_rank_rng_states(mode)
 
 
 def _by_simulated_rank(value: Any, ranks: frozenset[int]) -> dict[int, int]:

@@ -8,7 +8,7 @@ and ``torch_tp.plan.from_dict`` look them up here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -87,12 +87,6 @@ class StyleRegistry:
     def classes(self) -> list[type[ParallelStyle]]:
         """Every registered class, in registration order."""
         return list(self._classes.values())
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
 
 
 def _same_definition(a: type, b: type) -> bool:
