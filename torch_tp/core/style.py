@@ -37,7 +37,7 @@ from torch.distributed.tensor import (
 
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import StridedShard
-from torch_tp.core import _layouts
+from torch_tp.core import _layouts, _regions
 from torch_tp.core.contract import Boundary, Layout, StyleContract, kind_name
 from torch_tp.core.random import sequence_parallel_dropout
 from torch_tp.core.registry import STYLE_REGISTRY
@@ -53,6 +53,7 @@ __all__ = [
     "SequenceParallel",
     "ReplicateParallel",
     "TensorParallelExperts",
+    "ExpertParallel",
     "AttentionHeads",
     "PrepareModuleInput",
     "PrepareModuleOutput",
@@ -1252,6 +1253,233 @@ class TensorParallelExperts(ParallelStyle):
             module, rt, False, own_forward, hidden_states, top_k_index, top_k_weights
         )
         return rt.reduce_partial(partial, Replicate(), True)
+
+
+class ExpertParallel(ParallelStyle):
+    """Split the experts of a mixture-of-experts layer over the ranks, whole experts per rank.
+
+    For an experts module called as ``experts(hidden_states, top_k_index, top_k_weights)``
+    on flattened tokens, whose parameters are stacked per expert on dim 0 (transformers' MoE
+    models, :class:`torch_tp.models.moe.Experts`; biases such as ``gate_up_proj_bias [E, 2I]``
+    too). With ``E`` experts over ``n`` ranks, rank ``r`` holds experts ``r * E / n`` to
+    ``(r + 1) * E / n - 1``: every parameter is ``Shard(0)``. The module's own forward runs on
+    those experts only, with the tokens routed to them; routing is dropless (no capacity, no
+    token dropped; an expert or a rank that gets no token is fine).
+
+    Where the tokens are:
+
+    * ``input_layouts=Shard(0)`` (the default): each rank brings its own tokens (a
+      data-parallel rank's batch, or this rank's sequence shard). Each (token, expert) pair
+      is sent to the rank holding the expert by an all-to-all with data-dependent counts,
+      computed there, and sent back by a second all-to-all; each rank then adds its tokens'
+      results, times their routing weights, itself. Forward: one all-to-all of the counts and
+      two of tokens; backward: the two reverse all-to-alls. The output is this rank's tokens',
+      and the routing weights' gradient is local.
+    * ``input_layouts=Replicate()``: every rank has all the tokens (expert parallelism over
+      the tensor-parallel ranks, after a row-parallel attention). Nothing needs dispatching:
+      each rank computes its experts on the tokens routed to them, and the partial outputs
+      are summed in one all-reduce; in the backward the tokens' and routing weights' partial
+      gradients are summed in one all-reduce. This is transformers' ``ep_dispatch_experts``
+      plan (``grouped_gemm`` parameters).
+
+    Expert ids outside ``[0, E)`` raise a ``ValueError`` naming the module on every rank
+    (with ``Shard(0)``, after the counts are exchanged: no rank is left waiting for another).
+
+    Keyword Args:
+        input_layouts (Placement, optional): ``Shard(0)`` (each rank its own tokens) or
+            ``Replicate()`` (the same tokens on every rank). Default: ``None``, ``Shard(0)``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> # data parallel with experts split over the same ranks
+        >>> plan = {
+        ...     "layers.*.feed_forward.router": ReplicateParallel(sum_gradients=True),
+        ...     "layers.*.feed_forward.experts": ExpertParallel(),
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"ep_dispatch_experts": {"input_layouts": Replicate()}},
+        arguments=lambda s: {"input_layouts": s.input_layouts},
+        parameters=lambda s, m: {name: Shard(0) for name, _ in m.named_parameters(recurse=False)},
+        inputs=lambda s, m: Boundary(
+            (
+                s._tokens_layout(),
+                None,
+                s._tokens_layout(),
+            )
+        ),
+        outputs=lambda s, m: Boundary(
+            (
+                Layout(Shard(0), Shard(0))
+                if isinstance(s.input_layouts, Shard)
+                else Layout(Partial(), Replicate()),
+            )
+        ),
+        # with replicated tokens, only the output's reduction; with sharded ones, all-to-alls
+        local_forward=lambda s, m: isinstance(s.input_layouts, Replicate),
+    )
+
+    def __init__(self, *, input_layouts: Placement | None = None) -> None:
+        super().__init__()
+        input_layouts = Shard(0) if input_layouts is None else input_layouts
+        if not (isinstance(input_layouts, Replicate) or input_layouts == Shard(0)):
+            raise ValueError(
+                "input_layouts must be Shard(0) (each rank its own tokens) or Replicate() "
+                f"(the same tokens on every rank), found {short_repr(input_layouts)}"
+            )
+        self.input_layouts = input_layouts
+
+    def _tokens_layout(self) -> Layout:
+        if isinstance(self.input_layouts, Replicate):
+            # every rank computes with all of them: their gradients are partial sums
+            return Layout(Replicate(), Replicate(), grad=Partial())
+        return Layout(Shard(0), Shard(0))
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        params = dict(module.named_parameters(recurse=False))
+        if not params:
+            raise NotImplementedError(
+                f"ExpertParallel splits an experts module's own parameters, stacked per expert "
+                f"on dim 0; {type(module).__qualname__} has none"
+            )
+        n_experts = {name: (p.shape[0] if p.ndim else None) for name, p in params.items()}
+        if len(set(n_experts.values())) != 1 or None in n_experts.values():
+            raise ValueError(
+                "every parameter of an experts module must be stacked per expert on dim 0 "
+                f"(the same leading size), found leading sizes {n_experts}"
+            )
+        experts, n = next(iter(n_experts.values())), device_mesh.size()
+        if experts % n:
+            raise ValueError(
+                f"{experts} experts do not split over {n} ranks: each rank must hold the same "
+                f"number of whole experts (use an expert-parallel degree that divides {experts})"
+            )
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)  # an unsupported module must not be half-applied
+        rt = _layouts.runtime(device_mesh)
+        n_experts = next(module.parameters()).shape[0]
+        _distribute_parameters(
+            module, rt, self.contract.parameters(self, module), self.src_data_rank
+        )
+        own_forward = type(module).forward
+        module.forward = functools.partial(self._forward, module, rt, own_forward, n_experts)
+        return module
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        n_experts: int,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        mesh = rt.mesh
+        n, rank = mesh.size(), mesh.get_local_rank()
+        local_experts = n_experts // n
+        replicated = isinstance(self.input_layouts, Replicate)
+        if replicated:
+            hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
+        elif any(isinstance(t, DTensor) for t in (hidden_states, top_k_index, top_k_weights)):
+            raise ValueError(
+                f"{_where(self, module)}: expected this rank's tokens as local tensors, found a "
+                "DTensor (give the module local tensors, e.g. with use_local_output=True)"
+            )
+        # the routing slots grouped by expert, ids out of range counted last
+        slots = top_k_index.reshape(-1)
+        in_range = (slots >= 0) & (slots < n_experts)
+        slots = torch.where(in_range, slots, n_experts)
+        order = slots.argsort(stable=True)
+        counts = torch.bincount(slots, minlength=n_experts + 1)
+        if replicated:
+            # the same routing on every rank: each finds the same errors, and takes the slots
+            # of its own experts
+            sent = counts.tolist()
+            bad = "" if not sent[-1] else " (the same on every rank)"
+            first = sum(sent[: rank * local_experts])
+            mine = sent[rank * local_experts : (rank + 1) * local_experts]
+        else:
+            # each rank's count per expert to the rank holding it, with the number of ids out
+            # of range: every rank learns whether any rank must raise, before any token moves
+            outgoing = torch.cat(
+                [counts[:-1].view(n, local_experts), counts[-1:].expand(n, 1)], dim=1
+            )
+            incoming = _regions._all_to_all(
+                outgoing.reshape(-1), mesh, [local_experts + 1] * n, [local_experts + 1] * n
+            )
+            both = torch.cat([counts[:-1], incoming]).tolist()
+            sent, received = both[:n_experts], both[n_experts:]
+            per_source = [
+                received[r * (local_experts + 1) : (r + 1) * (local_experts + 1)] for r in range(n)
+            ]
+            bad_ranks = [str(r) for r, row in enumerate(per_source) if row[-1]]
+            bad = bad_ranks and f" (on rank {', '.join(bad_ranks)} of the expert-parallel group)"
+        if bad:
+            raise ValueError(
+                f"{_where(self, module)}: the router gave expert ids outside [0, {n_experts})"
+                f"{bad}; top_k_index must hold ids of the module's experts"
+            )
+        top_k = top_k_index.shape[-1]
+        routed = order[: sum(sent[:n_experts])]
+        weights = top_k_weights.reshape(-1)[routed].unsqueeze(-1)
+        token = routed // top_k
+        if replicated:
+            token = token[first : first + sum(mine)]
+            weights = weights[first : first + sum(mine)]
+            rows = hidden_states[token]
+            out_rows = self._run_experts(module, rt, own_forward, rows, mine)
+        else:
+            to_rank = [sum(sent[r * local_experts : (r + 1) * local_experts]) for r in range(n)]
+            from_rank = [sum(row[:-1]) for row in per_source]
+            rows = _regions.all_to_all_expert_parallel_region(
+                hidden_states[token], mesh, from_rank, to_rank
+            )
+            # rows from each source rank, by local expert within each
+            out_rows = self._run_experts(
+                module, rt, own_forward, rows, [c for row in per_source for c in row[:-1]]
+            )
+            out_rows = _regions.all_to_all_expert_parallel_region(
+                out_rows, mesh, to_rank, from_rank
+            )
+        out = torch.zeros_like(hidden_states).index_add(0, token, out_rows * weights)
+        if replicated:
+            return rt.reduce_partial(out, Replicate(), True)
+        return out
+
+    @staticmethod
+    def _run_experts(
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        rows: torch.Tensor,
+        counts: list[int],
+    ) -> torch.Tensor:
+        """The module's own forward on this rank's experts: ``rows`` are tokens, in runs of
+        ``counts`` for local experts ``0, 1, ...`` (cycling when there are more runs than
+        experts, one cycle per source rank); each row is its own token, of weight one."""
+        local_experts = compat.local_tensor(next(module.parameters())).shape[0]
+        expert = torch.arange(len(counts), device=rows.device) % local_experts
+        ids = expert.repeat_interleave(
+            torch.tensor(counts, device=rows.device), output_size=rows.shape[0]
+        ).unsqueeze(-1)
+        names = list(compat.direct_parameters(module))
+
+        def compute(mod: nn.Module, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            out = own_forward(mod, rows, ids, rows.new_ones(ids.shape))
+            if not rows.shape[0]:
+                # no token for this rank's experts: keep its parameters and the rows in the
+                # graph, so that the parameters get (zero) gradients as on one device and
+                # the backward's collectives run on this rank as on the others
+                anchor = rows.sum() + sum(getattr(mod, name).sum() for name in names)
+                out = out + anchor * 0
+            return out
+
+        return _run_on_local_parameters(module, rt, False, compute, rows, ids)
 
 
 class AttentionHeads(ParallelStyle):
