@@ -146,7 +146,8 @@ def tiny_config(**overrides: Any) -> LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 and cast back to the input dtype.
+    """Root-mean-square layer norm, computed in float32 (or wider) and cast back to the input
+    dtype.
 
     Args:
         dim: Size of the last dimension.
@@ -159,16 +160,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Low-precision inputs lose too much in the mean of squares: do it in float32.
-        xf = x.float()
+        # Low-precision inputs lose too much in the mean of squares: do it in float32 at
+        # least (a float64 model stays float64).
+        xf = x.to(_at_least_float32(x.dtype))
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed * self.weight.to(xf.dtype)).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` if it is float32 or wider, else float32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _make_norm(config: LlamaConfig) -> nn.Module:
@@ -203,7 +210,7 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         x: Tensor of shape ``(bsz, seqlen, n_heads, head_dim)``.
         rope: Table of shape ``(seqlen, head_dim // 2, 2)`` from :func:`precompute_rope`.
     """
-    xf = x.float().unflatten(-1, (-1, 2))
+    xf = x.to(_at_least_float32(x.dtype)).unflatten(-1, (-1, 2))
     x_even, x_odd = xf[..., 0], xf[..., 1]
     # Broadcast the (seqlen, head_dim // 2) tables over batch and heads.
     cos = rope[..., 0].unsqueeze(1)
@@ -346,7 +353,8 @@ class Llama(nn.Module):
         self.rope_cache = self._rope_table(device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Map token ids ``(bsz, seqlen)`` to float32 logits ``(bsz, seqlen, vocab_size)``."""
+        """Map token ids ``(bsz, seqlen)`` to logits ``(bsz, seqlen, vocab_size)``, float32 or
+        wider (float64 for a float64 model)."""
         seqlen = tokens.shape[1]
         if seqlen > self.config.max_seq_len:
             raise ValueError(
@@ -358,4 +366,5 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, rope)
-        return self.output(self.norm(h)).float()
+        logits = self.output(self.norm(h))
+        return logits.to(_at_least_float32(logits.dtype))

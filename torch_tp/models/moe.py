@@ -94,7 +94,7 @@ class TopKRouter(nn.Module):
 
     Returns (of ``forward(hidden)``, ``hidden`` of shape ``[tokens, dim]``):
         ``(probs, top_k_weights, top_k_index)``: the softmax over all experts ``[tokens,
-        n_experts]`` in float32 (for the load-balancing loss), and each token's routing
+        n_experts]`` in float32 or wider (for the load-balancing loss), and each token's routing
         weights (in ``hidden``'s dtype) and expert indices, ``[tokens, top_k]``.
     """
 
@@ -109,7 +109,9 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        probs = F.linear(hidden, self.weight).float().softmax(dim=-1)
+        # the softmax in float32 at least (float64 stays float64)
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        probs = F.linear(hidden, self.weight).to(dtype).softmax(dim=-1)
         weights, index = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
