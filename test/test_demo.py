@@ -97,10 +97,14 @@ def test_cli_prints_no_warnings(cli_run: subprocess.CompletedProcess[str]) -> No
     assert not warnings, "\n".join([*warnings, "--- the whole output:", output])
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_demo_on_pool(sequence_parallel: bool) -> None:
+@pytest.mark.parametrize(
+    ("sequence_parallel", "moe"),
+    [(True, None), (False, None), (True, "ep"), (False, "ep"), (True, "tp")],
+)
+def test_demo_on_pool(sequence_parallel: bool, moe: str | None) -> None:
     flag = "--sequence-parallel" if sequence_parallel else "--no-sequence-parallel"
-    results = run_distributed(_demo_as_torchrun_rank, 2, ["--steps", "4", "--layers", "1", flag])
+    argv = ["--steps", "4", "--layers", "1", flag, *(["--moe", moe] if moe else [])]
+    results = run_distributed(_demo_as_torchrun_rank, 2, argv)
     # Every rank checks the result itself and exits with the same status; only rank 0 prints.
     assert [status for status, _ in results] == [0, 0]
     output, other = results[0][1], results[1][1]
@@ -112,6 +116,10 @@ def test_demo_on_pool(sequence_parallel: bool) -> None:
     # The model learns: the loss goes down even in four steps.
     assert rows[-1][2] < rows[0][2]
     assert f"sequence parallel {'on' if sequence_parallel else 'off'}" in output
+    if moe is not None:
+        assert "mixture-of-experts Llama" in output
+        how = "whole experts split" if moe == "ep" else "every expert sharded"
+        assert how in output
     assert "max |param diff|" in output
     assert output.rstrip().endswith("OK: tensor-parallel training matches single-device training")
 

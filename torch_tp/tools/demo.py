@@ -18,6 +18,8 @@ Example::
 
     $ python -m torch_tp demo --steps 10
     $ torchrun --nproc-per-node 2 -m torch_tp demo --no-sequence-parallel
+    $ python -m torch_tp demo --moe          # a mixture of experts, experts split over ranks
+    $ python -m torch_tp demo --moe tp       # every expert sharded over the ranks instead
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import torch_tp
-from torch_tp.models import Llama, LlamaConfig
+from torch_tp.models import Llama, LlamaConfig, MoEConfig, MoELlama
 from torch_tp.plans.llama import llama_plan
+from torch_tp.plans.moe import moe_llama_plan
 
 __all__ = ["SuccessorTask", "configure_parser", "losses_agree", "main"]
 
@@ -61,6 +64,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also shard norms and residuals along the sequence",
+    )
+    parser.add_argument(
+        "--moe",
+        nargs="?",
+        const="ep",
+        choices=("ep", "tp"),
+        default=None,
+        help="train a mixture-of-experts Llama instead: experts split over the ranks (ep, "
+        "the default of --moe) or each expert sharded over them (tp)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed for weights and data (default: %(default)s)"
@@ -236,14 +248,26 @@ class SuccessorTask:
 def _demo_config(args: argparse.Namespace) -> LlamaConfig:
     # 8 query heads over 4 kv heads: grouped-query attention, and head counts that split over
     # 1, 2 or 4 ranks. The vocabulary (1001) splits evenly over none of them, on purpose.
-    return LlamaConfig(
-        dim=64,
-        n_layers=args.layers,
-        n_heads=8,
-        n_kv_heads=4,
-        vocab_size=1001,
-        max_seq_len=max(64, args.seq_len),
+    sizes = {
+        "dim": 64,
+        "n_layers": args.layers,
+        "n_heads": 8,
+        "n_kv_heads": 4,
+        "vocab_size": 1001,
+        "max_seq_len": max(64, args.seq_len),
+    }
+    if args.moe is None:
+        return LlamaConfig(**sizes)
+    # 8 experts (whole experts on 1, 2, 4 or 8 ranks), 2 per token, with a shared expert
+    return MoEConfig(
+        **sizes, n_experts=8, top_k=2, expert_hidden_dim=64, shared_expert_hidden_dim=64
     )
+
+
+def _aux_loss_exact(args: argparse.Namespace) -> bool:
+    """Whether each rank's routers see every token, so that the load-balancing loss is the
+    single-device one (with expert parallelism on a sequence shard it is the shard's)."""
+    return args.moe is not None and not (args.moe == "ep" and args.sequence_parallel)
 
 
 def _check_args(args: argparse.Namespace, world_size: int) -> str | None:
@@ -259,6 +283,13 @@ def _check_args(args: argparse.Namespace, world_size: int) -> str | None:
         ("n_kv_heads", config.kv_heads),
         ("the feed-forward hidden dim", config.ffn_hidden_dim),
     ]
+    if args.moe == "ep":
+        sizes = sizes[:2] + [("the number of experts", config.n_experts)]
+    elif args.moe == "tp":
+        sizes = sizes[:2] + [
+            ("the experts' hidden dim", config.expert_hidden_dim),
+            ("the shared expert's hidden dim", config.shared_expert_hidden_dim),
+        ]
     if args.sequence_parallel:
         sizes.append(("--seq-len", args.seq_len))
     bad = [f"{name} ({size})" for name, size in sizes if size % world_size != 0]
@@ -321,6 +352,7 @@ def _timed_step(
     optimizer: torch.optim.Optimizer,
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    aux_loss: bool,
 ) -> tuple[float, float]:
     start = time.perf_counter()
     logits = model(inputs)
@@ -332,6 +364,8 @@ def _timed_step(
             f"{type(logits).__name__} of shape {tuple(logits.shape)}"
         )
     loss = _lm_loss(logits, targets)
+    if aux_loss:
+        loss = loss + model.aux_loss()
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -353,9 +387,16 @@ def _run(args: argparse.Namespace, device_type: str) -> bool:
     # Same seed everywhere, so every rank's reference is identical; parallelize_module also
     # takes each shard from rank 0's full tensor (src_data_rank=0).
     torch.manual_seed(args.seed)
-    ref_model = Llama(config).to(device)
+    if args.moe is None:
+        ref_model = Llama(config).to(device)
+        plan = llama_plan(sequence_parallel=args.sequence_parallel)
+    else:
+        ref_model = MoELlama(config).to(device)
+        plan = moe_llama_plan(
+            experts=args.moe, shared_expert=True, sequence_parallel=args.sequence_parallel
+        )
+    aux_loss = _aux_loss_exact(args)
     tp_model = copy.deepcopy(ref_model)  # before parallelizing: parallelize_module is in place
-    plan = llama_plan(sequence_parallel=args.sequence_parallel)
     torch_tp.parallelize_module(tp_model, mesh, plan)
 
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=args.lr)
@@ -371,8 +412,8 @@ def _run(args: argparse.Namespace, device_type: str) -> bool:
         # One extra token: inputs are the first seq_len tokens, targets the next ones.
         tokens = task.batch(args.batch_size, args.seq_len + 1).to(device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        tp_loss, tp_time = _timed_step(tp_model, tp_opt, inputs, targets)
-        ref_loss, ref_time = _timed_step(ref_model, ref_opt, inputs, targets)
+        tp_loss, tp_time = _timed_step(tp_model, tp_opt, inputs, targets, aux_loss)
+        ref_loss, ref_time = _timed_step(ref_model, ref_opt, inputs, targets, aux_loss)
         history.tp.append(tp_loss)
         history.ref.append(ref_loss)
         history.tp_seconds += tp_time
@@ -418,8 +459,9 @@ class _Reporter:
         world_size = mesh.size()
         backend = dist.get_backend()
         sp = "on" if args.sequence_parallel else "off"
+        kind = "Llama" if args.moe is None else "mixture-of-experts Llama"
         self._print(
-            f"torch_tp demo: Llama with {config.n_layers} layers, dim {config.dim}, "
+            f"torch_tp demo: {kind} with {config.n_layers} layers, dim {config.dim}, "
             f"{config.n_heads} heads / {config.kv_heads} kv heads, vocab {config.vocab_size}; "
             f"{total_params:,} parameters"
         )
@@ -428,6 +470,23 @@ class _Reporter:
             f"sequence parallel {sp}; rank 0 holds {local_params:,} parameters "
             f"({local_params / total_params:.0%})"
         )
+        if args.moe is not None:
+            how = (
+                "whole experts split over the ranks"
+                if args.moe == "ep"
+                else "every expert sharded over the ranks"
+            )
+            routed = " (tokens dispatched by all-to-all)" if args.moe == "ep" and sp == "on" else ""
+            aux = (
+                "with the load-balancing loss"
+                if _aux_loss_exact(args)
+                else "without the load-balancing loss (each rank routes its own sequence "
+                "shard, so its load-balancing loss is the shard's, not the batch's)"
+            )
+            self._print(
+                f"{config.n_experts} experts, top {config.top_k} per token, and a shared expert: "
+                f"{how}{routed}; trained {aux}"
+            )
         self._print(
             f"task: learn a fixed successor table; batch {args.batch_size} x {args.seq_len} "
             f"tokens, AdamW lr {args.lr:g}, {self.steps} steps, seed {args.seed}"
