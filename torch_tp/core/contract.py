@@ -27,7 +27,7 @@ declares about it, and the report checks that it is what its producer made.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ from torch.distributed.tensor import Placement
 if TYPE_CHECKING:
     from torch_tp.core.style import ParallelStyle
 
-__all__ = ["Boundary", "Layout", "StyleContract", "kind_name"]
+__all__ = ["Boundary", "Layout", "StyleContract", "Transfer", "kind_name"]
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,31 @@ class Boundary:
         kwargs (Mapping[str, Layout]): keyword inputs, by name.
         exact (bool): the module must be called with exactly ``len(args)`` positional inputs
             (return exactly ``len(args)`` outputs); the report flags a mismatch.
+        coalesced (bool): the inputs' gradients that come back as partial sums (``grad=
+            Partial()``) are summed together, in one collective over one flat buffer, rather
+            than one each (an experts module's tokens and routing weights).
     """
 
     args: tuple[Layout | None, ...] = ()
     kwargs: Mapping[str, Layout] = field(default_factory=dict)
     exact: bool = False
+    coalesced: bool = False
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A collective a module's forward issues itself, beyond what its layouts describe (tokens
+    dispatched to their experts by all-to-all), for the report.
+
+    Args:
+        phase (str): ``"forward"`` or ``"backward"``.
+        kind (str): the collective, as the report names them (``"all_to_all"``).
+        nbytes (int): the bytes this rank sends.
+    """
+
+    phase: str
+    kind: str
+    nbytes: int
 
 
 def _nothing(style: ParallelStyle, module: nn.Module) -> Any:
@@ -131,6 +151,15 @@ class StyleContract:
             the report follows the forward's ops.
         caveat (callable): ``(style, module) -> str | None``, a note the report adds for this
             module (what it cannot predict).
+        transfers (callable): ``(style, module, inputs, degree) -> [Transfer, ...]``, the
+            collectives the module's forward issues itself, and those of their backward, that
+            no layout describes, given its inputs (global shapes, as in the unparallelized
+            model) and the mesh size; for data-dependent ones (routing), their sizes under
+            balanced routing. Default: none.
+        meta_output (callable): ``(style, module, args, kwargs) -> output``, what the
+            module returns, as meta tensors of the right shapes, for a module whose forward
+            cannot run on the meta device (it reads its inputs' values: routing counts); the
+            report calls it instead of the forward. Default: ``None``, run the forward.
     """
 
     names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -142,6 +171,10 @@ class StyleContract:
     outputs: Callable[[Any, nn.Module], Boundary | None] = _nothing
     local_forward: Callable[[Any, nn.Module], bool] = _nothing
     caveat: Callable[[Any, nn.Module], str | None] = _nothing
+    transfers: Callable[[Any, nn.Module, tuple, int], Sequence[Transfer] | None] = (
+        lambda style, module, inputs, degree: None
+    )
+    meta_output: Callable[[Any, nn.Module, tuple, dict], Any] | None = None
 
     def accepts(self, module: nn.Module) -> bool:
         """Whether ``module`` is of a kind this contract lists (any, if it lists none)."""

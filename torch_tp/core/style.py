@@ -38,7 +38,7 @@ from torch.distributed.tensor import (
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import StridedShard
 from torch_tp.core import _layouts, _regions
-from torch_tp.core.contract import Boundary, Layout, StyleContract, kind_name
+from torch_tp.core.contract import Boundary, Layout, StyleContract, Transfer, kind_name
 from torch_tp.core.random import sequence_parallel_dropout
 from torch_tp.core.registry import STYLE_REGISTRY
 
@@ -1136,7 +1136,8 @@ class ReplicateParallel(_ReplicatedParameters):
         partial_gradients=lambda s, m: (
             tuple(n for n, _ in m.named_parameters(recurse=False)) if s.sum_gradients else ()
         ),
-        local_forward=lambda s, m: True,
+        # no boundary of its own: the report follows its ops, whose outputs are laid out
+        # like the inputs it was given
     )
 
     def __init__(self, *, sum_gradients: bool = False) -> None:
@@ -1178,6 +1179,13 @@ class TensorParallelExperts(ParallelStyle):
     partial sums too, are summed in one all-reduce. The routing itself (the indices) is the
     same on every rank. This is transformers' ``moe_tp_experts``.
 
+    Experts stored transposed, ``gate_up_proj`` ``[n_experts, dim, 2 * hidden]`` and
+    ``down_proj`` ``[n_experts, hidden, dim]`` (Llama 4's ``Llama4TextExperts``, which
+    multiply ``x @ w`` and take the tokens already routed and weighted as their one input),
+    are sharded alike on their hidden dimension: ``gate_up_proj`` strided on dim 2,
+    ``down_proj`` on dim 1. The two layouts are told apart by the shapes, which no sizes
+    make ambiguous.
+
     Example::
         >>> # xdoctest: +SKIP("distributed")
         >>> plan = {
@@ -1189,21 +1197,44 @@ class TensorParallelExperts(ParallelStyle):
     contract = StyleContract(
         names={"moe_tp_experts": {}},
         arguments=lambda s: {},
-        parameters=lambda s, m: {
-            "gate_up_proj": StridedShard(1, split_factor=2),
-            "down_proj": Shard(2),
-        },
+        parameters=lambda s, m: s._parameter_placements(m),
         # every rank computes with all the tokens and routing weights: partial gradients
         inputs=lambda s, m: Boundary(
             (
                 Layout(Replicate(), Replicate(), grad=Partial()),
                 None,
                 Layout(Replicate(), Replicate(), grad=Partial()),
-            )
+            ),
+            coalesced=True,
         ),
         outputs=lambda s, m: Boundary((Layout(Partial(), Replicate()),)),
         local_forward=lambda s, m: True,
+        meta_output=lambda s, m, args, kwargs: _tokens_like(args),
     )
+
+    @staticmethod
+    def _transposed(module: nn.Module) -> bool | None:
+        """Whether the experts are stored transposed (``[E, H, 2I]``, ``[E, I, H]``), or not
+        (``[E, 2I, H]``, ``[E, H, I]``); ``None``: neither (or no stacked weights)."""
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        if not all(isinstance(p, torch.Tensor) and p.ndim == 3 for p in (gate_up, down)):
+            return None
+        (e, a, b), (e2, c, d) = gate_up.shape, down.shape
+        if e != e2:
+            return None
+        if a == 2 * d and b == c:
+            return False
+        if b == 2 * c and a == d:
+            return True  # both at once would need hidden == 0
+        return None
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        # each rank: its slice of every expert's gate rows and of its up rows (strided),
+        # the matching slice of down_proj's hidden dimension
+        if self._transposed(module):
+            return {"gate_up_proj": StridedShard(2, split_factor=2), "down_proj": Shard(1)}
+        return {"gate_up_proj": StridedShard(1, split_factor=2), "down_proj": Shard(2)}
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
@@ -1214,18 +1245,21 @@ class TensorParallelExperts(ParallelStyle):
             raise NotImplementedError(
                 "TensorParallelExperts supports experts modules with stacked parameters "
                 "gate_up_proj [n_experts, 2 * hidden, dim] and down_proj [n_experts, dim, "
-                f"hidden], found {type(module).__qualname__} without them"
+                "hidden] (or both transposed: [n_experts, dim, 2 * hidden] and [n_experts, "
+                f"hidden, dim]), found {type(module).__qualname__} without them"
             )
-        n_experts, two_hidden, dim = gate_up.shape
-        if two_hidden % 2 or tuple(down.shape) != (n_experts, dim, two_hidden // 2):
+        transposed = self._transposed(module)
+        if transposed is None:
             raise ValueError(
                 f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
-                "not the stacked weights of SwiGLU experts ([E, 2I, H] and [E, H, I])"
+                "not the stacked weights of SwiGLU experts ([E, 2I, H] and [E, H, I], or "
+                "transposed [E, H, 2I] and [E, I, H])"
             )
+        hidden = down.shape[1] if transposed else down.shape[2]
         n = device_mesh.size()
-        if (two_hidden // 2) % n:
+        if hidden % n:
             raise ValueError(
-                f"the experts' hidden size {two_hidden // 2} does not divide by the {n} ranks: "
+                f"the experts' hidden size {hidden} does not divide by the {n} ranks: "
                 "each rank must hold the same slice of every expert's gate and up rows"
             )
         _check_not_distributed(module)
@@ -1245,13 +1279,21 @@ class TensorParallelExperts(ParallelStyle):
         rt: _layouts.DTensorRuntime,
         own_forward,
         hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
+        *routing: torch.Tensor,
     ) -> torch.Tensor:
-        hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
-        partial = _run_on_local_parameters(
-            module, rt, False, own_forward, hidden_states, top_k_index, top_k_weights
-        )
+        if len(routing) not in (0, 2):
+            raise TypeError(
+                f"{_where(self, module)}: expected experts(hidden_states, top_k_index, "
+                "top_k_weights), or experts(hidden_states) for tokens routed already, found "
+                f"{1 + len(routing)} positional inputs"
+            )
+        if routing:  # (top_k_index, top_k_weights): the weights' gradient is partial too
+            top_k_index, top_k_weights = routing
+            hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
+            routing = (top_k_index, top_k_weights)
+        else:  # tokens routed and weighted already (Llama 4)
+            (hidden_states,) = rt.enter_replicated_many((hidden_states,))
+        partial = _run_on_local_parameters(module, rt, False, own_forward, hidden_states, *routing)
         return rt.reduce_partial(partial, Replicate(), True)
 
 
@@ -1303,11 +1345,7 @@ class ExpertParallel(ParallelStyle):
         arguments=lambda s: {"input_layouts": s.input_layouts},
         parameters=lambda s, m: {name: Shard(0) for name, _ in m.named_parameters(recurse=False)},
         inputs=lambda s, m: Boundary(
-            (
-                s._tokens_layout(),
-                None,
-                s._tokens_layout(),
-            )
+            (s._tokens_layout(), None, s._tokens_layout()), coalesced=True
         ),
         outputs=lambda s, m: Boundary(
             (
@@ -1316,8 +1354,17 @@ class ExpertParallel(ParallelStyle):
                 else Layout(Partial(), Replicate()),
             )
         ),
-        # with replicated tokens, only the output's reduction; with sharded ones, all-to-alls
-        local_forward=lambda s, m: isinstance(s.input_layouts, Replicate),
+        # computed on local tensors: the all-to-alls are declared as transfers
+        local_forward=lambda s, m: True,
+        transfers=lambda s, m, inputs, degree: s._transfers(m, inputs, degree),
+        caveat=lambda s, m: (
+            None
+            if isinstance(s.input_layouts, Replicate)
+            else "the all-to-alls' sizes follow the routing: shown for balanced routing (each "
+            "rank receives as many routing slots as it sends; the mean over the ranks is that "
+            "whatever the routing)"
+        ),
+        meta_output=lambda s, m, args, kwargs: _tokens_like(args),
     )
 
     def __init__(self, *, input_layouts: Placement | None = None) -> None:
@@ -1329,6 +1376,24 @@ class ExpertParallel(ParallelStyle):
                 f"(the same tokens on every rank), found {short_repr(input_layouts)}"
             )
         self.input_layouts = input_layouts
+
+    def _transfers(self, module: nn.Module, inputs: tuple, degree: int) -> tuple[Transfer, ...]:
+        """The all-to-alls of dispatched tokens (none for replicated ones), under balanced
+        routing: each rank sends its tokens' routing slots out and receives as many back."""
+        if isinstance(self.input_layouts, Replicate) or len(inputs) < 2:
+            return ()
+        hidden, top_k_index = inputs[0], inputs[1]
+        rows = hidden.shape[0] // degree * top_k_index.shape[-1]
+        tokens = rows * hidden.shape[-1] * hidden.element_size()
+        n_experts = next(module.parameters()).shape[0]
+        counts = degree * (n_experts // degree + 1) * top_k_index.element_size()
+        return (
+            Transfer("forward", "all_to_all", counts),
+            Transfer("forward", "all_to_all", tokens),
+            Transfer("forward", "all_to_all", tokens),
+            Transfer("backward", "all_to_all", tokens),
+            Transfer("backward", "all_to_all", tokens),
+        )
 
     def _tokens_layout(self) -> Layout:
         if isinstance(self.input_layouts, Replicate):
@@ -1608,6 +1673,12 @@ def _is_attribute_path(text: str) -> bool:
     return len(text) <= REPR_LIMIT and all(
         part.isidentifier() and not part.startswith("_") for part in text.split(".")
     )
+
+
+def _tokens_like(args: tuple) -> torch.Tensor:
+    """An experts module's output for the dry-run report: like its tokens (its first input),
+    without running its forward (which reads the routing)."""
+    return torch.empty_like(args[0])
 
 
 def _run_on_local_parameters(

@@ -176,9 +176,10 @@ def load_balancing_loss(probs: torch.Tensor, top_k_index: torch.Tensor) -> torch
     sum_e f_e * P_e``, with ``f_e`` the share of the routing slots (``top_k_index``) that
     went to expert ``e`` and ``P_e`` the mean of ``probs[:, e]``. It is 1 for perfectly even
     routing, and its gradient reaches the router through ``P_e``."""
-    n_experts = probs.shape[-1]
-    counts = torch.bincount(top_k_index.reshape(-1), minlength=n_experts)
-    share = counts.to(probs.dtype) / top_k_index.numel()
+    n_experts, slots = probs.shape[-1], top_k_index.reshape(-1)
+    # a count per expert (a scatter, not bincount: shapes that do not depend on the values)
+    counts = probs.new_zeros(n_experts).index_add_(0, slots, probs.new_ones(slots.shape))
+    share = counts / top_k_index.numel()
     return n_experts * (share * probs.mean(dim=0)).sum()
 
 

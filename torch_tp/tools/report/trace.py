@@ -14,6 +14,7 @@ flags layouts that do not chain.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -133,6 +134,8 @@ class _Node:
     parent: _Node | None = None
     origin: Placement | None = None
     grads: list[Placement] = field(default_factory=list)
+    # nodes of one group send their gradients back in one collective (Boundary.coalesced)
+    group: int | None = None
 
 
 _State = _Local | _Node | _DTensorAfterOps | _Broken
@@ -178,6 +181,8 @@ class _Trace:
         # (_layouts._shared_entry): q, k and v reading one tensor share one entry
         self.entered: set[tuple[int, Placement]] = set()
         self.problems: dict[tuple[str, str], Problem] = {}
+        # (how many nodes existed then, kind, where, bytes) of the backward's own transfers
+        self.backward_transfers: list[tuple[int, str, str, int]] = []
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -363,10 +368,14 @@ class _Trace:
         ]
         opaque = self.local_forward(entry)
         crossed = []
+        first = len(self.nodes)
         for what, value, layout in crossing:
             new = self.cross(entry, value, layout, what, opaque and not inputs, opaque and inputs)
             if new is not None:
                 crossed.append((value, new))
+        if boundary.coalesced:
+            for node in self.nodes[first:]:
+                node.group = first
         return crossed
 
     def local_forward(self, entry: PlanEntry) -> bool:
@@ -422,13 +431,21 @@ class _Trace:
             self.local_depth -= 1
         boundary = contract.outputs(style, module)
         if boundary is None:
-            return
+            boundary = Boundary()
         outputs = output if isinstance(output, tuple) else (output,)
         for value, state in self.boundary(entry, boundary, outputs, {}, "output"):
             self.set_state(value, state)
             if computed and isinstance(state, _Local) and state.layout == Shard(-1):
                 # a column-parallel output: a view of it as (..., heads, head_dim) is checked
                 self.colwise_outputs[id(value)] = entry.key
+        # what the module sends itself (tokens to their experts), forward and backward
+        for transfer in contract.transfers(style, module, args, self.n) or ():
+            if transfer.phase == BACKWARD:  # issued when the backward gets here
+                self.backward_transfers.append(
+                    (len(self.nodes), transfer.kind, entry.key, transfer.nbytes)
+                )
+            else:
+                self.events.append((transfer.phase, transfer.kind, entry.key, transfer.nbytes))
 
     # -- ops between the plan's modules ----------------------------------------------------
 
@@ -533,6 +550,12 @@ class _LayoutMode(TorchFunctionMode):
 def _run(model: nn.Module, trace: _Trace, inputs: tuple[tuple, dict]) -> Any:
     handles = []
     for path, module in model.named_modules():
+        entry = trace.entry_of.get(id(module))
+        contract = None if entry is None else _contract(entry)
+        if contract is not None and contract.meta_output is not None:
+            # a forward that reads its inputs' values (routing): its output's shapes instead
+            module.forward = functools.partial(_meta_forward, contract, entry.style, module)
+            handles.append(_Restore(module))
 
         def pre(module, args, kwargs, path=path):
             trace.scope.append(path)
@@ -562,9 +585,36 @@ def _run(model: nn.Module, trace: _Trace, inputs: tuple[tuple, dict]) -> Any:
             handle.remove()
 
 
+def _meta_forward(
+    contract: StyleContract, style: Any, module: nn.Module, *args: Any, **kwargs: Any
+) -> Any:
+    return contract.meta_output(style, module, args, kwargs)
+
+
+class _Restore:
+    """Removes the forward :func:`_run` put on a module's instance, like a hook handle."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        del self.module.forward
+
+
 def _backward(trace: _Trace) -> None:
     """Each DTensor's gradient goes back to the placement it was made from (latest first)."""
-    for node in reversed(trace.nodes):
+    grouped: dict[int, int] = {}  # group -> index of its one event
+    transfers = list(trace.backward_transfers)
+
+    def transfers_after(position: int) -> None:
+        # a module's own backward transfers run once the nodes made after it are done
+        while transfers and transfers[-1][0] > position:
+            _, kind, where, size = transfers.pop()
+            trace.events.append((BACKWARD, kind, where, size))
+
+    for index in reversed(range(len(trace.nodes))):
+        transfers_after(index)
+        node = trace.nodes[index]
         if not node.requires_grad or not node.grads:
             continue
         grad = node.grads[0]
@@ -572,9 +622,17 @@ def _backward(trace: _Trace) -> None:
         # DTensor sends the gradient of a Partial source back as Replicate
         target = Replicate() if isinstance(source, Partial) else source
         move = _collective(grad, target, node.shape, node.itemsize, trace.n, trace.cpu)
-        trace.emit(BACKWARD, node.where, move)
+        if move is not None and node.group is not None and node.group in grouped:
+            # summed with the group's other gradients, in the same collective
+            phase, kind, where, size = trace.events[grouped[node.group]]
+            trace.events[grouped[node.group]] = (phase, kind, where, size + move[1])
+        else:
+            if move is not None and node.group is not None:
+                grouped[node.group] = len(trace.events)
+            trace.emit(BACKWARD, node.where, move)
         if node.parent is not None:
             node.parent.grads.append(target)
+    transfers_after(-1)
     if trace.partial_params:
         params = list(trace.partial_params.values())
         size = sum(p.numel() * p.element_size() for p in params)
