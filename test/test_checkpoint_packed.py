@@ -4,7 +4,8 @@ A packed parameter is a DTensor with DTensor's strided-shard placement: rank r h
 slice of each packed part, not one block. On a 1-D TP mesh, loading a full state dict (from
 memory, a safetensors file or rank 0) must give each rank exactly what
 ``distribute_tensor(full, mesh, placements)`` gives, and DCP checkpoints must move between
-TP sizes and a single device. Under FSDP2 packed parameters are refused.
+TP sizes and a single device. Under FSDP2 packed column-parallel parameters (whose packed
+dimension FSDP2 shards again) are refused.
 """
 
 from __future__ import annotations

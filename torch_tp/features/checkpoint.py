@@ -24,17 +24,26 @@ matter: DCP pickles its metadata and the optimizer's hyperparameters, so load on
 checkpoints your own jobs wrote.
 
 Packed parameters (:class:`~torch_tp.PackedColwiseParallel`,
-:class:`~torch_tp.PackedRowwiseParallel`) are DTensors with DTensor's strided-shard
-placement: each rank holds its slice of each of the packed parts, not one block. On a 1-D
-tensor-parallel mesh every function here handles them exactly. Under FSDP2 (a mesh with
-more than one dimension) their placements do not say what each rank holds, so every
-function here refuses them with ``NotImplementedError`` rather than read or write wrong
-values.
+:class:`~torch_tp.PackedRowwiseParallel`, and :class:`~torch_tp.TensorParallelExperts`'
+``gate_up_proj``) are DTensors with DTensor's strided-shard placement: each rank holds its
+slice of each of the packed parts (of every expert's gate rows and of its up rows), not one
+block. Every function here handles them exactly, on a 1-D tensor-parallel mesh and under
+FSDP2 where FSDP2 shards another dim than the packed one (tensor-parallel experts: FSDP2
+splits the experts, dim 0, the packed dim is 1; a packed row-parallel weight). Where FSDP2
+shards the packed dim too (a packed column-parallel weight or bias: both dim 0) the
+placements do not say what each rank holds, so every function here refuses it with
+``NotImplementedError`` rather than read or write wrong values.
+
+Expert parallelism (:class:`~torch_tp.ExpertParallel`) places every stacked expert parameter
+as ``Shard(0)``, whole experts per rank: one block of the whole tensor, like any other
+shard. A safetensors load reads only this rank's experts (or, for tensor-parallel experts,
+one slice per part, each over every expert this rank holds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import re
@@ -108,8 +117,8 @@ def full_state_dict(
         with ``rank0_only``.
 
     Raises:
-        NotImplementedError: a packed parameter under FSDP2 (see the module docstring);
-            raised on every rank before anything is gathered.
+        NotImplementedError: a packed parameter whose packed dim FSDP2 shards too (see the
+            module docstring); raised on every rank before anything is gathered.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -120,7 +129,7 @@ def full_state_dict(
     keep = not rank0_only or _rank() == 0
     out: dict[str, Tensor] = {}
     state = model.state_dict()
-    _refuse_packed_on_nd_mesh(state)
+    _refuse_nested_packed(state)
     for name, value in state.items():
         if isinstance(value, DTensor):
             value = value.full_tensor()  # a collective: every rank, in the same order
@@ -192,9 +201,9 @@ def load_full_state_dict(
         TypeError: ``state_dict`` is neither a mapping nor a path, or holds non-tensors.
         FileNotFoundError: ``state_dict`` is a path with no file.
         NotImplementedError: a parameter whose local shard is not one block of the whole
-            tensor (e.g. ``Partial``), or a packed parameter under FSDP2. A packed
-            parameter on a 1-D mesh is loaded exactly: its shard is one block per part
-            (one ``get_slice`` read each from a ``safetensors`` file).
+            tensor (e.g. ``Partial``), or a packed parameter whose packed dim FSDP2 shards
+            too. Other packed parameters are loaded exactly: their shard is one block per
+            part (one ``get_slice`` read each from a ``safetensors`` file).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -205,7 +214,7 @@ def load_full_state_dict(
         >>> torch_tp.checkpoint.load_full_state_dict(model, "llama.safetensors")
     """
     targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
-    _refuse_packed_on_nd_mesh(targets)  # on every rank, before any communication
+    _refuse_nested_packed(targets)  # on every rank, before any communication
     if broadcast_from_rank0:
         result, staged = _stage_broadcast(model, targets, state_dict, strict)
     else:
@@ -416,7 +425,8 @@ def _local_pieces(name: str, target: DTensor) -> list[_Piece]:
     """The regions of the whole tensor that this rank's shard of ``target`` holds, and where.
 
     One piece for a shard that is one block of the whole tensor; for a packed parameter
-    (a strided shard on a 1-D mesh), one piece per packed part.
+    (a strided shard, e.g. a packed part's slice or each expert's gate and up slices), one
+    piece per block of the index sets it holds along each dim (see :func:`_strided_pieces`).
     """
     if any(isinstance(p, Partial) for p in target.placements):
         raise NotImplementedError(
@@ -438,40 +448,64 @@ def _local_pieces(name: str, target: DTensor) -> list[_Piece]:
 
 
 def _strided_pieces(name: str, target: DTensor, local_shape: tuple[int, ...]) -> list[_Piece]:
-    """The pieces of a strided shard on a 1-D mesh: the runs of consecutive indices along
-    its dim that this rank holds, found the way DTensor itself splits (on an ``arange``), so
-    that the shard equals ``distribute_tensor(full, mesh, [StridedShard(d, k)])``'s."""
-    (placement,) = target.placements
+    """The pieces of a shard with a packed (strided) placement.
+
+    Along each tensor dim, the indices this rank holds are found the way DTensor itself
+    splits: each mesh dim's placement on that tensor dim, in mesh order, applied to an
+    ``arange`` (so that the shard equals ``distribute_tensor(full, mesh, placements)``'s).
+    The shard is the product of those index sets (each dim's split is independent of the
+    others': :func:`_refuse_nested_packed` refuses a packed dim that another mesh dim splits
+    too), so its pieces are the products of each dim's runs of consecutive indices: for
+    tensor-parallel experts' ``gate_up_proj`` ``[E, 2I, H]``, one for its slice of every
+    expert's gate rows and one for its slice of their up rows, each over this rank's experts
+    (all of them, or its FSDP2 shard).
+    """
     mesh = target.device_mesh
-    dim = placement.dim % target.ndim
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not in the mesh: nothing to hold
         return []
-    along = StridedShard(0, split_factor=placement.split_factor)
-    chunks = compat.shard_split_tensor(
-        along, torch.arange(target.shape[dim]), mesh.size(), contiguous=False
-    )
-    indices = chunks[coordinate[0]].tolist()
-    if len(indices) != local_shape[dim]:
-        raise NotImplementedError(
-            f"{name}: the local shard of shape {list(local_shape)} does not match the "
-            f"{list(target.shape)} tensor with placements {target.placements}"
+    held = [torch.arange(size) for size in target.shape]
+    for mesh_dim, placement in enumerate(target.placements):
+        if not isinstance(placement, (Shard, StridedShard)):
+            continue  # Replicate (a Partial was refused by the caller)
+        dim = placement.dim % target.ndim
+        along = (
+            StridedShard(0, split_factor=placement.split_factor)
+            if isinstance(placement, StridedShard)
+            else Shard(0)
         )
-    pieces: list[_Piece] = []
-    start = 0  # the local index where the current run begins
+        chunks = compat.shard_split_tensor(along, held[dim], mesh.size(mesh_dim), contiguous=False)
+        held[dim] = chunks[coordinate[mesh_dim]]
+    runs_per_dim: list[list[tuple[slice, slice]]] = []
+    for dim, indices in enumerate(held):
+        indices = indices.tolist()
+        if len(indices) != local_shape[dim]:
+            raise NotImplementedError(
+                f"{name}: the local shard of shape {list(local_shape)} does not match the "
+                f"{list(target.shape)} tensor with placements {target.placements}"
+            )
+        runs_per_dim.append(_runs(indices))
+    return [
+        (tuple(whole for whole, _ in runs), tuple(mine for _, mine in runs))
+        for runs in itertools.product(*runs_per_dim)
+    ]
+
+
+def _runs(indices: list[int]) -> list[tuple[slice, slice]]:
+    """The runs of consecutive values in ``indices``: ``(whole, mine)`` slices, ``whole`` of
+    the values and ``mine`` of their positions."""
+    runs = []
+    start = 0  # the position where the current run begins
     for i in range(1, len(indices) + 1):
         if i == len(indices) or indices[i] != indices[i - 1] + 1:
-            whole = [slice(0, s) for s in target.shape]
-            mine = [slice(0, s) for s in local_shape]
-            whole[dim] = slice(indices[start], indices[i - 1] + 1)
-            mine[dim] = slice(start, i)
-            pieces.append((tuple(whole), tuple(mine)))
+            if i > start:
+                runs.append((slice(indices[start], indices[i - 1] + 1), slice(start, i)))
             start = i
-    return pieces
+    return runs  # none for an empty shard: nothing to read
 
 
-def _packed_placement(value: DTensor) -> StridedShard | None:
-    """The strided-shard placement of a packed parameter, or ``None``.
+def _packed_mesh_dim(value: DTensor) -> int | None:
+    """The mesh dim of a packed parameter's strided-shard placement, or ``None``.
 
     FSDP2 on top of tensor parallelism also uses strided shards: ``StridedShard(d)`` on
     the data-parallel dim, followed by the tensor-parallel ``Shard(d)``; such a shard is one
@@ -486,24 +520,45 @@ def _packed_placement(value: DTensor) -> StridedShard | None:
         if not any(
             type(later) is Shard and later.dim % value.ndim == dim for later in placements[i + 1 :]
         ):
-            return placement
+            return i
     return None
 
 
-def _refuse_packed_on_nd_mesh(state: Any, path: str = "") -> None:
-    """Raise ``NotImplementedError`` for a packed parameter on a mesh of more than one dim.
+def _packed_placement(value: DTensor) -> StridedShard | None:
+    """The strided-shard placement of a packed parameter, or ``None``."""
+    mesh_dim = _packed_mesh_dim(value)
+    return None if mesh_dim is None else value.placements[mesh_dim]
 
-    Under FSDP2 a packed parameter's placements nest two strided shards that do not describe
-    what each rank holds: global values read or written through them would be scrambled.
+
+def _refuse_nested_packed(state: Any, path: str = "") -> None:
+    """Raise ``NotImplementedError`` for a packed parameter whose packed dim another mesh dim
+    splits too.
+
+    FSDP2 shards dim 0 of each tensor-parallel shard. Where the packed dim is another one
+    (tensor-parallel experts' ``gate_up_proj``, strided on dim 1; a packed row-parallel
+    weight, on dim 1), each mesh dim splits its own tensor dim and the placements say what
+    each rank holds. Where it is dim 0 too (a packed column-parallel weight), the
+    placements nest two strided shards that do not describe what each rank holds: values
+    read or written through them would be scrambled.
     """
     for name, value in _dtensors(state, path):
-        if value.device_mesh.ndim > 1 and _packed_placement(value) is not None:
+        packed = _packed_mesh_dim(value)
+        if packed is None:
+            continue
+        dim = value.placements[packed].dim % value.ndim
+        others = [
+            i
+            for i, p in enumerate(value.placements)
+            if i != packed and isinstance(p, (Shard, StridedShard)) and p.dim % value.ndim == dim
+        ]
+        if others:
             raise NotImplementedError(
-                f"{name}: a packed parameter (PackedColwiseParallel / PackedRowwiseParallel, "
-                f"placements {value.placements}) on a {value.device_mesh.ndim}-D mesh: packed "
-                "styles are not supported under FSDP2 yet, their placements do not describe "
-                "what each rank holds; checkpoint the model without FSDP2 (a 1-D "
-                "tensor-parallel mesh)"
+                f"{name}: a packed parameter (PackedColwiseParallel, PackedRowwiseParallel, "
+                f"TensorParallelExperts; placements {value.placements}) on a "
+                f"{value.device_mesh.ndim}-D mesh whose packed dim {dim} is split by mesh "
+                f"dim(s) {others} as well: a packed dim also sharded by FSDP2 is not "
+                "supported under FSDP2 yet, the placements do not describe what each rank "
+                "holds; checkpoint the model without FSDP2 (a 1-D tensor-parallel mesh)"
             )
 
 
@@ -805,7 +860,8 @@ def save(
         CheckpointError: the save failed on some rank (raised on every rank); the previous
             checkpoint is intact.
         ValueError: ``step`` is not a non-negative int.
-        NotImplementedError: a packed parameter under FSDP2 (nothing is written).
+        NotImplementedError: a packed parameter whose packed dim FSDP2 shards too (nothing
+            is written).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -817,7 +873,7 @@ def save(
     root = Path(checkpoint_dir)
     final = root / f"step-{step}"
     partial = root / f"step-{step}{_PARTIAL}"
-    _refuse_packed_on_nd_mesh(model.state_dict())  # before anything is written
+    _refuse_nested_packed(model.state_dict())  # before anything is written
     what = f"saving step {step} to {str(final)!r}"
     error = None
     if _rank() == 0:
@@ -980,7 +1036,8 @@ def load(
         CheckpointError: the checkpoint does not match the model or optimizer, or cannot
             be read; the message names the files and every offending key.
         ValueError: ``rng`` and the checkpoint has no RNG state for this layout.
-        NotImplementedError: a packed parameter under FSDP2 (nothing is changed).
+        NotImplementedError: a packed parameter whose packed dim FSDP2 shards too (nothing
+            is changed).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -1001,7 +1058,7 @@ def load(
     path = _step_dir(root, step)
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint for step {step} in {str(root)!r}")
-    _refuse_packed_on_nd_mesh(model.state_dict())
+    _refuse_nested_packed(model.state_dict())
     had_state = optimizer is not None and bool(optimizer.state)
     try:
         _load_dcp(path, model, optimizer, rng, strict)
