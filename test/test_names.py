@@ -77,7 +77,10 @@ packed_rowwise         "packed_rowwise"
 sequence_parallel      "sequence_parallel"
 replicate              "replicate"
 replicated_with_grad_allreduce "replicated_with_grad_allreduce"
+ep_router              "replicate"
 moe_tp_experts         "moe_tp_experts"
+ep_dispatch_experts    "ep_dispatch_experts"
+grouped_gemm           "ep_dispatch_experts"
 all_reduce             "all_reduce\"""",
         )
         # and what those styles are, spelled out

@@ -58,9 +58,6 @@ UNSUPPORTED_NAMES: dict[str, str] = {
         "all-reduced while the rest does not"
     ),
     "moe_identity_expert": "an identity expert next to tensor-parallel MoE experts",
-    "grouped_gemm": "expert parallelism (experts sharded over ranks), not tensor parallelism",
-    "ep_dispatch_experts": "expert parallelism (token dispatch to experts), not tensor parallelism",
-    "ep_router": "expert parallelism (a router for sharded experts), not tensor parallelism",
 }
 
 

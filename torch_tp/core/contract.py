@@ -156,6 +156,11 @@ class StyleContract:
             no layout describes, given its inputs (global shapes, as in the unparallelized
             model) and the mesh size; for data-dependent ones (routing), their sizes under
             balanced routing. Default: none.
+        parameter_entry (callable): ``(style, parameter) -> Placement``, what a plan entry
+            of this style states when its key names a parameter rather than a module
+            (``"...experts.gate_up_proj": "grouped_gemm"``): the placement the parameter's
+            module's style must give it. Default: ``None``, the parameter taken as a
+            Linear's weight (or, 1-D, bias), placed as the style places those.
         meta_output (callable): ``(style, module, args, kwargs) -> output``, what the
             module returns, as meta tensors of the right shapes, for a module whose forward
             cannot run on the meta device (it reads its inputs' values: routing counts); the
@@ -174,6 +179,7 @@ class StyleContract:
     transfers: Callable[[Any, nn.Module, tuple, int], Sequence[Transfer] | None] = (
         lambda style, module, inputs, degree: None
     )
+    parameter_entry: Callable[[Any, Any], Placement | None] | None = None
     meta_output: Callable[[Any, nn.Module, tuple, dict], Any] | None = None
 
     def accepts(self, module: nn.Module) -> bool:

@@ -5,6 +5,13 @@ paths to styles. A path is dotted; each segment is matched against the names of 
 children at that level with :mod:`fnmatch` wildcards (``layers.*.attention.wq``), and the
 empty path ``""`` names the module itself. Nothing here touches a module: resolution and
 validation only read, so a plan can be checked before anything changes.
+
+A key whose last segment names *parameters* of the modules the rest names (transformers'
+``"layers.*.mlp.experts.gate_up_proj": "packed_colwise"``, next to ``"layers.*.mlp.experts":
+"moe_tp_experts"``) states how a parameter is laid out, not a style to apply: the module's
+own style places it. Such an entry is checked against that style's contract and then has
+nothing left to do; one that disagrees, or whose module has no style placing the parameter,
+is refused.
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Placement, Shard
 
-from torch_tp.core import _names
+from torch_tp._torch_compat import StridedShard
+from torch_tp.core import _layouts, _names
+from torch_tp.core.registry import STYLE_REGISTRY
 from torch_tp.core.style import (
     MODULE_PATH_ATTR,
     STYLE_REPR_LIMIT,
@@ -124,11 +134,18 @@ def resolve_plan(
         One :class:`PlanEntry` per matched module, in the order of the plan's keys and, for
         a wildcard key, of :meth:`nn.Module.named_children`.
 
+    A key whose last segment names parameters of the modules the rest of it names (a
+    parameter entry, as transformers writes ``"layers.*.mlp.experts.gate_up_proj":
+    "packed_colwise"``) yields no entry of its own: it must agree with the placement the
+    style of the parameter's module gives that parameter (see :func:`parameter_entry_placement`
+    for what a style on a parameter means), and is refused otherwise, whatever ``strict``.
+
     Raises:
         TypeError: the plan is neither a style nor a dict, a key is not a string, or a value
             is not a :class:`ParallelStyle`.
         ValueError: a key matches no submodule (``strict=True``), two keys name the same
-            module, or a value is an unknown style name.
+            module, a value is an unknown style name, or a parameter entry names a parameter
+            that no style of the plan places, or places otherwise.
         NotImplementedError: a value is a transformers style name that no torch_tp style
             expresses yet.
     """
@@ -151,8 +168,20 @@ def resolve_plan(
 
     entries: list[PlanEntry] = []
     owner: dict[int, PlanEntry] = {}
+    # (key, style, (module path, module, parameter name)...): checked once every module's
+    # style is known, since transformers writes a parameter's key before its module's
+    parameter_entries: list[tuple[str, ParallelStyle, list[tuple[str, nn.Module, str]]]] = []
     for key, style in parallelize_plan.items():
         matches, why = _match(module, key)
+        # a wildcard that names modules names only them (not also a direct parameter that
+        # happens to match); a plain name is both where it is both (a child here, a
+        # parameter there), so that no part of an entry goes unchecked
+        wildcard = any(c in key.rpartition(".")[2] for c in "*?[")
+        parameters = [] if matches and wildcard else _match_parameters(module, key)
+        if parameters:
+            parameter_entries.append((key, style, parameters))
+        if not matches and parameters:
+            continue
         if not matches:
             message = f"parallelize_plan key {short_repr(key)} matches no submodule: {why}"
             if strict:
@@ -170,7 +199,125 @@ def resolve_plan(
             entry = PlanEntry(key, path, submodule, style)
             owner[id(submodule)] = entry
             entries.append(entry)
+    for key, style, parameters in parameter_entries:
+        for path, submodule, name in parameters:
+            _check_parameter_entry(key, style, path, submodule, name, owner.get(id(submodule)))
     return entries
+
+
+def _match_parameters(root: nn.Module, key: str) -> list[tuple[str, nn.Module, str]]:
+    """Every ``(module path, module, parameter name)`` that ``key`` names as a parameter: its
+    last segment matched against the direct parameters of the modules the rest names."""
+    parent, _, pattern = key.rpartition(".")
+    if not pattern:
+        return []
+    modules, _ = _match(root, parent)
+    return [
+        (path, module, name)
+        for path, module in modules
+        for name, _ in module.named_parameters(recurse=False)
+        if fnmatchcase(name, pattern)
+    ]
+
+
+def parameter_entry_placement(style: object, parameter: torch.Tensor) -> Placement | None:
+    """The placement a plan entry ``style`` states for ``parameter`` when its key names a
+    parameter rather than a module (``None``: the style lays out no Linear weight).
+
+    As in transformers' plans, the parameter is taken as a Linear's weight whose last two
+    dims are ``(out_features, in_features)``, any leading dims batching it (stacked experts
+    ``[n_experts, out, in]``), or, when 1-D, as a Linear's bias: ``"colwise"`` shards dim
+    -2 (a bias: dim -1), ``"rowwise"`` dim -1 (a bias is replicated), ``"packed_colwise"``
+    strides dim -2. What the style does to a Linear is read from its contract's
+    ``parameters``, unless the contract says what it states about a parameter itself
+    (``parameter_entry``: ``"grouped_gemm"`` splits stacked experts on dim 0).
+    """
+    contract = getattr(style, "contract", None)
+    if contract is None or parameter.ndim == 0:
+        return None
+    if contract.parameter_entry is not None:
+        return contract.parameter_entry(style, parameter)
+    stand_in = nn.Linear(1, 1, device="meta")  # meta: nothing is allocated
+    if not contract.accepts(stand_in):
+        return None
+    try:
+        placements = contract.parameters(style, stand_in) or {}
+    except (AttributeError, NotImplementedError):
+        return None
+    placement = placements.get("weight" if parameter.ndim >= 2 else "bias")
+    if isinstance(placement, (Shard, StridedShard)) and parameter.ndim >= 2:
+        # a dim of the 2-D weight, counted from the end, is the same dim of the parameter
+        placement = _layouts.normalize(placement, 2)
+        dim = placement.dim - 2 + parameter.ndim
+        if isinstance(placement, StridedShard):
+            return StridedShard(dim, split_factor=placement.split_factor)
+        return Shard(dim)
+    return placement
+
+
+def _same_placement(a: Placement | None, b: Placement) -> bool:
+    # a strided shard is a Shard subclass: compare the kinds too
+    return type(a) is type(b) and a == b
+
+
+def _placement(placement: Placement) -> str:
+    """``Shard(1)``, ``StridedShard(1, split_factor=2)``: as plans write placements."""
+    try:
+        return _names.placement_to_str(placement)
+    except TypeError:
+        return repr(placement)
+
+
+def _check_parameter_entry(
+    key: str,
+    style: ParallelStyle,
+    path: str,
+    module: nn.Module,
+    name: str,
+    owner: PlanEntry | None,
+) -> None:
+    """Refuse a parameter entry unless the style of the parameter's module places the
+    parameter as the entry states."""
+    parameter = getattr(module, name)
+    where = (
+        f"plan key {short_repr(key)} ({_style(style)}) names the parameter {name!r} of "
+        f"{_describe(path)} ({type(module).__name__}), not a module"
+    )
+    if owner is None:
+        raise ValueError(
+            f"{where}; a parameter entry states how the style of the parameter's module lays "
+            f"it out, and no plan key gives {_describe(path)} a style: add one that places "
+            f"{name!r} (for stacked experts, 'moe_tp_experts'), or name a module"
+        )
+    expected = planned_placement(owner, name)
+    module_style = f"{_style(owner.style)} (plan key {short_repr(owner.key)})"
+    if expected is None:
+        raise ValueError(
+            f"{where}; the style of that module, {module_style}, does not place {name!r}, so "
+            "the entry would do nothing: remove it, or give the module a style that places it"
+        )
+    found = parameter_entry_placement(style, parameter)
+    expected = _layouts.normalize(expected, parameter.ndim)
+    if found is None:
+        raise ValueError(
+            f"{where}; {module_style} places it {_placement(expected)}, and {_style(style)} "
+            "lays out no Linear weight, so it states no placement for a parameter: use a style "
+            "that does, or remove the key"
+        )
+    if not _same_placement(found, expected):
+        # the first name that states it (a name's aliases come after it)
+        names = [
+            n
+            for n in STYLE_REGISTRY.names()
+            if _same_placement(
+                parameter_entry_placement(STYLE_REGISTRY.style(n), parameter), expected
+            )
+        ]
+        hint = f" (as {names[0]!r} does)" if names else ""
+        raise ValueError(
+            f"{where}; it would place it {_placement(found)}, but {module_style} places it "
+            f"{_placement(expected)}: the entry must state that placement{hint}, or be removed"
+        )
 
 
 def validate_plan(

@@ -1130,6 +1130,9 @@ class ReplicateParallel(_ReplicatedParameters):
             "replicate": {},
             # a module that sees this rank's share of the activation (per-head q_norm/k_norm)
             "replicated_with_grad_allreduce": {"sum_gradients": True},
+            # transformers' router of expert-parallel experts: ExpertParallel selects each
+            # rank's routing slots itself, so the router stays whole on every rank
+            "ep_router": {},
         },
         arguments=lambda s: {"sum_gradients": s.sum_gradients},
         parameters=lambda s, m: s._parameter_placements(m),
@@ -1341,7 +1344,12 @@ class ExpertParallel(ParallelStyle):
     """
 
     contract = StyleContract(
-        names={"ep_dispatch_experts": {"input_layouts": Replicate()}},
+        # transformers' expert-parallel plan: the same tokens on every rank; its parameter
+        # entries ("grouped_gemm") state the experts' split
+        names={
+            "ep_dispatch_experts": {"input_layouts": Replicate()},
+            "grouped_gemm": {"input_layouts": Replicate()},
+        },
         arguments=lambda s: {"input_layouts": s.input_layouts},
         parameters=lambda s, m: {name: Shard(0) for name, _ in m.named_parameters(recurse=False)},
         inputs=lambda s, m: Boundary(
@@ -1364,6 +1372,7 @@ class ExpertParallel(ParallelStyle):
             "rank receives as many routing slots as it sends; the mean over the ranks is that "
             "whatever the routing)"
         ),
+        parameter_entry=lambda s, parameter: Shard(0),
         meta_output=lambda s, m, args, kwargs: _tokens_like(args),
     )
 

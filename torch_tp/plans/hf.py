@@ -62,7 +62,15 @@ from torch_tp.style import (
     RowwiseParallel,
 )
 
-__all__ = ["PLANS", "gpt2_plan", "llama_plan", "mistral_plan", "plan_for", "qwen2_plan"]
+__all__ = [
+    "PLANS",
+    "expert_parallel_plan",
+    "gpt2_plan",
+    "llama_plan",
+    "mistral_plan",
+    "plan_for",
+    "qwen2_plan",
+]
 
 
 def _replicated_norm_output() -> PrepareModuleOutput:
@@ -238,3 +246,47 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle]:
     prefix = getattr(model, "base_model_prefix", None) or "model"
     base_model = not isinstance(getattr(model, prefix, None), nn.Module)
     return make_plan(base_model=base_model)
+
+
+def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
+    """A transformers MoE model's own plan with its experts split over the ranks: its
+    ``_tp_plan`` (attention and dense layers tensor-parallel) with the entries of its
+    config's ``base_model_ep_plan`` in place of the experts' ones.
+
+    transformers' expert-parallel plan names the experts ``"ep_dispatch_experts"`` and their
+    stacked weights ``"grouped_gemm"``: in torch_tp, :class:`~torch_tp.ExpertParallel` with
+    replicated tokens (``input_layouts=Replicate()``), each rank computing its
+    ``n_experts / n`` experts on the tokens routed to them and one all-reduce summing the
+    results (one backward too), the parameters ``Shard(0)``. The routers stay whole.
+
+    Args:
+        model: a transformers model whose config class declares ``base_model_ep_plan``
+            (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...).
+
+    Returns:
+        A dict from module and parameter paths to plan names, for
+        :func:`torch_tp.parallelize_module` on the tensor-parallel mesh (whose size must
+        divide the number of experts).
+
+    Raises:
+        ValueError: the model has no ``_tp_plan`` or its config no ``base_model_ep_plan``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from transformers import MixtralConfig, MixtralForCausalLM
+        >>> model = MixtralForCausalLM(MixtralConfig())
+        >>> parallelize_module(model, tp_mesh, expert_parallel_plan(model))
+    """
+    tp_plan = getattr(model, "_tp_plan", None)
+    ep_plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
+    if not tp_plan or not ep_plan:
+        raise ValueError(
+            f"{type(model).__qualname__} declares no expert-parallel plan: expected a "
+            "transformers model with a _tp_plan and a config with base_model_ep_plan (found "
+            f"_tp_plan={'set' if tp_plan else 'none'}, base_model_ep_plan="
+            f"{'set' if ep_plan else 'none'})"
+        )
+    # _tp_plan prefixes the base model's keys with its attribute name ("model.")
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    prefix = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    return {**dict(tp_plan), **{prefix + key: name for key, name in ep_plan.items()}}

@@ -56,7 +56,7 @@ from torch_tp.core.plan import (
     resolve_plan,
     tied_parameters,
 )
-from torch_tp.core.style import ParallelStyle
+from torch_tp.core.style import ParallelStyle, short_repr
 from torch_tp.tools.report.render import (
     _SEVERITIES,
     Collective,
@@ -156,12 +156,15 @@ def plan_report(
         entries = resolve_plan(model, plan, strict=False)
     # what parallelize_module would raise for, reported all at once
     matched = Counter(e.key for e in entries)
-    unmatched = iter(str(w.message) for w in caught if "matches no submodule" in str(w.message))
+    unmatched = [str(w.message) for w in caught if "matches no submodule" in str(w.message)]
     keys = list(plan) if isinstance(plan, Mapping) else [""]
     problems = [
-        Problem("error", key, next(unmatched).removesuffix("; skipping it (strict=False)"))
+        Problem("error", key, message.removesuffix("; skipping it (strict=False)"))
         for key in keys
         if not matched[key]
+        # a key without entries matched nothing, or names parameters its module's style places
+        for message in unmatched
+        if message.startswith(f"parallelize_plan key {short_repr(key)} matches no submodule")
     ]
     invalid, refused = _validate(model, entries, tp_degree)
     problems += refused
