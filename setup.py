@@ -45,6 +45,8 @@ setup(
             # test/test_transformers.py checks the plans of torch_tp.plans.hf against the real
             # models; its requirements do not include torch (only its "torch" extra does)
             "transformers==5.23.0",
+            # benchmarks/bench_moe.py compares with transformers' own TP/EP, which needs it
+            "accelerate==1.15.0",
         ],
         # an alias kept for old install lines: safetensors is a plain requirement now
         "checkpoint": ["safetensors>=0.4"],

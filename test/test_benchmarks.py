@@ -35,6 +35,7 @@ from torch_tp.testing import run_distributed
 # import this module too, so they get the same path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_moe  # noqa: E402
 import bench_tp  # noqa: E402
 import megatron  # noqa: E402
 
@@ -249,3 +250,96 @@ def test_cli_forwards_to_the_script_which_spawns_its_own_ranks() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all_reduce×18 (36.0 KiB), all_gather×1 (32.0 KiB)" in proc.stdout
+
+
+# --- benchmarks/bench_moe.py ------------------------------------------------------------------
+
+
+def _moe_step_counts(name: str) -> dict[str, object]:
+    """On each rank: one training step of bench_moe's variant ``name`` (the MoE Llama, tiny),
+    its collectives counted by bench_moe's counter and by CommDebugMode, and its memory."""
+    size = bench_moe.SIZES["tiny"]
+    variant = next(v for v in bench_moe.VARIANTS if v.name == name)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = bench_moe._make_models(size, 0, False)
+    model = bench_moe.build_variant(variant, models, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        _loss(model(models.inputs), models.targets).backward()
+
+    with bench_moe.MoECounter() as counter:
+        step()
+    optimizer.step()
+    memory = bench_moe.measure_memory(model, optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    with CommDebugMode() as comm:
+        step()
+    return {
+        "minimum": bench_moe.is_minimum(variant, counter.records, size.n_layers),
+        "split": bench_moe.split_records(counter.records),
+        "ours": len(counter.records),
+        "comm_debug": {str(op): n for op, n in comm.get_comm_counts().items() if n},
+        "expert_share": (memory.expert_params, memory.expert_params_total),
+    }
+
+
+@pytest.mark.parametrize("name", ["tp", "ep", "ep+sp"])
+def test_moe_variants_issue_the_minimal_collectives(name: str) -> None:
+    layers = bench_moe.SIZES["tiny"].n_layers
+    result = run_distributed(_moe_step_counts, 2, name)[0]
+    assert result["minimum"] == "yes", result["split"]
+    variant = next(v for v in bench_moe.VARIANTS if v.name == name)
+    fwd, bwd = bench_moe.expected_moe(variant.minimum, layers)
+    assert {k: c for k, (c, _) in result["split"]["fwd"].items()} == fwd
+    assert {k: c for k, (c, _) in result["split"]["bwd"].items()} == bwd
+    # CommDebugMode sees every collective the counter sees, the c10d all-to-alls included
+    assert sum(result["comm_debug"].values()) == result["ours"]
+    if name == "ep+sp":
+        # 2 all-to-alls of tokens forward and 2 backward per MoE layer, 1 of counts forward
+        assert result["split"]["counts"]["all_to_all(counts)"][0] == layers
+        assert result["comm_debug"]["c10d.alltoall_base_"] == 5 * layers
+    else:
+        assert result["split"]["counts"] == {}
+    experts, total = result["expert_share"]
+    assert 2 * experts == total > 0  # each rank holds half of the experts' parameters
+
+
+def _moe_bench_as_torchrun_rank(argv: list[str]) -> tuple[int, str]:
+    """On a pool rank: run ``bench_moe.py ARGV`` as if launched by torchrun."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
+    out = io.StringIO()
+    threads = torch.get_num_threads()
+    try:
+        with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out):
+            status = bench_moe.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return status, out.getvalue()
+
+
+def test_moe_script_quick_mode() -> None:
+    # one device, both expert layouts of torch_tp, and a transformers row (which reports its
+    # error in the table where transformers cannot run its own TP here)
+    argv = ["--quick", "--only", "single,tp,ep+sp,hf-single,hf-tp"]
+    (status, output), (other_status, other) = run_distributed(_moe_bench_as_torchrun_rank, 2, argv)
+    assert status == other_status == 0
+    assert other == ""  # only rank 0 prints
+    assert "tiny: dim 64, 2 layers" in output
+    for name in ("single", "tp", "ep+sp", "hf-single", "hf-tp"):
+        # a row of the timing table and one of the memory table (columns: 2+ spaces apart)
+        rows = re.findall(rf"^{re.escape(name)} {{2,}}\S", output, re.MULTILINE)
+        assert len(rows) == 2, output
+    rows: dict[str, str] = {}  # the first row of each name: the timing table's
+    for line in output.splitlines():
+        if line.strip():
+            rows.setdefault(line.split()[0], line)
+    assert "yes; CommDebugMode yes" in rows["tp"]
+    assert "yes; CommDebugMode yes" in rows["ep+sp"]
+    assert "all_to_all(counts)×2" in rows["ep+sp"]
+
+
+def test_moe_bad_filter_is_refused_before_spawning(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_moe.main(["--only", "nosuch"]) == 2
+    assert "matches no variant" in capsys.readouterr().err

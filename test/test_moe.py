@@ -196,26 +196,89 @@ def test_one_reduction_each_way_with_replicated_tokens():
     assert backward == {"all_reduce": 1}
 
 
-def _out_of_range(replicated: bool) -> None:
+def _out_of_range(style: str) -> None:
     torch.manual_seed(0)
-    experts = Experts(n_experts=4, dim=8, hidden_dim=4)
-    layout = Replicate() if replicated else Shard(0)
-    parallelize_module(experts, tp_mesh(), ExpertParallel(input_layouts=layout))
+    root = nn.ModuleDict({"experts": Experts(n_experts=4, dim=8, hidden_dim=4)})
+    styles = {
+        "tp": TensorParallelExperts(),
+        "ep": ExpertParallel(input_layouts=Replicate()),
+        "ep_dispatch": ExpertParallel(),
+    }
+    parallelize_module(root, tp_mesh(), {"experts": styles[style]})
+    experts = root["experts"]
     index = torch.tensor([[0, 1], [1, 2]])
-    if dist.get_rank() == 1 or replicated:
+    if dist.get_rank() == 1 or style != "ep_dispatch":
         index = torch.tensor([[0, 4], [1, -1]])
-    # with sharded tokens only rank 1's router misbehaves: every rank raises, none waits in
-    # a collective
-    where = r"the same on every rank" if replicated else r"on rank 1 of the expert-parallel"
-    with pytest.raises(ValueError, match=rf"expert ids outside \[0, 4\) \({where}"):
+    # with dispatched tokens only rank 1's router misbehaves: every rank raises, none waits
+    # in a collective
+    where = "on rank 1 of the expert-parallel" if style == "ep_dispatch" else "the same on every"
+    with pytest.raises(
+        ValueError, match=rf"on 'experts' \(Experts\): .*expert ids outside \[0, 4\) \({where}"
+    ):
         experts(torch.randn(2, 8), index, torch.rand(2, 2))
     # and the group still works
     dist.barrier()
 
 
-@pytest.mark.parametrize("replicated", [False, True], ids=["sharded", "replicated"])
-def test_expert_ids_out_of_range_raise_on_every_rank(replicated):
-    run_distributed(_out_of_range, 2, replicated)
+@pytest.mark.parametrize("style", ["tp", "ep", "ep_dispatch"])
+def test_expert_ids_out_of_range_raise_on_every_rank(style):
+    run_distributed(_out_of_range, 2, style)
+
+
+class _ExpertsWithIdentity(nn.Module):
+    """LongCat-Flash's experts: routed SwiGLU experts, then identity ("zero") experts that
+    return the token itself (``gate_up_proj`` stacks rows for them too, unused)."""
+
+    def __init__(self, routed: int, zero: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.routed = routed
+        self.gate_up_proj = nn.Parameter(torch.randn(routed + zero, 2 * hidden, dim) * 0.2)
+        self.down_proj = nn.Parameter(torch.randn(routed, dim, hidden) * 0.2)
+        self.identity_expert = nn.Identity()
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for slot in range(top_k_index.shape[-1]):
+            for expert in top_k_index[:, slot].unique().tolist():
+                token = (top_k_index[:, slot] == expert).nonzero().squeeze(-1)
+                x = hidden[token]
+                if expert >= self.routed:
+                    y = self.identity_expert(x)
+                else:
+                    gate, up = (x @ self.gate_up_proj[expert].T).chunk(2, dim=-1)
+                    y = (torch.nn.functional.silu(gate) * up) @ self.down_proj[expert].T
+                out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class _MoEWithIdentityExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 6, bias=False)
+        self.experts = _ExpertsWithIdentity(routed=4, zero=2, dim=16, hidden=8)
+
+    def forward(self, x):
+        weights, index = self.router(x).softmax(-1).topk(2, dim=-1)
+        return self.experts(x, index, weights)
+
+
+def _identity_experts_parity() -> None:
+    torch.manual_seed(0)
+    model = _MoEWithIdentityExperts().double()
+    x = torch.randn(24, 16, dtype=torch.float64)
+    # some tokens do go to the identity experts (ids 4 and 5)
+    assert (model.router(x).topk(2, dim=-1).indices >= 4).any()
+    plan = {
+        "router": "replicate",
+        "experts": "moe_tp_experts",
+        "experts.identity_expert": "moe_identity_expert",
+    }
+    check_parity(model, tp_mesh(), plan, (x,), optimizer_fn=adamw, steps=2)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_identity_experts_match_one_device(world_size):
+    run_distributed(_identity_experts_parity, world_size)
 
 
 def _refusals() -> None:

@@ -81,6 +81,7 @@ ep_router              "replicate"
 moe_tp_experts         "moe_tp_experts"
 ep_dispatch_experts    "ep_dispatch_experts"
 grouped_gemm           "ep_dispatch_experts"
+moe_identity_expert    "moe_identity_expert"
 all_reduce             "all_reduce\"""",
         )
         # and what those styles are, spelled out

@@ -268,6 +268,30 @@ def test_moe_model_expert_parallel_plan_matches_single_device(family):
     assert diffs["logits"] < 1e-12, diffs
 
 
+def _grouped_mm_parity() -> None:
+    """transformers' default experts kernel (torch's grouped matmul, float32 only on CPU),
+    which sizes its groups by the module's num_experts: each rank's while it computes."""
+    causal_lm, config_class, fields = MODELS["mixtral"]
+    fields = {**_COMMON, **fields, "experts_implementation": "grouped_mm"}
+    torch.manual_seed(0)
+    model = getattr(transformers, causal_lm)(getattr(transformers, config_class)(**fields))
+    ids = torch.randint(2, VOCAB, (2, 12))
+    tp, _ = check_parity(
+        model,
+        tp_mesh(),
+        expert_parallel_plan(model),
+        kwargs={"input_ids": ids, "labels": ids, "use_cache": False},
+        loss_fn=lambda out: out.loss,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    assert _experts(tp).num_experts == 4  # the module's own count is left as it was
+
+
+def test_expert_parallel_with_transformers_grouped_mm_kernel():
+    run_distributed(_grouped_mm_parity, 2)
+
+
 def _refused_before_anything_changes() -> None:
     model = _model("mixtral")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

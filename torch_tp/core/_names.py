@@ -57,7 +57,6 @@ UNSUPPORTED_NAMES: dict[str, str] = {
         "multi-head latent attention: the rotary part of the output needs its gradient "
         "all-reduced while the rest does not"
     ),
-    "moe_identity_expert": "an identity expert next to tensor-parallel MoE experts",
 }
 
 

@@ -14,6 +14,7 @@ parameter.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -54,6 +55,7 @@ __all__ = [
     "ReplicateParallel",
     "TensorParallelExperts",
     "ExpertParallel",
+    "IdentityExpertParallel",
     "AttentionHeads",
     "PrepareModuleInput",
     "PrepareModuleOutput",
@@ -1224,10 +1226,12 @@ class TensorParallelExperts(ParallelStyle):
         if not all(isinstance(p, torch.Tensor) and p.ndim == 3 for p in (gate_up, down)):
             return None
         (e, a, b), (e2, c, d) = gate_up.shape, down.shape
+        # gate_up_proj may stack more experts than down_proj: identity ("zero") experts
+        # after the routed ones (LongCat-Flash), which use neither
+        if a == 2 * d and b == c and e >= e2:
+            return False
         if e != e2:
             return None
-        if a == 2 * d and b == c:
-            return False
         if b == 2 * c and a == d:
             return True  # both at once would need hidden == 0
         return None
@@ -1292,6 +1296,7 @@ class TensorParallelExperts(ParallelStyle):
             )
         if routing:  # (top_k_index, top_k_weights): the weights' gradient is partial too
             top_k_index, top_k_weights = routing
+            _check_expert_ids(self, module, top_k_index, module.gate_up_proj.shape[0])
             hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
             routing = (top_k_index, top_k_weights)
         else:  # tokens routed and weighted already (Llama 4)
@@ -1544,7 +1549,10 @@ class ExpertParallel(ParallelStyle):
         names = list(compat.direct_parameters(module))
 
         def compute(mod: nn.Module, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-            out = own_forward(mod, rows, ids, rows.new_ones(ids.shape))
+            # transformers' experts size their grouped matmul by their num_experts: this
+            # rank's, while they compute
+            with _attribute_as(mod, "num_experts", local_experts, only_if_int=True):
+                out = own_forward(mod, rows, ids, rows.new_ones(ids.shape))
             if not rows.shape[0]:
                 # no token for this rank's experts: keep its parameters and the rows in the
                 # graph, so that the parameters get (zero) gradients as on one device and
@@ -1554,6 +1562,40 @@ class ExpertParallel(ParallelStyle):
             return out
 
         return _run_on_local_parameters(module, rt, False, compute, rows, ids)
+
+
+class IdentityExpertParallel(ParallelStyle):
+    """An identity ("zero") expert inside tensor-parallel experts: its output divided by the
+    TP degree.
+
+    LongCat-Flash routes some slots to experts that return the token itself. Under
+    :class:`TensorParallelExperts` every rank computes those with the whole token, and the
+    experts' output is summed over the ranks: each rank's identity output must be its
+    ``1/n`` share of it. The gradients of the token and of the routing weight then come back
+    ``1/n`` on each rank, and the experts' input reduction sums them whole. (With ``n`` a
+    power of two, the division is exact.) This is transformers' ``moe_identity_expert``; it
+    goes on the ``nn.Identity`` module next to the stacked weights.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {
+        ...     "layers.*.mlp.experts": "moe_tp_experts",
+        ...     "layers.*.mlp.experts.identity_expert": "moe_identity_expert",
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"moe_identity_expert": {}},
+        arguments=lambda s: {},
+        modules=(nn.Identity,),
+        local_forward=lambda s, m: True,
+    )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        n = device_mesh.size()
+        module.register_forward_hook(lambda mod, args, output: output / n)
+        return module
 
 
 class AttentionHeads(ParallelStyle):
@@ -1682,6 +1724,36 @@ def _is_attribute_path(text: str) -> bool:
     return len(text) <= REPR_LIMIT and all(
         part.isidentifier() and not part.startswith("_") for part in text.split(".")
     )
+
+
+def _check_expert_ids(
+    style: ParallelStyle, module: nn.Module, top_k_index: torch.Tensor, n_experts: int
+) -> None:
+    """Refuse expert ids outside ``[0, n_experts)``. The routing is the same on every rank
+    (replicated tokens), so every rank finds the same ids and raises alike, before any
+    collective. One flag is read back (a host sync on a GPU)."""
+    if not top_k_index.numel() or top_k_index.is_meta or torch.compiler.is_compiling():
+        return
+    if bool(((top_k_index < 0) | (top_k_index >= n_experts)).any()):
+        raise ValueError(
+            f"{_where(style, module)}: the router gave expert ids outside [0, {n_experts}) "
+            "(the same on every rank); top_k_index must hold ids of the module's experts"
+        )
+
+
+@contextlib.contextmanager
+def _attribute_as(module: nn.Module, name: str, value: Any, *, only_if_int: bool = False):
+    """``module.<name>`` set to ``value`` inside the block (when it has an int such attribute,
+    with ``only_if_int``), restored after it."""
+    old = getattr(module, name, None)
+    if only_if_int and (not isinstance(old, int) or isinstance(old, bool)):
+        yield
+        return
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
 def _tokens_like(args: tuple) -> torch.Tensor:
