@@ -284,7 +284,14 @@ def _moe_step_counts(name: str) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("name", ["tp", "ep", "ep+sp"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("tp", marks=pytest.mark.slow),
+        pytest.param("ep", marks=pytest.mark.slow),
+        "ep+sp",
+    ],
+)
 def test_moe_variants_issue_the_minimal_collectives(name: str) -> None:
     layers = bench_moe.SIZES["tiny"].n_layers
     result = run_distributed(_moe_step_counts, 2, name)[0]
@@ -319,6 +326,7 @@ def _moe_bench_as_torchrun_rank(argv: list[str]) -> tuple[int, str]:
     return status, out.getvalue()
 
 
+@pytest.mark.slow
 def test_moe_script_quick_mode() -> None:
     # one device, both expert layouts of torch_tp, and a transformers row (which reports its
     # error in the table where transformers cannot run its own TP here)

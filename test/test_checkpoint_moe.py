@@ -180,7 +180,13 @@ DCP_TARGETS = {
 }
 
 
-@pytest.mark.parametrize("saved_on", list(DCP_TARGETS), ids=lambda s: f"{s[0]}{s[1]}")
+@pytest.mark.parametrize(
+    "saved_on",
+    # each saves once and loads in several layouts at 2 and 4 ranks: seconds each; the
+    # quick run (-m "not slow") keeps the full-state-dict and safetensors tests
+    [pytest.param(s, marks=pytest.mark.slow) for s in DCP_TARGETS],
+    ids=lambda s: f"{s[0]}{s[1]}",
+)
 def test_dcp_between_expert_layouts(tmp_path, saved_on):
     ckpt = str(tmp_path / "ckpt")
     saved = run_distributed(_dcp_save, saved_on[1], ckpt, saved_on[0])[0]
@@ -264,7 +270,10 @@ def ep2_file(tmp_path_factory) -> tuple[str, dict]:
     return str(path), saved
 
 
-@pytest.mark.parametrize(("layout", "world_size"), LAYOUTS)
+@pytest.mark.parametrize(
+    ("layout", "world_size"),
+    [c if c[1] == 2 else pytest.param(*c, marks=pytest.mark.slow) for c in LAYOUTS],
+)
 def test_safetensors_shard_on_load(ep2_file, layout, world_size):
     path, saved = ep2_file
     per_rank = run_distributed(_load_full, world_size, path, layout, saved)

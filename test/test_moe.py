@@ -92,7 +92,7 @@ def _llama_parity(experts: str, sequence_parallel: bool, skewed: bool, shared: b
         )
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("experts", ["tp", "ep"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sp"])
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def _data_parallel_parity(skewed: bool) -> None:
         torch.testing.assert_close(full_tensor(ff.get_parameter(name).grad), param.grad, msg=name)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
 def test_data_parallel_tokens_dispatched_to_their_experts(world_size, skewed):
     run_distributed(_data_parallel_parity, world_size, skewed)
@@ -276,7 +276,7 @@ def _identity_experts_parity() -> None:
     check_parity(model, tp_mesh(), plan, (x,), optimizer_fn=adamw, steps=2)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_identity_experts_match_one_device(world_size):
     run_distributed(_identity_experts_parity, world_size)
 

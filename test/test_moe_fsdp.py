@@ -138,7 +138,15 @@ def _train(composition: str, experts: str, sequence_parallel: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("experts", "sequence_parallel"), [("tp", False), ("ep", False), ("tp", True), ("ep", True)]
+    ("experts", "sequence_parallel"),
+    # the quick run (-m "not slow") keeps one
+    [
+        ("ep", True),
+        *(
+            pytest.param(*c, marks=pytest.mark.slow)
+            for c in [("tp", False), ("ep", False), ("tp", True)]
+        ),
+    ],
 )
 def test_fsdp2_with_tp_or_ep_on_the_tp_ranks_matches_one_device(experts, sequence_parallel):
     run_distributed(_train, 4, "dp_tp", experts, sequence_parallel)
