@@ -302,6 +302,22 @@ def _in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> Value
     return ValueError(f"{_where(style, module)}: {err}")
 
 
+def _distribute_and_wrap(
+    style: ParallelStyle,
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    placements: Mapping[str, Placement],
+    *bound: Any,
+) -> nn.Module:
+    """Distribute ``module``'s parameters as ``placements`` say, and run ``style._forward(
+    module, runtime, own_forward, *bound, *inputs)`` in place of the module's forward (its
+    class's own, unbound, passed on for the style to call)."""
+    rt = _layouts.runtime(device_mesh)
+    _distribute_parameters(module, rt, placements, style.src_data_rank)
+    module.forward = functools.partial(style._forward, module, rt, type(module).forward, *bound)
+    return module
+
+
 def _distribute_parameters(
     module: nn.Module,
     rt: _layouts.DTensorRuntime,
@@ -979,12 +995,7 @@ class _ReplicatedParameters(ParallelStyle):
         return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        rt = _layouts.runtime(device_mesh)
-        params = self._parameter_placements(module)
-        _distribute_parameters(module, rt, params, self.src_data_rank)
-        own_forward = type(module).forward
-        module.forward = functools.partial(self._forward, module, rt, own_forward)
-        return module
+        return _distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
 
     @abstractmethod
     def _forward(
@@ -1273,12 +1284,9 @@ class TensorParallelExperts(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported module must not be half-applied
-        rt = _layouts.runtime(device_mesh)
-        placements = self.contract.parameters(self, module)
-        _distribute_parameters(module, rt, placements, self.src_data_rank)
-        own_forward = type(module).forward
-        module.forward = functools.partial(self._forward, module, rt, own_forward)
-        return module
+        return _distribute_and_wrap(
+            self, module, device_mesh, self.contract.parameters(self, module)
+        )
 
     def _forward(
         self,
@@ -1439,14 +1447,10 @@ class ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported module must not be half-applied
-        rt = _layouts.runtime(device_mesh)
         n_experts = next(module.parameters()).shape[0]
-        _distribute_parameters(
-            module, rt, self.contract.parameters(self, module), self.src_data_rank
+        return _distribute_and_wrap(
+            self, module, device_mesh, self.contract.parameters(self, module), n_experts
         )
-        own_forward = type(module).forward
-        module.forward = functools.partial(self._forward, module, rt, own_forward, n_experts)
-        return module
 
     def _forward(
         self,
