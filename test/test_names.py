@@ -82,6 +82,8 @@ moe_tp_experts         "moe_tp_experts"
 ep_dispatch_experts    "ep_dispatch_experts"
 grouped_gemm           "ep_dispatch_experts"
 moe_identity_expert    "moe_identity_expert"
+mla_kv_a_proj          "mla_kv_a_proj"
+local_params           "local_params"
 all_reduce             "all_reduce\"""",
         )
         # and what those styles are, spelled out

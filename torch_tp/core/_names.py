@@ -33,7 +33,6 @@ __all__: list[str] = []  # private module: the public entry points are in torch_
 
 # names transformers uses whose meaning needs a style torch_tp does not have (yet): why
 UNSUPPORTED_NAMES: dict[str, str] = {
-    "local_params": "a forward run with local views of the module's own sharded parameters",
     "local_colwise": (
         "transformers 4.x: column-sharded plain (non-DTensor) parameters and no layout "
         "conversion; torch_tp keeps parameters as DTensors"
@@ -52,10 +51,6 @@ UNSUPPORTED_NAMES: dict[str, str] = {
     "gather": (
         "transformers 4.x: an in-place all-reduce of the first output, outside autograd; "
         "for a module returning one tensor use 'all_reduce'"
-    ),
-    "mla_kv_a_proj": (
-        "multi-head latent attention: the rotary part of the output needs its gradient "
-        "all-reduced while the rest does not"
     ),
 }
 

@@ -12,7 +12,7 @@ from torch_tp import _torch_compat as compat
 from torch_tp.core import _layouts
 from torch_tp.core.plan import is_style, mark_applied, resolve_plan, validate_plan
 from torch_tp.core.random import _ensure_tracker
-from torch_tp.core.style import ParallelStyle
+from torch_tp.core.style import ParallelStyle, planning
 
 __all__ = ["parallelize_module"]
 
@@ -97,14 +97,15 @@ def parallelize_module(
         return module
 
     entries = resolve_plan(module, parallelize_plan, strict=strict)
-    validate_plan(entries, device_mesh, module, strict=strict)
+    with planning(module):  # styles that read the model's config find it
+        validate_plan(entries, device_mesh, module, strict=strict)
     _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
     # dropout in a fork() region works out of the box; this never reseeds the default stream
     _ensure_tracker(device_mesh)
 
     result = module
     # every style of this call gets the runtime TORCH_TP_RUNTIME selects now
-    with _layouts.applying():
+    with _layouts.applying(), planning(module):
         for entry in entries:
             entry.style.src_data_rank = src_data_rank
             applied = entry.style._apply(entry.module, device_mesh)

@@ -161,6 +161,11 @@ class StyleContract:
             (``"...experts.gate_up_proj": "grouped_gemm"``): the placement the parameter's
             module's style must give it. Default: ``None``, the parameter taken as a
             Linear's weight (or, 1-D, bias), placed as the style places those.
+        with_parameter_entries (callable): ``(style, {name: Placement}) -> style``, for a
+            style that takes its parameters' placements from the plan's parameter entries
+            under its module (transformers' ``local_params`` next to ``"self_attn.sinks":
+            "colwise"``): the style those entries make of it. Default: ``None``, the entries
+            are checked against the style's own placements instead.
         meta_output (callable): ``(style, module, args, kwargs) -> output``, what the
             module returns, as meta tensors of the right shapes, for a module whose forward
             cannot run on the meta device (it reads its inputs' values: routing counts); the
@@ -180,6 +185,7 @@ class StyleContract:
         lambda style, module, inputs, degree: None
     )
     parameter_entry: Callable[[Any, Any], Placement | None] | None = None
+    with_parameter_entries: Callable[[Any, Mapping[str, Placement]], Any] | None = None
     meta_output: Callable[[Any, nn.Module, tuple, dict], Any] | None = None
 
     def accepts(self, module: nn.Module) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -199,10 +199,35 @@ def resolve_plan(
             entry = PlanEntry(key, path, submodule, style)
             owner[id(submodule)] = entry
             entries.append(entry)
+    # styles that take their placements from the entries (local_params) get them first
+    stated: dict[int, dict[str, Placement]] = {}
+    for key, style, parameters in parameter_entries:
+        for path, submodule, name in parameters:
+            entry = owner.get(id(submodule))
+            if entry is not None and _takes_entries(entry.style):
+                found = parameter_entry_placement(style, getattr(submodule, name))
+                if found is None:
+                    raise ValueError(
+                        f"plan key {short_repr(key)} ({_style(style)}) names the parameter "
+                        f"{name!r} of {_describe(path)}, whose style {_style(entry.style)} "
+                        "takes its placement from this entry, but the entry states none: use "
+                        "a style that lays out a Linear weight ('colwise', 'rowwise', ...)"
+                    )
+                stated.setdefault(id(submodule), {})[name] = found
+    for i, entry in enumerate(entries):
+        if _takes_entries(entry.style):
+            contract = entry.style.contract
+            style = contract.with_parameter_entries(entry.style, stated.get(id(entry.module), {}))
+            entries[i] = owner[id(entry.module)] = replace(entry, style=style)
     for key, style, parameters in parameter_entries:
         for path, submodule, name in parameters:
             _check_parameter_entry(key, style, path, submodule, name, owner.get(id(submodule)))
     return entries
+
+
+def _takes_entries(style: object) -> bool:
+    contract = getattr(style, "contract", None)
+    return contract is not None and contract.with_parameter_entries is not None
 
 
 def _match_parameters(root: nn.Module, key: str) -> list[tuple[str, nn.Module, str]]:

@@ -15,6 +15,7 @@ parameter.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
@@ -56,6 +57,8 @@ __all__ = [
     "TensorParallelExperts",
     "ExpertParallel",
     "IdentityExpertParallel",
+    "MLAKVAProjParallel",
+    "LocalParamsParallel",
     "AttentionHeads",
     "PrepareModuleInput",
     "PrepareModuleOutput",
@@ -300,6 +303,29 @@ def _in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> Value
     (a ``try`` costs nothing until something raises).
     """
     return ValueError(f"{_where(style, module)}: {err}")
+
+
+# the root module of the parallelize_module call validating and applying styles: a style
+# whose sizes live in the model's config, not on its module, reads them there
+_plan_root: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
+    "torch_tp_plan_root", default=None
+)
+
+
+@contextlib.contextmanager
+def planning(root: nn.Module):
+    """The root of the plan being validated and applied, for :func:`plan_root`."""
+    token = _plan_root.set(root)
+    try:
+        yield
+    finally:
+        _plan_root.reset(token)
+
+
+def plan_root() -> nn.Module | None:
+    """The root module of the :func:`parallelize_module` call running (``None``: a style
+    applied by hand)."""
+    return _plan_root.get()
 
 
 def _distribute_and_wrap(
@@ -1600,6 +1626,190 @@ class IdentityExpertParallel(ParallelStyle):
         n = device_mesh.size()
         module.register_forward_hook(lambda mod, args, output: output / n)
         return module
+
+
+class MLAKVAProjParallel(ParallelStyle):
+    """Multi-head latent attention's joint key/value down-projection, replicated, with the
+    gradient of its rotary part summed over the ranks.
+
+    DeepSeek-V2/V3-style attention projects each token to ``[kv_lora_rank +
+    qk_rope_head_dim]`` with ``kv_a_proj_with_mqa``, a plain Linear every rank keeps whole.
+    The first part goes through a norm into ``kv_b_proj`` (column-parallel: its input
+    gradient is reduced there); the last ``rope_dim`` columns, the rotary key shared by every
+    head, go straight into attention, where each rank computes with its own heads only. Their
+    gradient is therefore a partial sum on each rank: this style sums it (one all-reduce in
+    the backward), so that the projection's weight gets the whole gradient. This is
+    transformers' ``mla_kv_a_proj``.
+
+    Args:
+        rope_dim (int, optional): the width of the rotary part (``qk_rope_head_dim``).
+            Default: ``None``, read from the module's ``config`` or, under
+            :func:`parallelize_module`, from the model's (its text config where it has one).
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {
+        ...     "model.layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+        ...     "model.layers.*.self_attn.kv_b_proj": "colwise",
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"mla_kv_a_proj": {}},
+        arguments=lambda s: {"rope_dim": s.rope_dim},
+        modules=(nn.Linear,),
+        parameters=lambda s, m: {
+            name: Replicate() for name, _ in m.named_parameters(recurse=False)
+        },
+        caveat=lambda s, m: (
+            "the rotary part of its output has its gradient all-reduced in the backward (not "
+            "predicted)"
+        ),
+    )
+
+    def __init__(self, rope_dim: int | None = None) -> None:
+        super().__init__()
+        if rope_dim is not None and (
+            not isinstance(rope_dim, int) or isinstance(rope_dim, bool) or rope_dim < 1
+        ):
+            raise ValueError(
+                f"rope_dim must be a positive int or None, found {short_repr(rope_dim)}"
+            )
+        self.rope_dim = rope_dim
+
+    def _rope_dim(self, module: nn.Module) -> int:
+        if self.rope_dim is not None:
+            return self.rope_dim
+        configs = [getattr(module, "config", None)]
+        root_config = getattr(plan_root(), "config", None)
+        if root_config is not None:
+            text = getattr(root_config, "get_text_config", None)
+            configs += [text() if callable(text) else None, root_config]
+        for config in configs:
+            value = getattr(config, "qk_rope_head_dim", None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        raise ValueError(
+            "cannot find the rotary width: no qk_rope_head_dim in the module's or the model's "
+            "config; pass it, MLAKVAProjParallel(rope_dim=...)"
+        )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        rope = self._rope_dim(module)
+        if rope >= module.out_features:
+            raise ValueError(
+                f"the rotary width {rope} leaves nothing of the {module.out_features} output "
+                "features for the latent part"
+            )
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        rope = self._rope_dim(module)
+        return _distribute_and_wrap(
+            self, module, device_mesh, self.contract.parameters(self, module), rope
+        )
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        rope: int,
+        *inputs: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        out = _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
+        latent, rotary = out.split([out.shape[-1] - rope, rope], dim=-1)
+        # read by every rank's own heads: its gradient is a partial sum
+        (rotary,) = rt.enter_replicated_many((rotary,))
+        return torch.cat([latent, rotary], dim=-1)
+
+
+class LocalParamsParallel(ParallelStyle):
+    """A module's own parameters sharded as the plan's parameter entries say, and its
+    forward run on this rank's shards as local tensors.
+
+    For a bare parameter that has no module of its own to carry a style: attention sinks,
+    one learned logit per head (``self_attn.sinks`` ``[n_heads]``). transformers' plans write
+    ``"layers.*.self_attn.sinks": "colwise"`` (shard it with the heads) next to
+    ``"layers.*.self_attn": "local_params"``; the attention then computes with its own heads'
+    sinks, as its column-parallel projections give it its own heads. Each rank's gradient of
+    such a shard is whole (only its heads use it). A direct parameter without an entry is
+    refused: replicated, it would see only this rank's heads, and its gradient would be a
+    part of the whole. This is transformers' ``local_params``.
+
+    Args:
+        placements (Mapping[str, Placement], optional): each direct parameter's placement.
+            Default: ``None``, taken from the plan's parameter entries under the module.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {
+        ...     "layers.*.self_attn.sinks": "colwise",  # Shard(0): each rank its heads'
+        ...     "layers.*.self_attn": "local_params",
+        ...     "layers.*.self_attn.q_proj": "colwise",
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"local_params": {}},
+        arguments=lambda s: {"placements": s.placements},
+        parameters=lambda s, m: dict(s.placements or {}),
+        with_parameter_entries=lambda s, placements: LocalParamsParallel(
+            {**(s.placements or {}), **placements}
+        ),
+        local_forward=lambda s, m: True,
+    )
+
+    def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
+        super().__init__()
+        if placements is not None:
+            if not isinstance(placements, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Placement) for k, v in placements.items()
+            ):
+                raise TypeError(
+                    "placements must map parameter names to Placements, found "
+                    f"{short_repr(placements)}"
+                )
+            placements = dict(placements)
+        self.placements = placements
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        placements = self.placements or {}
+        params = dict(module.named_parameters(recurse=False))
+        unplaced = sorted(set(params) - set(placements))
+        if unplaced:
+            raise ValueError(
+                f"local_params computes with this rank's shards of the module's parameters, "
+                f"and no placement is given for {unplaced}: add a plan entry for each (e.g. "
+                f"'<module>.{unplaced[0]}': 'colwise' to shard it with the heads)"
+            )
+        missing = sorted(set(placements) - set(params))
+        if missing:
+            raise ValueError(f"{type(module).__name__} has no direct parameters {missing}")
+        n = device_mesh.size()
+        for name, placement in placements.items():
+            param = params[name]
+            if isinstance(placement, Shard):
+                dim = _layouts.normalize(placement, param.ndim).dim
+                if not 0 <= dim < param.ndim or param.shape[dim] % n:
+                    raise ValueError(
+                        f"parameter {name!r} {tuple(param.shape)} cannot be split evenly on "
+                        f"dim {placement.dim} over {n} ranks"
+                    )
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        return _distribute_and_wrap(self, module, device_mesh, dict(self.placements or {}))
+
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
 
 
 class AttentionHeads(ParallelStyle):

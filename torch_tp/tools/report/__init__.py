@@ -56,7 +56,7 @@ from torch_tp.core.plan import (
     resolve_plan,
     tied_parameters,
 )
-from torch_tp.core.style import ParallelStyle, short_repr
+from torch_tp.core.style import ParallelStyle, planning, short_repr
 from torch_tp.tools.report.render import (
     _SEVERITIES,
     Collective,
@@ -166,7 +166,8 @@ def plan_report(
         for message in unmatched
         if message.startswith(f"parallelize_plan key {short_repr(key)} matches no submodule")
     ]
-    invalid, refused = _validate(model, entries, tp_degree)
+    with planning(model):  # styles that read the model's config find it
+        invalid, refused = _validate(model, entries, tp_degree)
     problems += refused
     valid = [e for e in entries if id(e.module) not in invalid]
 
