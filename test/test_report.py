@@ -31,6 +31,7 @@ from torch_tp import (
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -42,7 +43,13 @@ from torch_tp.plan import to_dict
 from torch_tp.plans.llama import llama_plan
 from torch_tp.plans.moe import moe_llama_plan
 from torch_tp.report import PlanReport, plan_report
-from torch_tp.testing import collective_counts, device_type, run_distributed
+from torch_tp.testing import (
+    RankError,
+    check_parity,
+    collective_counts,
+    device_type,
+    run_distributed,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=1001, max_seq_len=32)
@@ -505,6 +512,13 @@ def test_residual_stream_layouts_must_agree():
     }
     errors = _messages(plan_report(_meta(tiny_config()), plan, 2, **_SIZE))
     assert errors == (
+        # the unplanned norm computes on the sequence shard: its gradient would be partial
+        "layers.*.attention_norm.weight: the parameter layers.*.attention_norm.weight, which "
+        "no plan entry lays out, computes (mul) with a local tensor laid out Shard(1) (from "
+        "tok_embeddings): each rank's gradient of it would cover that shard only and nothing "
+        "would sum them (a silently wrong gradient). Give its module ReplicateParallel("
+        "sum_gradients=True) if it acts on every feature alike, or a style that shards it with "
+        "the features\n"
         "layers.*.attention: input 0 arrives as a local tensor laid out Shard(1) (from "
         "tok_embeddings), but PrepareModuleInput(input_layouts=(Replicate(), None), "
         "desired_input_layouts=(Replicate(), None)) takes it as Replicate(): the layouts do not "
@@ -512,6 +526,50 @@ def test_residual_stream_layouts_must_agree():
         "layers.*: add combines local tensors laid out Shard(1) (from tok_embeddings) and "
         "Replicate() (from layers.*.attention.wo): the layouts do not chain"
     )
+
+
+class _LearnedActivation(nn.Module):
+    """An activation with a learned parameter (apertus' xIELU has two): between a column-
+    and a row-parallel layer it sees each rank's features only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * F.relu(x)
+
+
+def _learned_activation_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), _LearnedActivation(), nn.Linear(32, 16))
+
+
+def test_an_unplanned_parameter_on_sharded_activations_is_an_error():
+    with torch.device("meta"):
+        mlp = _learned_activation_mlp()
+    plan = {"0": "colwise", "2": "rowwise"}
+    report = plan_report(mlp, plan, 2, batch_size=4, seq_len=1, example_inputs=_features)
+    assert _messages(report).startswith(
+        # (per-layer indices read "*": one row for every layer)
+        "*.alpha: the parameter *.alpha, which no plan entry lays out, computes (mul) with a "
+        "local tensor laid out Shard(1) (from 0)"
+    ), _messages(report)
+    # replicated with its gradient summed, it is right: no error
+    plan["1"] = "replicated_with_grad_allreduce"
+    assert not plan_report(mlp, plan, 2, batch_size=4, seq_len=1, example_inputs=_features).errors
+
+
+def _learned_activation_parity(sum_gradients: bool) -> None:
+    torch.manual_seed(0)
+    plan = {"0": "colwise", "1": ReplicateParallel(sum_gradients=sum_gradients), "2": "rowwise"}
+    check_parity(_learned_activation_mlp(), init_device_mesh(device_type(), (2,)), plan,
+                 (torch.randn(4, 16),))  # fmt: skip
+
+
+def test_the_reported_fix_matches_one_device_and_the_error_was_real():
+    run_distributed(_learned_activation_parity, 2, True)
+    with pytest.raises(RankError, match="gradient of '1.alpha' differs"):
+        run_distributed(_learned_activation_parity, 2, False)
 
 
 def test_uneven_features_are_a_warning_when_they_chain():

@@ -20,6 +20,7 @@ from torch.distributed.tensor import Shard
 
 from torch_tp import LocalParamsParallel, MLAKVAProjParallel, parallelize_module
 from torch_tp.plan import resolve_plan
+from torch_tp.report import plan_report
 from torch_tp.testing import check_parity, run_distributed
 
 transformers = pytest.importorskip(
@@ -181,3 +182,51 @@ def _unplaced_parameter_refused() -> None:
 
 def test_local_params_refuses_a_parameter_without_an_entry():
     run_distributed(_unplaced_parameter_refused, 2)
+
+
+# --------------------------------------------------------------------------- apertus
+
+
+def _apertus() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.ApertusConfig(
+        **{k: v for k, v in _COMMON.items() if not k.startswith(("kv_", "q_", "qk_", "v_"))},
+        intermediate_size=64,
+    )
+    model = transformers.ApertusForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "alpha" in name:
+                param.uniform_(0.5, 1.5)
+    return model.double()
+
+
+def test_apertus_learned_activation_is_reported():
+    """apertus' plan leaves its xIELU activation's alpha_p/alpha_n out, though they compute
+    on the up projection's column shard: a silently wrong gradient, which the dry-run report
+    names before anything runs."""
+    with torch.device("meta"):
+        model = _apertus()
+    report = plan_report(model, dict(model._tp_plan), 2, batch_size=2, seq_len=8)
+    assert sorted(p.where for p in report.errors) == [
+        "model.layers.*.mlp.act_fn.alpha_n",
+        "model.layers.*.mlp.act_fn.alpha_p",
+    ]
+    assert "from model.layers.*.mlp.up_proj" in report.errors[0].message
+
+
+def _apertus_parity() -> None:
+    model = _apertus()
+    plan = {**model._tp_plan, "model.layers.*.mlp.act_fn": "replicated_with_grad_allreduce"}
+    ids = torch.randint(2, VOCAB, (2, 12))
+    check_parity(
+        model,
+        tp_mesh(),
+        plan,
+        kwargs={"input_ids": ids, "labels": ids, "use_cache": False},
+        loss_fn=lambda out: out.loss,
+    )
+
+
+def test_apertus_with_the_reported_fix_matches_one_device():
+    run_distributed(_apertus_parity, 2)

@@ -173,6 +173,7 @@ def plan_report(
 
     inputs = _inputs(example_inputs, batch_size, seq_len)
     trace = _Trace(valid, tp_degree, cpu=device_type == "cpu")
+    trace.watch_unplanned(model)
     with torch.enable_grad():
         output = _run(model, trace, inputs)
     for t in tree_leaves(output):

@@ -183,6 +183,28 @@ class _Trace:
         self.problems: dict[tuple[str, str], Problem] = {}
         # (how many nodes existed then, kind, where, bytes) of the backward's own transfers
         self.backward_transfers: list[tuple[int, str, str, int]] = []
+        # parameters no style of the plan distributes, and tensors computed from them
+        # alone: id -> the parameter's name
+        self.unplanned: dict[int, str] = {}
+        self.from_unplanned: dict[int, str] = {}
+
+    def watch_unplanned(self, model: nn.Module) -> None:
+        """Watch the parameters no entry's style places: one that computes on a sharded
+        local tensor gets a partial gradient nothing sums (a silent wrong gradient)."""
+        planned = set()
+        for entry in self.entry_of.values():
+            contract = _contract(entry)
+            placed = contract.parameters(entry.style, entry.module) if contract else None
+            if contract is not None and contract.local_forward(entry.style, entry.module):
+                placed = dict(entry.module.named_parameters())  # computed inside, not traced
+            for name in placed or ():
+                param = entry.module.get_parameter(name)
+                planned.add(id(param))
+        self.unplanned = {
+            id(p): name
+            for name, p in model.named_parameters()
+            if id(p) not in planned and p.requires_grad
+        }
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -449,6 +471,47 @@ class _Trace:
 
     # -- ops between the plan's modules ----------------------------------------------------
 
+    def check_unplanned(
+        self,
+        func: Callable,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        states: list,
+        where: str,
+    ) -> None:
+        """A parameter the plan leaves alone (or a value computed from it alone, such as
+        ``softplus(alpha)``), computing with a local shard: each rank's gradient of it would
+        cover its shard only, and nothing would sum them."""
+        names = [self.unplanned.get(id(t)) or self.from_unplanned.get(id(t)) for t in inputs]
+        found = [n for n in names if n is not None]
+        if not found:
+            return
+        sharded = [
+            s
+            for s in states
+            if isinstance(s, _Local) and isinstance(s.layout, (Shard, StridedShard))
+        ]
+        if not any(states):
+            # computed from unplanned parameters (and constants) only: follow it
+            for t in outputs:
+                self.from_unplanned[id(t)] = found[0]
+                self.alive.append(t)
+            return
+        if not sharded:
+            return
+        name = _generalize(found[0])
+        self.problem(
+            "error",
+            name,
+            f"the parameter {name}, which no plan entry lays out, computes "
+            f"({_op_name(func)}) with a local tensor laid out {_described(sharded[0])}: "
+            "each rank's gradient of it would cover that shard only and nothing would sum "
+            "them (a silently wrong gradient). Give its module ReplicateParallel("
+            "sum_gradients=True) if it acts on every feature alike, or a style that "
+            "shards it with the features",
+            dedupe=f"unplanned {name}",
+        )
+
     def on_op(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outputs:
@@ -461,6 +524,8 @@ class _Trace:
             if y.ndim == x.ndim + 1 and y.shape[-2] * y.shape[-1] == x.shape[-1]:
                 self.heads.setdefault(key, (y.shape[-2], y.shape[-1]))
         states = [self.states.get(id(t)) for t in inputs]
+        where = _generalize(self.scope[-1] if self.scope else "")
+        self.check_unplanned(func, inputs, outputs, states, where)
         if not any(states):
             return
         if any(isinstance(s, _Broken) for s in states):
@@ -468,7 +533,6 @@ class _Trace:
             for t in outputs:
                 self.set_state(t, new)
             return
-        where = _generalize(self.scope[-1] if self.scope else "")
         dtensors = [s for s in states if s is not None and not isinstance(s, _Local)]
         if dtensors:
             for state in dtensors:
