@@ -11,6 +11,8 @@ against one device (logits, loss, every gradient, greedy ``generate``):
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -230,3 +232,29 @@ def _apertus_parity() -> None:
 
 def test_apertus_with_the_reported_fix_matches_one_device():
     run_distributed(_apertus_parity, 2)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _sampling(family: str) -> list[int]:
+    """``generate(do_sample=True, top_p=0.9)`` after the same seed: the same tokens on every
+    rank (transformers #36634 saw them differ) and as on one device."""
+    model = _model(family)
+    reference = copy.deepcopy(model)
+    plan = _plan(model)
+    parallelize_module(model, tp_mesh(), plan)
+    prompt = torch.randint(2, VOCAB, (2, 5))
+    torch.manual_seed(1234)
+    sampled = model.generate(prompt, do_sample=True, top_p=0.9, max_new_tokens=8)
+    torch.manual_seed(1234)
+    expected = reference.generate(prompt, do_sample=True, top_p=0.9, max_new_tokens=8)
+    assert torch.equal(sampled, expected), (sampled, expected)
+    return sampled.flatten().tolist()
+
+
+@pytest.mark.parametrize("family", [*MODELS, *SINKS])
+def test_sampling_is_the_same_on_every_rank_and_as_on_one_device(family):
+    tokens = run_distributed(_sampling, 2, family)
+    assert tokens[0] == tokens[1]
+    assert len(set(tokens[0][5:])) > 3  # really sampled, not one repeated token
