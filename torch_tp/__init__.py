@@ -11,7 +11,7 @@ command line, the demo). Dependencies point one way: tools to features to core. 
 module paths (``torch_tp.plan``, ``torch_tp.checkpoint``, ...) re-export one module each.
 """
 
-from torch_tp import api, checkpoint, contract, loss, plan, random, report, style
+from torch_tp import api, checkpoint, contract, loss, pipeline, plan, random, report, style
 from torch_tp.core import style as _styles
 from torch_tp.core.api import parallelize_module
 from torch_tp.core.contract import StyleContract
@@ -30,6 +30,7 @@ __all__ = [
     "loss",
     "loss_parallel",
     "parallelize_module",
+    "pipeline",
     "plan",
     "random",
     "report",

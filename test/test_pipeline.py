@@ -1,0 +1,125 @@
+"""Pipeline stages from one model (``torch_tp.pipeline``) with tensor parallelism inside,
+trained by ``torch.distributed.pipelining``'s own schedules, against one device.
+
+Four CPU ranks as a (pp=2, tp=2) mesh train the reference Llama for three AdamW steps on
+micro-batches of the global batch: the loss of every step and every parameter after it
+equal the single-device model trained on the whole batch (the schedules average the
+micro-batches' gradients, ``scale_grads=True``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import adamw, full_tensor
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from torch_tp.models import Llama, LlamaConfig
+from torch_tp.pipeline import pipeline_stages, split_model
+from torch_tp.plans.llama import llama_plan
+from torch_tp.testing import device_type, run_distributed
+
+CONFIG = LlamaConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
+BATCH, SEQ, MICROBATCHES = 8, 8, 4
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _train(schedule_name: str, stages_per_rank: int, tp: bool) -> None:
+    from torch.distributed import pipelining
+
+    torch.manual_seed(0)
+    reference = Llama(CONFIG).double()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("pp", "tp"))
+    stages = pipeline_stages(
+        model,
+        mesh["pp"],
+        stages_per_rank=stages_per_rank,
+        tp_mesh=mesh["tp"] if tp else None,
+        plan=llama_plan() if tp else None,
+    )
+    schedule_class = getattr(pipelining, schedule_name)
+    stage_arg = stages if stages_per_rank > 1 else stages[0]
+    schedule = schedule_class(stage_arg, n_microbatches=MICROBATCHES, loss_fn=_loss)
+    params = [p for stage in stages for p in stage.submod.parameters()]
+    optim, ref_optim = adamw(params), adamw(reference.parameters())
+    names = {id(p): n for stage in stages for n, p in stage.submod.named_parameters()}
+    first = any(stage.is_first for stage in stages)
+    last = any(stage.is_last for stage in stages)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+        targets = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+        ref_loss = _loss(reference(tokens), targets)
+        ref_loss.backward()
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": targets, "losses": losses} if last else {}
+        if first:
+            schedule.step(tokens, **kwargs)
+        else:
+            schedule.step(**kwargs)
+        if last:  # the mean of the micro-batches' losses is the batch's
+            torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach())
+        for p in params:
+            ref = reference.get_parameter(names[id(p)])
+            torch.testing.assert_close(full_tensor(p.grad), ref.grad, msg=names[id(p)])
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        for p in params:
+            ref = reference.get_parameter(names[id(p)])
+            torch.testing.assert_close(full_tensor(p.detach()), ref.detach(), msg=names[id(p)])
+    # every parameter of the model is on exactly one stage of the pipeline (per tp rank)
+    counts = torch.tensor([len(params)])
+    dist.all_reduce(counts, group=mesh["pp"].get_group())
+    assert counts.item() == len(list(reference.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages_per_rank"),
+    [
+        ("ScheduleGPipe", 1),
+        pytest.param("Schedule1F1B", 1, marks=pytest.mark.slow),
+        pytest.param("ScheduleInterleaved1F1B", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_pp2_tp2_matches_one_device(schedule, stages_per_rank):
+    run_distributed(_train, 4, schedule, stages_per_rank, True)
+
+
+def test_split_is_balanced_and_keeps_the_model_names():
+    model = Llama(CONFIG)
+    stages = split_model(model, 2)
+    assert [list(s.layers) for s in stages] == [["0", "1"], ["2", "3"]]
+    names = [n for s in stages for n, _ in s.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    assert [list(s.layers) for s in split_model(model, 2, split=[1])] == [["0"], ["1", "2", "3"]]
+
+
+@pytest.mark.parametrize(
+    ("num_stages", "split", "match"),
+    [
+        (5, None, "need at least one block each"),
+        (2, [0], "leaving every stage a block"),
+        (3, [2, 2], "leaving every stage a block"),
+        (2, [1, 2], "leaving every stage a block"),
+        (0, None, "positive int"),
+    ],
+)
+def test_bad_splits_are_refused(num_stages, split, match):
+    with pytest.raises(ValueError, match=match):
+        split_model(Llama(CONFIG), num_stages, split=split)
+
+
+def test_a_model_without_blocks_is_refused():
+    with pytest.raises(NotImplementedError, match="supports torch_tp.models.Llama"):
+        split_model(nn.Sequential(nn.Linear(2, 2)), 2)
