@@ -32,7 +32,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _train(schedule_name: str, stages_per_rank: int, tp: bool) -> None:
+def _train(schedule_name: str, stages_per_rank: int, tp: bool, sp: bool = False) -> None:
     from torch.distributed import pipelining
 
     torch.manual_seed(0)
@@ -44,7 +44,8 @@ def _train(schedule_name: str, stages_per_rank: int, tp: bool) -> None:
         mesh["pp"],
         stages_per_rank=stages_per_rank,
         tp_mesh=mesh["tp"] if tp else None,
-        plan=llama_plan() if tp else None,
+        plan=llama_plan(sequence_parallel=sp) if tp else None,
+        sequence_parallel=sp,
     )
     schedule_class = getattr(pipelining, schedule_name)
     stage_arg = stages if stages_per_rank > 1 else stages[0]
@@ -94,6 +95,10 @@ def _train(schedule_name: str, stages_per_rank: int, tp: bool) -> None:
 )
 def test_pp2_tp2_matches_one_device(schedule, stages_per_rank):
     run_distributed(_train, 4, schedule, stages_per_rank, True)
+
+
+def test_pp2_tp2_with_sequence_parallelism_matches_one_device():
+    run_distributed(_train, 4, "Schedule1F1B", 1, True, True)
 
 
 def test_split_is_balanced_and_keeps_the_model_names():

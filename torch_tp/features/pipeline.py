@@ -46,10 +46,13 @@ class _LlamaStage(nn.Module):
             self.output = model.output
         # the rotary table, shared with the model (not a parameter, not saved)
         self.register_buffer("rope_cache", model.rope_cache, persistent=False)
+        # with sequence parallelism the stages pass each other sequence shards: the rotary
+        # table is sliced for the whole sequence
+        self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the first stage takes token ids (bsz, seqlen); the others the hidden states
-        seqlen = x.shape[1]
+        seqlen = x.shape[1] if self.first else x.shape[1] * self.sequence_shards
         rope = self.rope_cache[:seqlen]
         h = self.tok_embeddings(x) if self.first else x
         for layer in self.layers.values():
@@ -155,6 +158,7 @@ def pipeline_stages(
     split: Sequence[int] | None = None,
     tp_mesh: DeviceMesh | None = None,
     plan: Mapping[str, Any] | None = None,
+    sequence_parallel: bool = False,
     device: torch.device | None = None,
 ) -> list[Any]:
     """This rank's pipeline stages of ``model``, tensor-parallel inside, ready for a schedule.
@@ -175,6 +179,9 @@ def pipeline_stages(
         tp_mesh: the 1-D tensor-parallel mesh (``mesh["tp"]``), or ``None``.
         plan: the tensor-parallel plan of the whole model (e.g.
             :func:`torch_tp.plans.llama.llama_plan`); needs ``tp_mesh``.
+        sequence_parallel: the plan shards the activations between blocks on the sequence
+            (``llama_plan(sequence_parallel=True)``): stages then pass each other this
+            rank's sequence shard. Default: ``False``.
         device: where the stages compute; default: the mesh's device.
 
     Returns:
@@ -201,6 +208,8 @@ def pipeline_stages(
             raise ValueError(f"{name} must be a 1-D mesh, found dims {mesh.mesh_dim_names}")
     if plan is not None and tp_mesh is None:
         raise ValueError("a tensor-parallel plan needs tp_mesh to apply it on")
+    if sequence_parallel and plan is None:
+        raise ValueError("sequence_parallel describes the plan: pass the plan and tp_mesh")
     if (
         isinstance(stages_per_rank, bool)
         or not isinstance(stages_per_rank, int)
@@ -219,6 +228,8 @@ def pipeline_stages(
     stages = []
     for index in range(rank, num_stages, pp):
         module = stage_modules[index]
+        if sequence_parallel:
+            module.sequence_shards = tp_mesh.size()
         if plan is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a key that matches nothing here is a bug
