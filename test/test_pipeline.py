@@ -128,3 +128,52 @@ def test_bad_splits_are_refused(num_stages, split, match):
 def test_a_model_without_blocks_is_refused():
     with pytest.raises(NotImplementedError, match="supports torch_tp.models.Llama"):
         split_model(nn.Sequential(nn.Linear(2, 2)), 2)
+
+
+def _train_3d(schedule_name: str) -> None:
+    """pp=2 x dp=2 x tp=2: each data-parallel rank trains its half of the batch, in two
+    micro-batches, through the pipeline; FSDP2 shards each stage over mesh["dp"]."""
+    from torch.distributed import pipelining
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = Llama(CONFIG).double()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh(device_type(), (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    stages = pipeline_stages(model, mesh["pp"], tp_mesh=mesh["tp"], plan=llama_plan())
+    for stage in stages:
+        for block in stage.submod.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(stage.submod, mesh=mesh["dp"])
+    schedule = getattr(pipelining, schedule_name)(stages[0], n_microbatches=2, loss_fn=_loss)
+    params = list(stages[0].submod.parameters())
+    names = {id(p): n for n, p in stages[0].submod.named_parameters()}
+    optim, ref_optim = adamw(params), adamw(reference.parameters())
+    dp_rank = mesh["dp"].get_local_rank()
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+        targets = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+        _loss(reference(tokens), targets).backward()
+        mine = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
+        stage = stages[0]
+        if stage.is_first:
+            schedule.step(tokens[mine])
+        else:
+            schedule.step(target=targets[mine])
+        for p in params:
+            ref = reference.get_parameter(names[id(p)])
+            torch.testing.assert_close(full_tensor(p.grad), ref.grad, msg=names[id(p)])
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        for p in params:
+            ref = reference.get_parameter(names[id(p)])
+            torch.testing.assert_close(full_tensor(p.detach()), ref.detach(), msg=names[id(p)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_pp2_dp2_tp2_matches_one_device(schedule):
+    run_distributed(_train_3d, 8, schedule)
