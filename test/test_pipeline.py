@@ -177,3 +177,63 @@ def _train_3d(schedule_name: str) -> None:
 @pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
 def test_pp2_dp2_tp2_matches_one_device(schedule):
     run_distributed(_train_3d, 8, schedule)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _save_pipelined(path: str) -> dict[str, torch.Tensor]:
+    """Train one step at pp=2 x tp=2, save a DCP checkpoint of every rank's stage, and return
+    the full state dict gathered from the stages (the union over the pipeline ranks)."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from torch_tp.checkpoint import full_state_dict, save
+
+    torch.manual_seed(0)
+    model = Llama(CONFIG).double()
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("pp", "tp"))
+    stages = pipeline_stages(model, mesh["pp"], tp_mesh=mesh["tp"], plan=llama_plan())
+    schedule = Schedule1F1B(stages[0], n_microbatches=2, loss_fn=_loss)
+    tokens = torch.randint(
+        0, CONFIG.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(1)
+    )
+    if stages[0].is_first:
+        schedule.step(tokens)
+    else:
+        schedule.step(target=tokens)
+    optim = adamw(stages[0].submod.parameters())
+    optim.step()
+    save(path, stages[0].submod, step=1)
+    state = full_state_dict(stages[0].submod)
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, state)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def _load_tp(path: str) -> dict[str, torch.Tensor]:
+    from torch_tp import parallelize_module
+    from torch_tp.checkpoint import full_state_dict, load
+
+    torch.manual_seed(5)  # other weights: the load must replace them all
+    model = Llama(CONFIG).double()
+    parallelize_module(model, init_device_mesh(device_type(), (2,)), llama_plan())
+    load(path, model, step=1, rng=False)
+    return full_state_dict(model)
+
+
+@pytest.mark.slow
+def test_a_pipelined_checkpoint_loads_on_other_layouts(tmp_path):
+    from torch_tp.checkpoint import load
+
+    saved = run_distributed(_save_pipelined, 4, str(tmp_path))[0]
+    torch.manual_seed(5)
+    expected = Llama(CONFIG).double()
+    assert sorted(saved) == sorted(expected.state_dict())
+    # on one device
+    load(str(tmp_path), expected, step=1, rng=False)
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+    # at pp=1 x tp=2
+    for state in run_distributed(_load_tp, 2, str(tmp_path)):
+        for name, value in state.items():
+            torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
