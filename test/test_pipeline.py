@@ -19,6 +19,7 @@ from helpers import adamw, full_tensor
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from torch_tp import clip_grad_norm_
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.pipeline import pipeline_stages, split_model
 from torch_tp.plans.llama import llama_plan
@@ -164,6 +165,11 @@ def _train_3d(schedule_name: str) -> None:
         for p in params:
             ref = reference.get_parameter(names[id(p)])
             torch.testing.assert_close(full_tensor(p.grad), ref.grad, msg=names[id(p)])
+        # clipped over the three dimensions: every stage, every shard
+        norm = clip_grad_norm_(params, 0.5, pp_mesh=mesh["pp"])
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        torch.testing.assert_close(norm, ref_norm)
+        assert ref_norm > 0.5  # it did clip
         optim.step()
         ref_optim.step()
         optim.zero_grad()

@@ -11,9 +11,11 @@ its mesh, and the groups' norms are combined as plain numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -30,6 +32,8 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    pp_mesh: DeviceMesh | None = None,
 ) -> Tensor:
     """Clip the gradient norm of parameters that may be DTensors on different meshes.
 
@@ -51,6 +55,12 @@ def clip_grad_norm_(
             Default: ``False``.
         foreach (bool, optional): use the foreach kernels (``None``: where supported).
             Default: ``None``.
+
+    Keyword Args:
+        pp_mesh (DeviceMesh, optional): the 1-D pipeline-parallel mesh, when ``parameters``
+            are this rank's pipeline stages' (:mod:`torch_tp.pipeline`): the norm is then
+            taken over every stage's gradients (one more small all-reduce). Default:
+            ``None``.
 
     Returns:
         The total norm of the gradients before clipping, a plain (not DTensor) scalar
@@ -84,6 +94,8 @@ def clip_grad_norm_(
             norm = norm.full_tensor()  # the shards' partial norms, reduced over the mesh
         norms.append(norm.to(device))
     total_norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if pp_mesh is not None:
+        total_norm = _over_stages(total_norm, norm_type, pp_mesh)
 
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(
@@ -105,3 +117,17 @@ def clip_grad_norm_(
         else:
             compat.foreach_mul_(locals_, coef)
     return total_norm
+
+
+def _over_stages(norm: Tensor, norm_type: float, pp_mesh: DeviceMesh) -> Tensor:
+    """The norm over every pipeline stage's gradients, from each stage's own."""
+    if pp_mesh.ndim != 1:
+        raise ValueError(f"pp_mesh must be a 1-D mesh, found dims {pp_mesh.mesh_dim_names}")
+    group = pp_mesh.get_group()
+    if math.isinf(norm_type):
+        norm = norm.clone()
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.pow(norm_type)
+    dist.all_reduce(powered, group=group)
+    return powered.pow(1.0 / norm_type)
