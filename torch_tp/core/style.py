@@ -1643,8 +1643,9 @@ class MLAKVAProjParallel(ParallelStyle):
 
     Args:
         rope_dim (int, optional): the width of the rotary part (``qk_rope_head_dim``).
-            Default: ``None``, read from the module's ``config`` or, under
-            :func:`parallelize_module`, from the model's (its text config where it has one).
+            Default: ``None``: under :func:`parallelize_module`, the ``qk_rope_head_dim``
+            attribute of the attention module holding the projection, else the model's
+            config (its text config where it has one); or the module's own ``config``.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -1680,13 +1681,23 @@ class MLAKVAProjParallel(ParallelStyle):
     def _rope_dim(self, module: nn.Module) -> int:
         if self.rope_dim is not None:
             return self.rope_dim
-        configs = [getattr(module, "config", None)]
-        root_config = getattr(plan_root(), "config", None)
+        # the attention module holding the projection knows its own width (per layer, where
+        # layers differ); else the module's or the model's config
+        root = plan_root()
+        parent = next(
+            (m for m in (root.modules() if root is not None else ()) if module in m.children()),
+            None,
+        )
+        holders = [parent, getattr(module, "config", None)]
+        root_config = getattr(root, "config", None)
         if root_config is not None:
             text = getattr(root_config, "get_text_config", None)
-            configs += [text() if callable(text) else None, root_config]
-        for config in configs:
-            value = getattr(config, "qk_rope_head_dim", None)
+            holders += [text() if callable(text) else None, root_config]
+        for holder in holders:
+            try:
+                value = getattr(holder, "qk_rope_head_dim", None)
+            except Exception:  # a config with per-layer sizes refuses a global read
+                continue
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
         raise ValueError(

@@ -1,4 +1,5 @@
-"""Tensor-parallel plans for Hugging Face transformers' Llama, Mistral, Qwen2 and GPT-2.
+"""Tensor-parallel plans for Hugging Face transformers' Llama, Mistral, Qwen2 and GPT-2, and
+every other transformers model's own plan (:func:`plan_for`, :func:`transformers_plan`).
 
 The layout is Megatron's: each attention and MLP block runs with one all-reduce in the forward
 and one in the backward. In every model:
@@ -49,6 +50,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -70,6 +72,7 @@ __all__ = [
     "mistral_plan",
     "plan_for",
     "qwen2_plan",
+    "transformers_plan",
 ]
 
 
@@ -203,24 +206,31 @@ PLANS: dict[str, Callable[..., dict[str, ParallelStyle]]] = {
 }
 
 
-def plan_for(model: nn.Module) -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan of a transformers model, chosen by ``model.config.model_type``.
+def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
+    """The tensor-parallel plan of a transformers model.
 
-    A causal LM (``*ForCausalLM``, ``GPT2LMHeadModel``) gets the full plan; a base model
-    (``LlamaModel``, ``GPT2Model``, ..., recognised by having no submodule named by its
-    ``base_model_prefix``: ``model``, GPT-2's ``transformer``) gets the plan with
-    ``base_model=True``. Other heads (``*ForSequenceClassification``, ...) need their own
-    entry for the head: take the base-model plan under that prefix and add it.
+    Llama, Mistral, Qwen2 and GPT-2 (by ``model.config.model_type``, see :data:`PLANS`) get
+    torch_tp's ready plan: a causal LM (``*ForCausalLM``, ``GPT2LMHeadModel``) the full plan,
+    a base model (``LlamaModel``, ``GPT2Model``, ..., recognised by having no submodule named
+    by its ``base_model_prefix``: ``model``, GPT-2's ``transformer``) the plan with
+    ``base_model=True``. Other heads (``*ForSequenceClassification``, ...) of those families
+    need their own entry for the head: take the base-model plan under that prefix and add it.
+
+    Any other transformers model gets its own plan, ``model._tp_plan`` (its config's
+    ``base_model_tp_plan`` under the base model's prefix, plus the head's entries), as plan
+    names, less the keys that name nothing in this model (see :func:`transformers_plan`).
 
     Args:
-        model: a transformers model of one of the supported families (see :data:`PLANS`).
+        model: a transformers model: one of the families in :data:`PLANS`, or one whose
+            ``_tp_plan`` is set (its config class declares ``base_model_tp_plan``).
 
     Returns:
-        A dict from module paths to styles, for :func:`torch_tp.parallelize_module`.
+        A dict from module (and parameter) paths to styles or plan names, for
+        :func:`torch_tp.parallelize_module`.
 
     Raises:
-        ValueError: the model has no ``config.model_type``, or it is not a supported one; the
-            message lists the supported types.
+        ValueError: the model has no ``config.model_type``, or it is not one of :data:`PLANS`
+            and declares no ``_tp_plan``; the message lists the supported types.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -235,17 +245,75 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle]:
     if model_type is None:
         raise ValueError(
             f"cannot choose a plan for {type(model).__qualname__}: it has no "
-            f"config.model_type (expected a transformers model; supported types: {supported})"
+            f"config.model_type (expected a transformers model; supported types: {supported}, "
+            "or any model with a _tp_plan)"
         )
     make_plan = PLANS.get(model_type)
     if make_plan is None:
+        if getattr(model, "_tp_plan", None):
+            return transformers_plan(model)
         raise ValueError(
             f"no tensor-parallel plan for model_type {model_type!r} "
-            f"({type(model).__qualname__}); supported types: {supported}"
+            f"({type(model).__qualname__}): it declares no _tp_plan of its own, and torch_tp's "
+            f"ready plans cover these only; supported types: {supported}"
         )
     prefix = getattr(model, "base_model_prefix", None) or "model"
     base_model = not isinstance(getattr(model, prefix, None), nn.Module)
     return make_plan(base_model=base_model)
+
+
+def _names_something(key: str, paths: list[list[str]]) -> bool:
+    """Whether the plan key (``fnmatch`` wildcards per dotted segment) names one of
+    ``paths`` (module and parameter paths, split into segments)."""
+    if key == "":  # the model itself
+        return True
+    segments = key.split(".")
+    return any(
+        len(path) == len(segments)
+        and all(fnmatchcase(name, pattern) for name, pattern in zip(path, segments, strict=True))
+        for path in paths
+    )
+
+
+def transformers_plan(model: nn.Module) -> dict[str, str]:
+    """A transformers model's own plan, ``model._tp_plan``, less the keys that name nothing.
+
+    transformers writes one plan per model class, for every config of it, and skips at load
+    time the keys that match no module. So a plan may hold keys that a given model has no
+    module for: the dense MLP's keys in a config whose layers are all mixture-of-experts
+    (and the experts' in one whose layers are all dense), the q/k norms of a config that has
+    none, or Llama 4's causal LM repeating its base model's keys without the ``model.``
+    prefix. :func:`torch_tp.parallelize_module` refuses such a key (a typo would look the
+    same); this plan leaves out exactly the keys that match no module and no parameter of
+    ``model``, so it is the plan transformers applies to this model. A key that names
+    anything is kept as it is, right or wrong for torch_tp: the plan is checked, and
+    refused if wrong, by :func:`torch_tp.parallelize_module`.
+
+    Args:
+        model: a transformers model whose ``_tp_plan`` is set.
+
+    Returns:
+        A dict from module and parameter paths to transformers' plan names, in the order of
+        ``model._tp_plan``.
+
+    Raises:
+        ValueError: the model has no ``_tp_plan``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from transformers import OlmoeConfig, OlmoeForCausalLM
+        >>> model = OlmoeForCausalLM(OlmoeConfig())
+        >>> parallelize_module(model, tp_mesh, transformers_plan(model))
+    """
+    tp_plan = getattr(model, "_tp_plan", None)
+    if not tp_plan:
+        raise ValueError(
+            f"{type(model).__qualname__} declares no tensor-parallel plan: expected a "
+            "transformers model with a _tp_plan (its config class's base_model_tp_plan)"
+        )
+    paths = [path.split(".") for path, _ in model.named_modules(remove_duplicate=False) if path]
+    paths += [path.split(".") for path, _ in model.named_parameters(remove_duplicate=False)]
+    return {key: name for key, name in tp_plan.items() if _names_something(key, paths)}
 
 
 def expert_parallel_plan(model: nn.Module) -> dict[str, str]:

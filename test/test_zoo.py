@@ -1,0 +1,566 @@
+"""The transformers zoo: every causal LM that declares a tensor-parallel plan, at TP=2.
+
+The test walks the installed transformers' causal-LM mapping at run time, so a new release is
+tried automatically. Each architecture whose config class declares ``base_model_tp_plan`` is
+built from a tiny config (random weights, float64 where the model computes in it, else
+float32; eager attention and experts; two layers, or one of each kind where the layers
+differ; four heads, four experts; a sliding window shorter than the sequence), and
+``parallelize_module(model, mesh, plan_for(model))`` must give the single-device logits, loss,
+every gradient and the same 8 greedy ``generate`` tokens.
+
+What each architecture does is recorded in one file, ``test/zoo_status.json``: those that
+pass (with the largest logits difference), those that fail (with the reason: the error's
+first line, or what differs and by how much), and those transformers itself cannot build or
+run on one device at this size. The test compares the live results with the file, so a fix
+or a new failure fails the test; rewrite the file with::
+
+    TORCH_TP_ZOO_UPDATE=1 python -m pytest test/test_zoo.py
+
+and render it as a markdown table (for the docs) with::
+
+    python test/test_zoo.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+STATUS_FILE = Path(__file__).with_name("zoo_status.json")
+UPDATE_ENV = "TORCH_TP_ZOO_UPDATE"
+WORLD_SIZE = 2
+VOCAB = 128
+SEQ = 12
+PROMPT = 5
+NEW_TOKENS = 8
+# one architecture's check, on both ranks (the slowest, the hybrid linear-attention ones
+# running transformers' reference kernels, take a few seconds)
+TIMEOUT = 90.0
+# the comparison: float32's default tolerance, whatever the dtype (some models compute their
+# rotary embedding or router in float32 even in a float64 model); the file records the
+# actual largest logits difference, about 1e-15 in a float64 model
+TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
+
+PASS, FAIL, DOES_NOT_BUILD = "pass", "fail", "does_not_build"
+
+# Config fields, set where the architecture's config has them (else left at its default).
+_TINY: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    # larger than the usual 0.02: routing and greedy decoding get clear winners
+    "initializer_range": 0.2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": None,  # generate exactly NEW_TOKENS tokens
+    "sliding_window": 6,  # shorter than the sequence
+    "attention_chunk_size": 8,
+    # mixture of experts: four experts, two per token, a dense first layer where the config
+    # says which layers are dense (so that the plan's dense and MoE keys both name modules)
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "moe_k": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "shared_intermediate_size": 16,
+    "moe_shared_expert_intermediate_size": 16,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_expert_group": 1,
+    "mlp_only_layers": [0],
+    "first_k_dense_replace": 1,
+    "num_dense_layers": 1,
+    "decoder_sparse_step": 1,
+    "interleave_moe_layer_step": 2,  # Llama 4
+    "enable_moe_block": True,  # Gemma 4
+    "top_k_experts": 2,
+    "intermediate_size_mlp": 32,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "output_router_logits": True,  # the load-balancing loss joins the loss
+    "router_aux_loss_coef": 0.1,
+    # multi-head latent attention
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "index_head_dim": 8,
+    "index_n_heads": 2,
+    "index_topk": 4,
+    # linear attention and Mamba mixers
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_head_dim": 8,
+    "linear_num_heads": 4,
+    "mamba_n_heads": 4,
+    "mamba_num_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_head_dim": 16,
+    "mamba_d_state": 8,
+    "ssm_state_size": 8,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "mamba_chunk_size": 8,
+    "mamba_dt_rank": 8,
+    # Gemma 3n
+    "num_kv_shared_layers": 0,
+    "laurel_rank": 8,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": VOCAB,
+    # per-layer overrides of the full-size model
+    "per_layer_config": {},
+    # multimodal configs' encoders
+    "num_blocks": 2,
+    "ext_pw_out_channel": 32,
+    "depthwise_separable_out_channel": 32,
+    "nemo_conv_channels": 32,
+    "image_size": 28,
+}
+# What the generic fields above cannot say, by model_type.
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    # all layers Mamba by default, and transformers' cache needs one attention layer
+    "granitemoehybrid": {"layer_types": ["linear_attention", "attention"]},
+    # no default layer kinds at all
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # LongCat-Flash names its sizes its own way
+    "longcat_flash": {
+        "num_layers": 2,
+        "ffn_hidden_size": 32,
+        "expert_ffn_hidden_size": 16,
+        "moe_topk": 2,
+        "zero_expert_num": 2,
+    },
+    # every layer MoE by default: one dense layer, so that the plan's dense keys name one
+    "cohere2_moe": {"mlp_layer_types": ["dense", "sparse"], "prefix_dense_intermediate_size": 32},
+    "mellum": {"mlp_layer_types": ["dense", "sparse"]},
+    # the defaults build no model at all: the indexer's sizes (None) are required
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 8,
+        "indexer_budget": 4,
+        "indexer_compress_ratio": 2,
+        "hc_lowrank": 8,
+        "ple_embed_dim": 16,
+        "heads_per_ngram": 2,
+        "ngram_vocab_size_base": 256,
+        "split_ngram_parts": 2,
+    },
+    # the defaults build no model at all: no rotary parameters for the attention layers
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    },
+    "deepseek_v4": {"o_lora_rank": 16, "o_groups": 2, "hc_mult": 2},
+}
+# names of the per-layer kind lists: the tiny model takes one layer of each kind
+_LAYER_KINDS = ("layer_types", "layers_block_type")
+
+
+def zoo() -> dict[str, tuple[str, str]]:
+    """``model_type -> (causal LM class name, config class name)`` of every causal LM of the
+    installed transformers whose config class declares a ``base_model_tp_plan``."""
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    found = {}
+    for model_type, model_class in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if isinstance(model_class, (list, tuple)):
+            model_class = model_class[0]
+        config_name = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type)
+        config_class = getattr(transformers, config_name or "", None)
+        if getattr(config_class, "base_model_tp_plan", None):
+            found[model_type] = (model_class, config_name)
+    return dict(sorted(found.items()))
+
+
+def _tiny_fields(default: Any) -> dict[str, Any]:
+    """The fields of :data:`_TINY` that ``default`` (a config) has, sub-configs shrunk too."""
+    fields = {}
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    for key, value in _TINY.items():
+        if key not in known:
+            continue
+        if isinstance(getattr(type(default), key, None), property):
+            continue  # derived from other fields (Jamba's layer_types)
+        fields[key] = value
+    if "kv_lora_rank" in known:
+        # multi-head latent attention: a key/value head per query head; head_dim is the
+        # rotary part's
+        fields.update(num_key_value_heads=fields.get("num_attention_heads", 4), head_dim=4)
+        if "qk_head_dim" in known:
+            fields["qk_head_dim"] = 8
+    layers = fields.get("num_hidden_layers", 2)
+    for key in _LAYER_KINDS:
+        kinds = getattr(default, key, None)
+        derived = isinstance(getattr(type(default), key, None), property)
+        if isinstance(kinds, (list, tuple)) and kinds and not derived:
+            distinct = list(dict.fromkeys(kinds))
+            if len(distinct) > 1:  # one layer of each kind (dense and MoE, attention and not)
+                layers = max(layers, len(distinct))
+                fields[key] = distinct
+    if "num_hidden_layers" in fields:
+        fields["num_hidden_layers"] = layers
+    for key in _LAYER_KINDS:
+        if key in fields and len(fields[key]) < layers:
+            fields[key] = fields[key] + [fields[key][-1]] * (layers - len(fields[key]))
+    mlp_kinds = getattr(default, "mlp_layer_types", None)
+    if isinstance(mlp_kinds, (list, tuple)) and mlp_kinds:
+        distinct = list(dict.fromkeys(mlp_kinds))
+        fields["mlp_layer_types"] = (distinct * layers)[:layers]
+    for key, value in list(vars(default).items()):
+        if key == "moe_layers":  # Llama 4's MoE layer indices: derived from the step
+            continue
+        if isinstance(value, list) and key not in fields and key not in _LAYER_KINDS:
+            default_layers = getattr(default, "num_hidden_layers", None)
+            if default_layers and len(value) == default_layers:  # a per-layer list
+                fields[key] = value[:layers]
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+            fields[key] = _tiny_fields(value)
+    return fields
+
+
+def tiny_config(model_type: str) -> Any:
+    """The tiny config of ``model_type`` that the zoo builds its model from."""
+    import transformers
+
+    _, config_name = zoo()[model_type]
+    config_class = getattr(transformers, config_name)
+    fields = {**_tiny_fields(config_class()), **_OVERRIDES.get(model_type, {})}
+    for key, value in list(fields.items()):
+        if isinstance(value, dict) and key != "per_layer_config":
+            sub = getattr(config_class(), key)
+            fields[key] = type(sub)(**value)
+    return config_class(**fields)
+
+
+def build(model_type: str) -> nn.Module:
+    """The tiny model of ``model_type``: random weights (seeded), norms and biases random
+    too, float64 where its forward runs in float64, in eval mode (no dropout)."""
+    import transformers
+
+    config = tiny_config(model_type)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    )
+    with torch.no_grad():
+        # norms start at one and biases at zero: random values show one sliced wrongly
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and ("norm" in name or name.endswith("bias")):
+                param.uniform_(0.5, 1.5)
+    model.eval()
+    try:
+        double = copy.deepcopy(model).double()
+        double(input_ids=torch.randint(2, VOCAB, (1, 4)), use_cache=False)
+        return double
+    except Exception:
+        return model.float()
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor | None:
+    grad = param.grad
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _check(model_type: str) -> dict[str, Any]:
+    """One architecture on every rank: its status and, when it passes, the logits difference."""
+    from helpers import tp_mesh
+
+    import torch_tp
+    from torch_tp.plans.hf import PLANS, plan_for
+
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    ids = torch.randint(2, VOCAB, (2, SEQ))
+    labels = torch.randint(2, VOCAB, (2, SEQ))
+    # transformers itself, on one device
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build(model_type)
+            reference = copy.deepcopy(model)
+            ref_out = reference(input_ids=ids, labels=labels, use_cache=False)
+            ref_out.loss.backward()
+            expected = reference.generate(
+                ids[:, :PROMPT], do_sample=False, max_new_tokens=NEW_TOKENS
+            )
+    except Exception as error:
+        return {"status": DOES_NOT_BUILD, "reason": _first_line(error)}
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    result: dict[str, Any] = {"status": FAIL, "dtype": dtype}
+    # torch_tp at TP=2
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = plan_for(model)
+            tp = torch_tp.parallelize_module(model, tp_mesh(), plan)
+            out = tp(input_ids=ids, labels=labels, use_cache=False)
+            loss = out.loss.full_tensor() if isinstance(out.loss, DTensor) else out.loss
+            loss.backward()
+            logits = out.logits
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            grads = {name: _grad(p) for name, p in tp.named_parameters()}
+            generated = tp.generate(ids[:, :PROMPT], do_sample=False, max_new_tokens=NEW_TOKENS)
+    except Exception as error:
+        result["reason"] = _first_line(error)
+        return result
+    result["max_logits_diff"] = float(f"{_max_diff(logits, ref_out.logits):.2e}")
+    # the keys of transformers' plan that name nothing in this config (see transformers_plan)
+    unmatched = len(getattr(reference, "_tp_plan", None) or {}) - len(plan)
+    if unmatched > 0 and model.config.model_type not in PLANS:
+        result["unmatched_plan_keys"] = unmatched
+    problems = []
+    sharded = [
+        p for p in tp.parameters() if isinstance(p, DTensor) and not p.placements[0].is_replicate()
+    ]
+    if not sharded:
+        problems.append("no parameter is sharded")
+    try:
+        torch.testing.assert_close(logits, ref_out.logits, **TOLERANCE)
+    except AssertionError:
+        problems.append(f"logits differ by {result['max_logits_diff']:.1e}")
+    try:
+        torch.testing.assert_close(loss, ref_out.loss, **TOLERANCE)
+    except AssertionError:
+        problems.append(f"loss differs by {_max_diff(loss, ref_out.loss):.1e}")
+    for name, param in reference.named_parameters():
+        grad, ref_grad = grads.get(name), param.grad
+        if (grad is None) != (ref_grad is None):
+            problems.append(f"gradient of {name} is None on {'TP' if grad is None else '1 device'}")
+            break
+        if grad is not None:
+            try:
+                torch.testing.assert_close(grad, ref_grad, **TOLERANCE)
+            except AssertionError:
+                problems.append(f"gradient of {name} differs by {_max_diff(grad, ref_grad):.1e}")
+                break
+    if not torch.equal(generated, expected):
+        problems.append("generate gives other tokens")
+    if problems:
+        result["reason"] = "; ".join(problems)
+    else:
+        result["status"] = PASS
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+# --------------------------------------------------------------------------- the file
+
+
+_NUMBER = re.compile(r"\d+\.\d+(e[-+]?\d+)?|\de[-+]?\d+|0x[0-9a-f]+")
+
+
+def _comparable(entry: dict[str, Any]) -> tuple[str, str]:
+    """What must match between runs: the status and the reason, numbers masked (they vary
+    with the machine's rounding)."""
+    return entry["status"], _NUMBER.sub("#", entry.get("reason", ""))
+
+
+def _load() -> dict[str, Any]:
+    if not STATUS_FILE.exists():
+        return {}
+    return json.loads(STATUS_FILE.read_text())
+
+
+def _write(results: dict[str, dict[str, Any]]) -> None:
+    import transformers
+
+    models = {
+        model_type: {k: v for k, v in entry.items() if k != "seconds"}
+        for model_type, entry in sorted(results.items())
+    }
+    data = {
+        "about": (
+            "torch_tp.plans.hf.plan_for at TP=2 against one device, for every causal LM of "
+            "the transformers below that declares a base_model_tp_plan; written by "
+            f"{UPDATE_ENV}=1 python -m pytest test/test_zoo.py"
+        ),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "counts": {
+            status: sum(e["status"] == status for e in models.values())
+            for status in (PASS, FAIL, DOES_NOT_BUILD)
+        },
+        "models": models,
+    }
+    STATUS_FILE.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def markdown(data: dict[str, Any] | None = None) -> str:
+    """The status file as a markdown table, for the docs: one row per architecture."""
+    data = _load() if data is None else data
+    counts = data.get("counts", {})
+    lines = [
+        f"transformers {data.get('transformers')}, torch {data.get('torch')}, TP=2: "
+        f"{counts.get(PASS, 0)} pass, {counts.get(FAIL, 0)} fail, "
+        f"{counts.get(DOES_NOT_BUILD, 0)} do not build at tiny size.",
+        "",
+        "| model_type | status | dtype | max logits difference / reason |",
+        "|---|---|---|---|",
+    ]
+    labels = {PASS: "passes", FAIL: "fails", DOES_NOT_BUILD: "does not build"}
+    for model_type, entry in data.get("models", {}).items():
+        detail = (
+            f"{entry['max_logits_diff']:.1e}"
+            if entry["status"] == PASS
+            else entry.get("reason", "").replace("|", "\\|")
+        )
+        lines.append(
+            f"| `{model_type}` | {labels[entry['status']]} | {entry.get('dtype', '')} | {detail} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.slow
+def test_zoo_matches_status_file():
+    pytest.importorskip("transformers")
+    from torch_tp.testing import RankError, RankTimeout, run_distributed
+
+    results = {}
+    for model_type in zoo():
+        try:
+            ranks = run_distributed(_check, WORLD_SIZE, model_type, timeout=TIMEOUT)
+            results[model_type] = ranks[0]
+        except RankTimeout:
+            results[model_type] = {"status": FAIL, "reason": f"hangs (over {TIMEOUT:.0f} s)"}
+        except RankError as error:  # a rank's worker died, or ranks disagreed
+            results[model_type] = {"status": FAIL, "reason": _first_line(error)}
+    if os.environ.get(UPDATE_ENV):
+        _write(results)
+        return
+    import transformers
+
+    data = _load()
+    recorded = data.get("models", {})
+    changes = []
+    for model_type in sorted(set(results) | set(recorded)):
+        live, old = results.get(model_type), recorded.get(model_type)
+        if live is None:
+            changes.append(f"{model_type}: recorded, but no longer in transformers' zoo")
+        elif old is None:
+            changes.append(f"{model_type}: new, {live['status']} {live.get('reason', '')}")
+        elif _comparable(live) != _comparable(old):
+            changes.append(
+                f"{model_type}: recorded {old['status']} {old.get('reason', '')!r}, "
+                f"now {live['status']} {live.get('reason', '')!r}"
+            )
+    versions = (
+        f"recorded with transformers {data.get('transformers')} and torch {data.get('torch')}, "
+        f"run with transformers {transformers.__version__} and torch {torch.__version__}"
+    )
+    assert not changes, (
+        f"the zoo differs from {STATUS_FILE.name} ({versions}; if that is what you meant, "
+        f"rewrite it with `{UPDATE_ENV}=1 python -m pytest test/test_zoo.py`):\n  "
+        + "\n  ".join(changes)
+    )
+
+
+def _meta_model(model_type: str, **fields: Any) -> nn.Module:
+    import transformers
+
+    config = tiny_config(model_type)
+    for key, value in fields.items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_plan_for_takes_the_models_own_plan_less_keys_that_name_nothing():
+    pytest.importorskip("transformers")
+    from torch_tp.plan import resolve_plan
+    from torch_tp.plans.hf import plan_for
+
+    # every layer mixture-of-experts: the dense MLP's keys name nothing
+    model = _meta_model("qwen3_moe", mlp_only_layers=[])
+    plan = plan_for(model)
+    dropped = set(model._tp_plan) - set(plan)
+    assert dropped == {f"model.layers.*.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    assert list(plan) == [k for k in model._tp_plan if k not in dropped]  # order kept
+    assert all(plan[k] == model._tp_plan[k] for k in plan)  # transformers' names, as they are
+    resolve_plan(model, plan)  # strict: every key left names a module or a parameter
+    # with a dense layer they name one, and stay
+    model = _meta_model("qwen3_moe", mlp_only_layers=[0])
+    assert plan_for(model) == dict(model._tp_plan)
+
+
+def test_plan_for_drops_llama4s_unprefixed_duplicates_only():
+    pytest.importorskip("transformers")
+    from torch_tp.plans.hf import plan_for
+
+    model = _meta_model("llama4_text")
+    plan = plan_for(model)
+    dropped = set(model._tp_plan) - set(plan)
+    assert all(not key.startswith(("model.", "lm_head")) for key in dropped), dropped
+    assert all(key.startswith(("model.", "lm_head")) for key in plan), plan
+
+
+def test_plan_for_keeps_a_key_that_names_something_even_if_wrong():
+    pytest.importorskip("transformers")
+    from torch_tp.plans.hf import plan_for
+
+    model = _meta_model("olmo2")
+    model._tp_plan = {**model._tp_plan, "model.norm": "colwise", "model.nothing.*": "colwise"}
+    plan = plan_for(model)
+    assert plan["model.norm"] == "colwise"  # refused later by parallelize_module, not here
+    assert "model.nothing.*" not in plan
+
+
+def test_markdown_table():
+    data = {
+        "transformers": "5.0",
+        "torch": "2.13",
+        "counts": {PASS: 1, FAIL: 1, DOES_NOT_BUILD: 0},
+        "models": {
+            "llama": {"status": PASS, "dtype": "float64", "max_logits_diff": 1.3e-15},
+            "x": {"status": FAIL, "dtype": "float32", "reason": "ValueError: a | b"},
+        },
+    }
+    assert markdown(data).splitlines()[-2:] == [
+        "| `llama` | passes | float64 | 1.3e-15 |",
+        "| `x` | fails | float32 | ValueError: a \\| b |",
+    ]
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())
