@@ -33,7 +33,9 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _train(schedule_name: str, stages_per_rank: int, tp: bool, sp: bool = False) -> None:
+def _train(
+    schedule_name: str, stages_per_rank: int, tp: bool, sp: bool = False, ac: bool = False
+) -> None:
     from torch.distributed import pipelining
 
     torch.manual_seed(0)
@@ -47,6 +49,18 @@ def _train(schedule_name: str, stages_per_rank: int, tp: bool, sp: bool = False)
         tp_mesh=mesh["tp"] if tp else None,
         plan=llama_plan(sequence_parallel=sp) if tp else None,
         sequence_parallel=sp,
+    )
+    if ac:  # activation checkpointing of every block, inside the stages
+        from torch.distributed._composable import checkpoint
+
+        import torch_tp
+
+        for stage in stages:
+            for block in stage.submod.layers.values():
+                checkpoint(block, context_fn=torch_tp.random.checkpoint_contexts)
+    calls: list[int] = []  # attention forwards of one block: recomputation runs them again
+    next(iter(stages[0].submod.layers.values())).attention.register_forward_hook(
+        lambda *_: calls.append(1)
     )
     schedule_class = getattr(pipelining, schedule_name)
     stage_arg = stages if stages_per_rank > 1 else stages[0]
@@ -80,6 +94,10 @@ def _train(schedule_name: str, stages_per_rank: int, tp: bool, sp: bool = False)
         for p in params:
             ref = reference.get_parameter(names[id(p)])
             torch.testing.assert_close(full_tensor(p.detach()), ref.detach(), msg=names[id(p)])
+        if step == 0:
+            after_first = len(calls)
+    # (the first step also runs shape inference)
+    assert len(calls) - after_first == 2 * MICROBATCHES * (2 if ac else 1)
     # every parameter of the model is on exactly one stage of the pipeline (per tp rank)
     counts = torch.tensor([len(params)])
     dist.all_reduce(counts, group=mesh["pp"].get_group())
@@ -100,6 +118,11 @@ def test_pp2_tp2_matches_one_device(schedule, stages_per_rank):
 
 def test_pp2_tp2_with_sequence_parallelism_matches_one_device():
     run_distributed(_train, 4, "Schedule1F1B", 1, True, True)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_with_activation_checkpointing_matches_one_device():
+    run_distributed(_train, 4, "Schedule1F1B", 1, True, True, True)
 
 
 def test_split_is_balanced_and_keeps_the_model_names():
