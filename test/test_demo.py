@@ -99,7 +99,13 @@ def test_cli_prints_no_warnings(cli_run: subprocess.CompletedProcess[str]) -> No
 
 @pytest.mark.parametrize(
     ("sequence_parallel", "moe"),
-    [(True, None), (False, None), (True, "ep"), (False, "ep"), (True, "tp")],
+    [
+        (True, None),
+        (False, None),
+        (True, "ep"),
+        pytest.param(False, "ep", marks=pytest.mark.slow),
+        pytest.param(True, "tp", marks=pytest.mark.slow),
+    ],
 )
 def test_demo_on_pool(sequence_parallel: bool, moe: str | None) -> None:
     flag = "--sequence-parallel" if sequence_parallel else "--no-sequence-parallel"

@@ -94,7 +94,11 @@ def _llama_parity(experts: str, sequence_parallel: bool, skewed: bool, shared: b
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("experts", ["tp", "ep"])
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sp"])
+@pytest.mark.parametrize(
+    "sequence_parallel",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # the quick run keeps one
+    ids=["replicated", "sp"],
+)
 @pytest.mark.parametrize(
     ("skewed", "shared"),
     [(False, False), (True, False), (False, True)],

@@ -152,5 +152,6 @@ def test_fsdp2_with_tp_or_ep_on_the_tp_ranks_matches_one_device(experts, sequenc
     run_distributed(_train, 4, "dp_tp", experts, sequence_parallel)
 
 
+@pytest.mark.slow
 def test_fsdp2_with_ep_borrowed_from_data_parallel_matches_one_device():
     run_distributed(_train, 4, "dp_ep", "ep", True)

@@ -107,7 +107,7 @@ def _train(
 @pytest.mark.parametrize(
     ("schedule", "stages_per_rank"),
     [
-        ("ScheduleGPipe", 1),
+        pytest.param("ScheduleGPipe", 1, marks=pytest.mark.slow),
         pytest.param("Schedule1F1B", 1, marks=pytest.mark.slow),
         pytest.param("ScheduleInterleaved1F1B", 2, marks=pytest.mark.slow),
     ],
@@ -116,6 +116,7 @@ def test_pp2_tp2_matches_one_device(schedule, stages_per_rank):
     run_distributed(_train, 4, schedule, stages_per_rank, True)
 
 
+@pytest.mark.slow
 def test_pp2_tp2_with_sequence_parallelism_matches_one_device():
     run_distributed(_train, 4, "Schedule1F1B", 1, True, True)
 
