@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from helpers import adamw, full_tensor
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from torch_tp import clip_grad_norm_
 from torch_tp.models import Llama, LlamaConfig
-from torch_tp.pipeline import pipeline_stages, split_model
+from torch_tp.pipeline import build_schedule, pipeline_stages, split_model
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import device_type, run_distributed
 
@@ -33,21 +34,47 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _hf_llama() -> nn.Module:
+    """A tiny transformers Llama (untied: the embedding and the head are on different
+    stages), float64, eager attention."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=CONFIG.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(config).double()
+
+
 def _train(
-    schedule_name: str, stages_per_rank: int, tp: bool, sp: bool = False, ac: bool = False
+    schedule_name: str,
+    stages_per_rank: int,
+    tp: bool,
+    sp: bool = False,
+    ac: bool = False,
+    hf: bool = False,
 ) -> None:
-    from torch.distributed import pipelining
+    """Three AdamW steps through the pipeline against one device. ``hf``: transformers'
+    Llama with its ready plan, and a padding mask that the stages hand on."""
+    from torch_tp.plans.hf import plan_for
 
     torch.manual_seed(0)
-    reference = Llama(CONFIG).double()
+    reference = _hf_llama() if hf else Llama(CONFIG).double()
     model = copy.deepcopy(reference)
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("pp", "tp"))
+    plan = (plan_for(model) if hf else llama_plan(sequence_parallel=sp)) if tp else None
     stages = pipeline_stages(
         model,
         mesh["pp"],
         stages_per_rank=stages_per_rank,
         tp_mesh=mesh["tp"] if tp else None,
-        plan=llama_plan(sequence_parallel=sp) if tp else None,
+        plan=plan,
         sequence_parallel=sp,
     )
     if ac:  # activation checkpointing of every block, inside the stages
@@ -59,29 +86,32 @@ def _train(
             for block in stage.submod.layers.values():
                 checkpoint(block, context_fn=torch_tp.random.checkpoint_contexts)
     calls: list[int] = []  # attention forwards of one block: recomputation runs them again
-    next(iter(stages[0].submod.layers.values())).attention.register_forward_hook(
-        lambda *_: calls.append(1)
+    blocks = stages[0].submod.model.layers if hf else stages[0].submod.layers.values()
+    attention = next(iter(blocks)).self_attn if hf else next(iter(blocks)).attention
+    attention.register_forward_hook(lambda *_: calls.append(1))
+    schedule = build_schedule(
+        stages, schedule_name, n_microbatches=MICROBATCHES, batch_size=BATCH, loss_fn=_loss
     )
-    schedule_class = getattr(pipelining, schedule_name)
-    stage_arg = stages if stages_per_rank > 1 else stages[0]
-    schedule = schedule_class(stage_arg, n_microbatches=MICROBATCHES, loss_fn=_loss)
     params = [p for stage in stages for p in stage.submod.parameters()]
+    assert not tp or any(isinstance(p, DTensor) for p in params)
     optim, ref_optim = adamw(params), adamw(reference.parameters())
     names = {id(p): n for stage in stages for n, p in stage.submod.named_parameters()}
-    first = any(stage.is_first for stage in stages)
     last = any(stage.is_last for stage in stages)
     for step in range(3):
         gen = torch.Generator().manual_seed(100 + step)
         tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
         targets = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
-        ref_loss = _loss(reference(tokens), targets)
+        inputs: dict[str, torch.Tensor] = {}
+        if hf:  # right padding: each sequence keeps its first 5 to 8 tokens
+            lengths = torch.randint(5, SEQ + 1, (BATCH, 1), generator=gen)
+            inputs["attention_mask"] = (torch.arange(SEQ) < lengths).long()
+            ref_loss = _loss(reference(tokens, **inputs).logits, targets)
+        else:
+            ref_loss = _loss(reference(tokens), targets)
         ref_loss.backward()
         losses: list[torch.Tensor] = []
-        kwargs = {"target": targets, "losses": losses} if last else {}
-        if first:
-            schedule.step(tokens, **kwargs)
-        else:
-            schedule.step(**kwargs)
+        # the same call on every rank: each hands the schedule what its stages take
+        schedule.step(tokens, **inputs, target=targets, losses=losses)
         if last:  # the mean of the micro-batches' losses is the batch's
             torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach())
         for p in params:
@@ -122,6 +152,11 @@ def test_pp2_tp2_with_sequence_parallelism_matches_one_device():
 
 
 @pytest.mark.slow
+def test_transformers_llama_pp2_tp2_matches_one_device():
+    run_distributed(_train, 4, "Schedule1F1B", 1, True, False, False, True)
+
+
+@pytest.mark.slow
 def test_pp2_tp2_with_activation_checkpointing_matches_one_device():
     run_distributed(_train, 4, "Schedule1F1B", 1, True, True, True)
 
@@ -153,6 +188,98 @@ def test_bad_splits_are_refused(num_stages, split, match):
 def test_a_model_without_blocks_is_refused():
     with pytest.raises(NotImplementedError, match="supports torch_tp.models.Llama"):
         split_model(nn.Sequential(nn.Linear(2, 2)), 2)
+
+
+def _tiny_hf(model_type: str, **fields):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+        **fields,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_transformers_stages_chained_equal_the_model():
+    """Three stages of a Qwen2 with sliding-window and full-attention layers, run one after
+    the other, give the whole model's logits: without a mask, with a padding mask, and with
+    position ids (the first stage hands them on)."""
+    torch.manual_seed(0)
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    model = _tiny_hf(
+        "qwen2",
+        tie_word_embeddings=False,
+        layer_types=layer_types,
+        use_sliding_window=True,
+        sliding_window=4,
+    ).double()
+    stages = split_model(model, 3)
+    assert [list(s.model.layers._modules) for s in stages] == [["0", "1"], ["2"], ["3"]]
+    assert sorted(k for s in stages for k in s.state_dict()) == sorted(model.state_dict())
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, 6:] = 0  # (every query keeps a key in its window: no all-masked rows)
+    positions = torch.arange(8).expand(2, 8) + 3
+    for inputs in (
+        {},
+        {"attention_mask": mask},
+        {"attention_mask": mask, "position_ids": positions},
+    ):
+        out = stages[0](ids, *inputs.values())
+        for stage in stages[1:]:
+            out = stage(*out) if isinstance(out, tuple) else stage(out)
+        torch.testing.assert_close(out, model(ids, **inputs).logits, rtol=0, atol=0)
+
+
+def test_transformers_models_that_cannot_be_pipelined_are_refused():
+    with pytest.raises(NotImplementedError, match="tie_word_embeddings"):
+        split_model(_tiny_hf("llama", tie_word_embeddings=True), 2)
+    assert len(split_model(_tiny_hf("llama", tie_word_embeddings=True), 1)) == 1
+    olmoe = _tiny_hf("olmoe", num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    with pytest.raises(NotImplementedError, match="OlmoeForCausalLM declares none"):
+        split_model(olmoe, 2)
+
+
+def _bad_pipeline_inputs() -> None:
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("pp", "tp"))
+    model = Llama(CONFIG)
+    with pytest.raises(ValueError, match=r"pp_mesh must be a 1-D mesh \(e.g. mesh\['pp'\]\)"):
+        pipeline_stages(model, mesh)
+    with pytest.raises(ValueError, match="must be two different dimensions of one mesh"):
+        pipeline_stages(model, mesh["pp"], tp_mesh=mesh["pp"], plan=llama_plan())
+    typo = {**llama_plan(), "layers.*.atention": "colwise"}
+    with pytest.raises(ValueError, match=r"plan keys \['layers.\*.atention'\] name no module"):
+        pipeline_stages(model, mesh["pp"], tp_mesh=mesh["tp"], plan=typo)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # nothing applied
+    stages = pipeline_stages(model, mesh["pp"], tp_mesh=mesh["tp"], plan=llama_plan())
+    with pytest.raises(ValueError, match="batch_size 6 is not a multiple of n_microbatches 4"):
+        build_schedule(stages, "Schedule1F1B", n_microbatches=4, batch_size=6, loss_fn=_loss)
+    with pytest.raises(ValueError, match="at least as many micro-batches as stages"):
+        build_schedule(stages, "ScheduleGPipe", n_microbatches=1, batch_size=4, loss_fn=_loss)
+    with pytest.raises(ValueError, match="unknown schedule 'OneFOneB'"):
+        build_schedule(stages, "OneFOneB", n_microbatches=2, batch_size=4, loss_fn=_loss)
+    schedule = build_schedule(stages, "Schedule1F1B", n_microbatches=2, batch_size=4, loss_fn=_loss)
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, SEQ))
+    # the first stage's rank gets a batch of 6: every rank raises, none starts the schedule
+    wrong = torch.randint(0, CONFIG.vocab_size, (6, SEQ))
+    first = stages[0].is_first
+    with pytest.raises(ValueError, match=r"rank \d: the first stage's input has shape \(6, 8\)"):
+        schedule.step(wrong if first else tokens, target=tokens)
+    with pytest.raises(ValueError, match="the last stage's rank got no target"):
+        schedule.step(tokens)
+    schedule.step(tokens, target=tokens)  # the pipeline still works after both
+    dist.barrier()
+
+
+def test_bad_pipeline_inputs_raise_on_every_rank():
+    run_distributed(_bad_pipeline_inputs, 4)
 
 
 def _train_3d(schedule_name: str) -> None:

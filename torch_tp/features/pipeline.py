@@ -11,12 +11,18 @@ the tensor-parallel mesh, and wraps them in :class:`~torch.distributed.pipelinin
 which is what the schedules (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
 ...) take. No schedule is written here.
 
-Supported models (this first version): :class:`torch_tp.models.Llama` and its
-mixture-of-experts variant, without sequence parallelism inside a stage.
+Supported models: :class:`torch_tp.models.Llama` and its mixture-of-experts variant (with
+sequence parallelism inside the stages or without), and transformers' decoder models that
+declare a ``base_model_pp_plan`` (the embedding, the blocks, the final norm: Llama, Mistral,
+Qwen2/3, their MoE variants, ...). A transformers stage runs the base model's own
+``forward`` over its blocks (the attention masks, sliding windows, rotary embeddings and
+position ids are made there, as in the whole model) and hands the next stage the hidden
+states, and the attention mask and position ids when the first stage was given them.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["pipeline_stages", "split_model"]
+__all__ = ["CheckedSchedule", "build_schedule", "pipeline_stages", "split_model"]
 
 
 class _LlamaStage(nn.Module):
@@ -63,15 +69,150 @@ class _LlamaStage(nn.Module):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
+class _Skipped(nn.Identity):
+    """Stands in, on a stage, for a module of the model that another stage runs (the final
+    norm on a stage before the last, an embedding dropout after the first): it passes its
+    input on, holds nothing, and no plan entry applies to it."""
+
+
+def _view(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module``: the same class and attributes, and the same children,
+    parameters and buffers, in containers of its own (replacing a child of the copy leaves
+    ``module`` as it was)."""
+    view = type(module).__new__(type(module))
+    view.__dict__.update(module.__dict__)
+    for name, value in module.__dict__.items():
+        if isinstance(value, dict):  # _modules, _parameters, _buffers, the hook dicts, ...
+            view.__dict__[name] = type(value)(value)
+        elif isinstance(value, set):  # _non_persistent_buffers_set
+            view.__dict__[name] = set(value)
+    return view
+
+
+class _DecoderStage(nn.Module):
+    """A contiguous part of a transformers decoder model, laid out by its
+    ``base_model_pp_plan``: the modules before the blocks if it is the first stage, blocks
+    ``[start, stop)``, the modules after them and the head (``_pp_plan``) if it is the last.
+
+    It holds a view of the base model under the model's prefix (the same class, sharing
+    every module it keeps) whose blocks are this stage's, under their indices in the model,
+    and whose config says so (``num_hidden_layers``, ``layer_types``); the modules of other
+    stages are :class:`_Skipped`. Its ``forward`` is the base model's own, entered with
+    ``inputs_embeds`` after the first stage, so that every stage makes the causal mask, the
+    rotary embeddings and the position ids the whole model makes."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: _DecoderLayout,
+        start: int,
+        stop: int,
+        first: bool,
+        last: bool,
+    ) -> None:
+        super().__init__()
+        self.config = model.config
+        self.first, self.last = first, last
+        self._prefix, self._heads = layout.prefix, layout.heads
+        base = getattr(model, layout.prefix)
+        view = _view(base)
+        config = copy.copy(base.config)  # a shallow copy: only these fields differ
+        config.num_hidden_layers = stop - start
+        layer_types = getattr(config, "layer_types", None)
+        if isinstance(layer_types, (list, tuple)):
+            config.layer_types = list(layer_types[start:stop])
+        config.use_cache = False
+        view.config = config
+        blocks = nn.ModuleList()
+        for i in range(start, stop):  # named by their index in the model: "layers.3"
+            blocks.add_module(str(i), layout.blocks[i])
+        setattr(view, layout.blocks_name, blocks)
+        for name in layout.before if not first else ():
+            setattr(view, name, _Skipped())
+        for name in layout.after if not last else ():
+            setattr(view, name, _Skipped())
+        setattr(self, layout.prefix, view)
+        for name in layout.heads if last else ():
+            setattr(self, name, getattr(model, name))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        # the first stage takes token ids, the others the hidden states and whatever else the
+        # first stage was given (a padding mask, position ids) to hand on
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        out = getattr(self, self._prefix)(
+            **inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        hidden = out.last_hidden_state
+        if self.last:
+            for name in self._heads:
+                hidden = getattr(self, name)(hidden)
+            return hidden
+        if position_ids is not None:
+            if attention_mask is None:
+                attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+            return hidden, attention_mask, position_ids
+        return hidden if attention_mask is None else (hidden, attention_mask)
+
+
+class _DecoderLayout:
+    """Where a transformers decoder's parts are, read from its ``base_model_pp_plan``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        kind = type(model).__qualname__
+        self.prefix = getattr(model, "base_model_prefix", "") or "model"
+        base = getattr(model, self.prefix, None)
+        pp_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+        if not isinstance(base, nn.Module) or not pp_plan:
+            raise NotImplementedError(
+                f"split_model supports torch_tp.models.Llama and transformers causal LMs whose "
+                f"config declares a base_model_pp_plan; {kind} "
+                + ("declares none" if isinstance(base, nn.Module) else "has no base model")
+            )
+        names = list(pp_plan)
+        lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+        missing = [n for n in names if not isinstance(getattr(base, n, None), nn.Module)]
+        if missing or len(lists) != 1:
+            raise NotImplementedError(
+                f"split_model expects {kind}'s base_model_pp_plan {names} to name its modules, "
+                f"one of them the ModuleList of blocks; "
+                + (f"{missing} name no module" if missing else f"found ModuleLists {lists}")
+            )
+        self.blocks_name = lists[0]
+        self.blocks: nn.ModuleList = getattr(base, self.blocks_name)
+        index = names.index(self.blocks_name)
+        self.before, self.after = names[:index], names[index + 1 :]
+        heads = getattr(model, "_pp_plan", None) or {}
+        self.heads = [n for n in heads if isinstance(getattr(model, n, None), nn.Module)]
+        if not self.heads:
+            raise NotImplementedError(
+                f"split_model expects {kind} to be a causal LM with its head in _pp_plan "
+                f"(e.g. lm_head); found {dict(heads)!r}"
+            )
+        tied = {id(p) for n in self.before for p in getattr(base, n).parameters()} & {
+            id(p) for n in self.heads for p in getattr(model, n).parameters()
+        }
+        self.tied = bool(tied)
+
+
+def _layout(model: nn.Module) -> _DecoderLayout | None:
+    """``None`` for a :class:`torch_tp.models.Llama` (or variant); the layout of a
+    transformers decoder; else raises."""
     layers = getattr(model, "layers", None)
     required = ("tok_embeddings", "norm", "output", "rope_cache")
-    if not isinstance(layers, nn.ModuleList) or not all(hasattr(model, n) for n in required):
+    if isinstance(layers, nn.ModuleList) and all(hasattr(model, n) for n in required):
+        return None
+    if getattr(getattr(model, "config", None), "model_type", None) is None:
         raise NotImplementedError(
             f"split_model supports torch_tp.models.Llama and its variants (tok_embeddings, a "
-            f"ModuleList of blocks in layers, norm, output), found {type(model).__qualname__}"
+            f"ModuleList of blocks in layers, norm, output) and transformers causal LMs that "
+            f"declare a base_model_pp_plan; found {type(model).__qualname__}"
         )
-    return layers
+    return _DecoderLayout(model)
 
 
 def _balanced_split(blocks: Sequence[nn.Module], num_stages: int) -> list[int]:
@@ -114,7 +255,8 @@ def split_model(
             ``split`` leaves a stage without blocks or is not increasing.
         NotImplementedError: the model's blocks cannot be found.
     """
-    blocks = _blocks(model)
+    layout = _layout(model)
+    blocks = model.layers if layout is None else layout.blocks
     n = len(blocks)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, found {num_stages!r}")
@@ -135,19 +277,33 @@ def split_model(
                 f"{num_stages - 1} increasing indices in (0, {n}), leaving every stage a "
                 f"block, found {list(split)!r}"
             )
+    if layout is not None and layout.tied and num_stages > 1:
+        raise NotImplementedError(
+            f"{type(model).__qualname__} ties its input embedding to its output head "
+            "(tie_word_embeddings): they would be on different stages, whose gradients "
+            "nothing sums. Untie them (config.tie_word_embeddings=False) to pipeline it"
+        )
     edges = [0, *bounds, n]
     return [
-        _LlamaStage(model, edges[s], edges[s + 1], first=s == 0, last=s == num_stages - 1)
+        (
+            _LlamaStage(model, edges[s], edges[s + 1], s == 0, s == num_stages - 1)
+            if layout is None
+            else _DecoderStage(model, layout, edges[s], edges[s + 1], s == 0, s == num_stages - 1)
+        )
         for s in range(num_stages)
     ]
 
 
 def _plan_for_stage(plan: Mapping[str, Any], stage: nn.Module) -> dict[str, Any]:
-    """The entries of a whole-model plan that name something on this stage: keys whose
-    first segment names a module the stage does not hold (the embedding, the head) are left
-    to the stages that hold it."""
-    children = dict(stage.named_children())
-    return {key: style for key, style in plan.items() if key == "" or key.split(".")[0] in children}
+    """The entries of a whole-model plan that name something on this stage: keys that name
+    only modules (or parameters) other stages hold, the embedding or the head, are left to
+    those stages."""
+    from torch_tp.plans.hf import _names_something
+
+    skipped = {name for name, m in stage.named_modules() if isinstance(m, _Skipped)}
+    paths = [n.split(".") for n, _ in stage.named_modules() if n and n not in skipped]
+    paths += [n.split(".") for n, _ in stage.named_parameters()]
+    return {key: style for key, style in plan.items() if _names_something(key, paths)}
 
 
 def pipeline_stages(
@@ -205,7 +361,12 @@ def pipeline_stages(
 
     for name, mesh in (("pp_mesh", pp_mesh), ("tp_mesh", tp_mesh)):
         if mesh is not None and mesh.ndim != 1:
-            raise ValueError(f"{name} must be a 1-D mesh, found dims {mesh.mesh_dim_names}")
+            raise ValueError(
+                f"{name} must be a 1-D mesh (e.g. mesh[{name[:2]!r}]), found a mesh with "
+                f"dims {mesh.mesh_dim_names}"
+            )
+    if tp_mesh is not None:
+        _check_orthogonal(pp_mesh, tp_mesh)
     if plan is not None and tp_mesh is None:
         raise ValueError("a tensor-parallel plan needs tp_mesh to apply it on")
     if sequence_parallel and plan is None:
@@ -225,10 +386,18 @@ def pipeline_stages(
             if (pp_mesh.device_type == "cuda")
             else torch.device(pp_mesh.device_type)
         )
+    if plan is not None:
+        _check_plan_names_something(plan, stage_modules)
     stages = []
     for index in range(rank, num_stages, pp):
         module = stage_modules[index]
         if sequence_parallel:
+            if not isinstance(module, _LlamaStage):
+                raise NotImplementedError(
+                    "sequence_parallel inside pipeline stages supports torch_tp.models.Llama "
+                    f"only; {type(model).__qualname__}'s forward makes its position ids and "
+                    "masks from the length of the hidden states a stage receives"
+                )
             module.sequence_shards = tp_mesh.size()
         if plan is not None:
             with warnings.catch_warnings():
@@ -236,3 +405,226 @@ def pipeline_stages(
                 parallelize_module(module, tp_mesh, _plan_for_stage(plan, module))
         stages.append(PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group()))
     return stages
+
+
+def _check_orthogonal(pp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
+    """The pipeline and tensor-parallel meshes must be two different dimensions of one mesh:
+    this rank is the only rank they share."""
+    pp_ranks = set(pp_mesh.mesh.flatten().tolist())
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+    if len(pp_ranks & tp_ranks) != 1:
+        raise ValueError(
+            f"pp_mesh (dims {pp_mesh.mesh_dim_names}, ranks {sorted(pp_ranks)}) and tp_mesh "
+            f"(dims {tp_mesh.mesh_dim_names}, ranks {sorted(tp_ranks)}) must be two different "
+            "dimensions of one mesh, e.g. mesh['pp'] and mesh['tp'] of a mesh with "
+            "mesh_dim_names=('pp', 'dp', 'tp'); they share ranks "
+            f"{sorted(pp_ranks & tp_ranks)}"
+        )
+
+
+def _check_plan_names_something(plan: Mapping[str, Any], stage_modules: list[nn.Module]) -> None:
+    """Every key of the whole model's plan must name something on some stage (a typo would
+    otherwise be left out on every stage, silently)."""
+    named = {key for stage in stage_modules for key in _plan_for_stage(plan, stage)}
+    unused = [key for key in plan if key not in named]
+    if unused:
+        children = sorted({n for stage in stage_modules for n, _ in stage.named_children()})
+        raise ValueError(
+            f"plan keys {unused} name no module or parameter of any pipeline stage (the "
+            f"stages hold the model's modules under the model's names, from {children})"
+        )
+
+
+_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS")
+
+
+class CheckedSchedule:
+    """A ``torch.distributed.pipelining`` schedule whose every step checks its inputs on every
+    pipeline rank before any rank starts it (see :func:`build_schedule`).
+
+    Attributes:
+        schedule: the ``torch.distributed.pipelining`` schedule it runs.
+        batch_size (int): the batch size every step takes (the micro-batches are
+            ``batch_size // n_microbatches`` samples each).
+    """
+
+    def __init__(self, schedule: Any, stages: Sequence[Any], batch_size: int) -> None:
+        self.schedule = schedule
+        self.batch_size = batch_size
+        self._first = any(stage.is_first for stage in stages)
+        self._last = any(stage.is_last for stage in stages)
+        self._group = stages[0].group
+
+    def step(
+        self,
+        *args: Any,
+        target: torch.Tensor | None = None,
+        losses: list[torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run one step of the schedule: forward and backward of every micro-batch.
+
+        The same call works on every pipeline rank: pass the batch's inputs and ``target`` on
+        every rank, or only where they are used (the inputs on the rank of the first stage,
+        ``target`` and ``losses`` on the rank of the last); each rank hands the schedule
+        what its stages take.
+
+        Args:
+            *args: the first stage's positional inputs (e.g. token ids), whole batch.
+            target: what ``loss_fn`` compares the last stage's output with, whole batch.
+            losses: a list that receives each micro-batch's loss, on the last stage's rank.
+            **kwargs: the first stage's keyword inputs (e.g. ``attention_mask``).
+
+        Returns:
+            What the schedule's ``step`` returns (the merged output on the last stage's
+            rank).
+
+        Raises:
+            ValueError: on every pipeline rank, before any of them starts the schedule, when
+                the first stage's inputs or the target do not have ``batch_size`` samples in
+                dimension 0, or the first stage's rank has no input or the last stage's no
+                target.
+        """
+        problem = ""
+        if self._first:
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            if not tensors:
+                problem = "the first stage's rank got no input tensor"
+            for t in tensors:
+                if t.dim() == 0 or t.shape[0] != self.batch_size:
+                    problem = (
+                        f"the first stage's input has shape {tuple(t.shape)}, expected "
+                        f"{self.batch_size} samples in dimension 0"
+                    )
+        if self._last and not problem:
+            if target is None:
+                problem = "the last stage's rank got no target"
+            elif target.dim() == 0 or target.shape[0] != self.batch_size:
+                problem = (
+                    f"the target has shape {tuple(target.shape)}, expected {self.batch_size} "
+                    "samples in dimension 0"
+                )
+        _agree_on(problem, self._group)
+        step_args = args if self._first else ()
+        step_kwargs = dict(kwargs) if self._first else {}
+        if self._last:
+            step_kwargs.update(target=target, losses=losses)
+        return self.schedule.step(*step_args, **step_kwargs)
+
+    def __repr__(self) -> str:
+        return f"CheckedSchedule({type(self.schedule).__name__}, batch_size={self.batch_size})"
+
+
+def _agree_on(problem: str, group: Any) -> None:
+    """Raise on every rank of ``group`` if any has a problem (one small all-reduce; the
+    messages are gathered only when one is)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cpu")
+    )
+    flag = torch.tensor([1 if problem else 0], device=device)
+    dist.all_reduce(flag, group=group)
+    if not flag.item():
+        return
+    messages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, problem, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    found = "; ".join(f"rank {r}: {m}" for r, m in zip(ranks, messages, strict=True) if m)
+    raise ValueError(f"the pipeline step's inputs are wrong, so no rank started it: {found}")
+
+
+def build_schedule(
+    stages: Sequence[Any],
+    schedule: str | type,
+    *,
+    n_microbatches: int,
+    batch_size: int,
+    loss_fn: Any = None,
+    **schedule_kwargs: Any,
+) -> CheckedSchedule:
+    """A ``torch.distributed.pipelining`` schedule over this rank's stages, its inputs checked.
+
+    torch splits a batch that the micro-batches do not divide into micro-batches of
+    different sizes, which the stages' buffers (sized by the first micro-batch) do not fit:
+    a rank fails in the middle of the schedule while the others wait in a receive. This
+    builds the schedule after checking its sizes, and checks every step's inputs on every
+    pipeline rank before any of them starts it.
+
+    Args:
+        stages: this rank's stages, as :func:`pipeline_stages` returns them.
+        schedule: a schedule class of ``torch.distributed.pipelining`` or its name
+            (``"ScheduleGPipe"``, ``"Schedule1F1B"``, ``"ScheduleInterleaved1F1B"``,
+            ``"ScheduleLoopedBFS"``, ...).
+
+    Keyword Args:
+        n_microbatches (int): micro-batches per step.
+        batch_size (int): samples per step (of this data-parallel replica); a multiple of
+            ``n_microbatches``.
+        loss_fn: ``loss_fn(output, target)`` of one micro-batch, for training.
+        **schedule_kwargs: passed on to the schedule (e.g. ``scale_grads``).
+
+    Returns:
+        A :class:`CheckedSchedule`: call its ``step`` as the schedule's.
+
+    Raises:
+        ValueError: ``batch_size`` not a positive multiple of ``n_microbatches``, fewer
+            micro-batches than stages on a single-stage-per-rank schedule, several stages
+            for a schedule that takes one, or an unknown schedule name. Every rank raises
+            the same error: all of it depends on arguments every rank gets.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> stages = pipeline_stages(model, mesh["pp"], tp_mesh=mesh["tp"], plan=llama_plan())
+        >>> schedule = build_schedule(
+        ...     stages, "Schedule1F1B", n_microbatches=8, batch_size=32, loss_fn=loss_fn
+        ... )
+        >>> schedule.step(tokens, target=targets)  # the same call on every rank
+    """
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    if isinstance(schedule, str):
+        schedule_class = getattr(pipelining, schedule, None)
+        if not isinstance(schedule_class, type) or not schedule.startswith("Schedule"):
+            raise ValueError(
+                f"unknown schedule {schedule!r}: expected a torch.distributed.pipelining "
+                f"schedule class or its name, e.g. {', '.join(_SCHEDULES)}"
+            )
+    else:
+        schedule_class = schedule
+    stages = list(stages)
+    if not stages:
+        raise ValueError("build_schedule needs this rank's stages; got none")
+    for name, value in (("n_microbatches", n_microbatches), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, found {value!r}")
+    if batch_size % n_microbatches:
+        raise ValueError(
+            f"batch_size {batch_size} is not a multiple of n_microbatches {n_microbatches}: "
+            f"the micro-batches would differ in size, and the stages' buffers are sized for "
+            f"one of {batch_size // n_microbatches or 1} samples"
+        )
+    single = issubclass(schedule_class, PipelineScheduleSingle)
+    if single and len(stages) != 1:
+        raise ValueError(
+            f"{schedule_class.__name__} runs one stage per rank, and this rank has "
+            f"{len(stages)}: use a multi-stage schedule (e.g. ScheduleInterleaved1F1B), or "
+            "pipeline_stages(..., stages_per_rank=1)"
+        )
+    num_stages = stages[0].num_stages
+    if single and n_microbatches < num_stages:
+        raise ValueError(
+            f"{schedule_class.__name__} needs at least as many micro-batches as stages: "
+            f"n_microbatches {n_microbatches} < {num_stages} stages"
+        )
+    built = schedule_class(
+        stages[0] if single else stages,
+        n_microbatches=n_microbatches,
+        loss_fn=loss_fn,
+        **schedule_kwargs,
+    )
+    return CheckedSchedule(built, stages, batch_size)
