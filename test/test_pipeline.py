@@ -339,58 +339,101 @@ def test_pp2_dp2_tp2_matches_one_device(schedule):
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _save_pipelined(path: str) -> dict[str, torch.Tensor]:
-    """Train one step at pp=2 x tp=2, save a DCP checkpoint of every rank's stage, and return
-    the full state dict gathered from the stages (the union over the pipeline ranks)."""
-    from torch.distributed.pipelining import Schedule1F1B
+def _stages_3d(mesh, tp: bool, dp: bool) -> list:
+    """This rank's stages of the reference Llama on ``mesh`` (named dims), tensor-parallel
+    over ``mesh["tp"]`` when ``tp``, FSDP2 over ``mesh["dp"]`` when ``dp``."""
+    from torch.distributed.fsdp import fully_shard
 
-    from torch_tp.checkpoint import full_state_dict, save
+    model = Llama(CONFIG).double()
+    stages = pipeline_stages(
+        model,
+        mesh["pp"],
+        tp_mesh=mesh["tp"] if tp else None,
+        plan=llama_plan() if tp else None,
+    )
+    for stage in stages if dp else ():
+        for block in stage.submod.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(stage.submod, mesh=mesh["dp"])
+    return stages
+
+
+def _gathered(module: nn.Module, group) -> dict[str, torch.Tensor]:
+    """The full state dict of every pipeline rank's stage, merged (the union)."""
+    from torch_tp.checkpoint import full_state_dict
+
+    parts: list[dict] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(parts, full_state_dict(module), group=group)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _save_3d(path: str) -> dict[str, torch.Tensor]:
+    """Train one step at pp=2 x dp=2 x tp=2 (FSDP2 over dp), save a DCP checkpoint of every
+    rank's stage, and return the full state dict gathered from the 3-D model."""
+    from torch_tp.checkpoint import save
 
     torch.manual_seed(0)
-    model = Llama(CONFIG).double()
-    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("pp", "tp"))
-    stages = pipeline_stages(model, mesh["pp"], tp_mesh=mesh["tp"], plan=llama_plan())
-    schedule = Schedule1F1B(stages[0], n_microbatches=2, loss_fn=_loss)
+    mesh = init_device_mesh(device_type(), (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    stages = _stages_3d(mesh, tp=True, dp=True)
+    schedule = build_schedule(stages, "Schedule1F1B", n_microbatches=2, batch_size=4, loss_fn=_loss)
+    dp_rank = mesh["dp"].get_local_rank()
     tokens = torch.randint(
-        0, CONFIG.vocab_size, (4, SEQ), generator=torch.Generator().manual_seed(1)
+        0, CONFIG.vocab_size, (8, SEQ), generator=torch.Generator().manual_seed(1)
     )
-    if stages[0].is_first:
-        schedule.step(tokens)
-    else:
-        schedule.step(target=tokens)
+    mine = tokens[dp_rank * 4 : (dp_rank + 1) * 4]
+    schedule.step(mine, target=mine)
     optim = adamw(stages[0].submod.parameters())
     optim.step()
     save(path, stages[0].submod, step=1)
-    state = full_state_dict(stages[0].submod)
-    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, state)
-    return {k: v for part in gathered for k, v in part.items()}
+    return _gathered(stages[0].submod, mesh["pp"].get_group())
 
 
-def _load_tp(path: str) -> dict[str, torch.Tensor]:
+def _load_on(path: str, pp: int, tp: int) -> dict[str, torch.Tensor]:
+    """Load the checkpoint at pp x tp (other weights first: the load must replace them all)
+    and return the full state dict. pp=1 is the model without a pipeline."""
     from torch_tp import parallelize_module
     from torch_tp.checkpoint import full_state_dict, load
 
-    torch.manual_seed(5)  # other weights: the load must replace them all
-    model = Llama(CONFIG).double()
-    parallelize_module(model, init_device_mesh(device_type(), (2,)), llama_plan())
-    load(path, model, step=1, rng=False)
-    return full_state_dict(model)
+    torch.manual_seed(5)
+    if pp == 1:
+        model = Llama(CONFIG).double()
+        parallelize_module(model, init_device_mesh(device_type(), (tp,)), llama_plan())
+        load(path, model, step=1, rng=False)
+        return full_state_dict(model)
+    assert tp == 1
+    mesh = init_device_mesh(device_type(), (pp,), mesh_dim_names=("pp",))
+    stages = _stages_3d(mesh, tp=False, dp=False)
+    load(path, stages[0].submod, step=1, rng=False)
+    return _gathered(stages[0].submod, mesh.get_group())
 
 
 @pytest.mark.slow
-def test_a_pipelined_checkpoint_loads_on_other_layouts(tmp_path):
+def test_a_3d_checkpoint_loads_on_other_layouts(tmp_path):
+    """Saved at (pp=2, dp=2, tp=2); loaded exactly on one device, at (pp=1, tp=2) and at
+    (pp=2, tp=1); the full state dict gathered from the 3-D model has the model's names and
+    equals every load."""
     from torch_tp.checkpoint import load
 
-    saved = run_distributed(_save_pipelined, 4, str(tmp_path))[0]
+    saved = run_distributed(_save_3d, 8, str(tmp_path))
+    for state in saved[1:]:  # every rank gathered the same whole model
+        assert state.keys() == saved[0].keys()
+        for name, value in state.items():
+            torch.testing.assert_close(value, saved[0][name], rtol=0, atol=0, msg=name)
+    saved = saved[0]
     torch.manual_seed(5)
     expected = Llama(CONFIG).double()
     assert sorted(saved) == sorted(expected.state_dict())
-    # on one device
-    load(str(tmp_path), expected, step=1, rng=False)
-    for name, value in expected.state_dict().items():
-        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
-    # at pp=1 x tp=2
-    for state in run_distributed(_load_tp, 2, str(tmp_path)):
+    load(str(tmp_path), expected, step=1, rng=False)  # on one device
+    loaded = [expected.state_dict()]
+    loaded += run_distributed(_load_on, 2, str(tmp_path), 1, 2)  # pp=1 x tp=2
+    loaded += run_distributed(_load_on, 2, str(tmp_path), 2, 1)  # pp=2 x tp=1
+    for state in loaded:
+        assert sorted(state) == sorted(saved)
         for name, value in state.items():
             torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+    # the step trained: the checkpoint is not the initial model
+    torch.manual_seed(0)
+    initial = Llama(CONFIG).double().state_dict()
+    assert not torch.equal(
+        initial["layers.0.attention.wq.weight"], saved["layers.0.attention.wq.weight"]
+    )

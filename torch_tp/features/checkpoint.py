@@ -1113,9 +1113,18 @@ def _load_dcp(
             return torch.empty_like(value)
 
         staged = _copy_structure(state, stage)
-        _check_metadata(path, metadata, staged, strict, type(model).__name__)
+        flat = _flatten(staged, metadata)
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
-        error = exc
+        error, flat = exc, {}
+    # A key is unexpected when no rank loads it: the stages of a pipeline each load theirs
+    # (one small collective of the names, on every rank, failed or not)
+    loaded = _loaded_anywhere(set(flat))
+    if error is None:
+        try:
+            parts = tuple(f"{part}." for part in staged if part != "rng")
+            _check_metadata(path, metadata, flat, parts, strict, type(model).__name__, loaded)
+        except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+            error = exc
     _agree(error, _load_failed(what))  # one small collective: nobody reads unless all can
     with _single_process_is_intended():
         _coordinate(
@@ -1172,19 +1181,40 @@ def _copy_structure(state: Any, fn) -> Any:
     return state
 
 
-def _check_metadata(
-    path: Path, metadata: Any, state: dict[str, Any], strict: bool, model_name: str
-) -> None:
-    """Check ``state`` against a checkpoint's metadata before reading anything: the names
-    (as DCP flattens them), the global shapes, the dtypes, and the data files' sizes."""
+def _flatten(state: dict[str, Any], metadata: Any) -> dict[str, Any]:
+    """``state`` flattened as ``dcp.load`` flattens it (``{"model.layers.0.wq.weight": ...}``)."""
     planner = DefaultLoadPlanner()
-    planner.set_up_planner(state, metadata)  # flattens the names as dcp.load will
-    flat: Mapping[str, Any] = planner.state_dict
+    planner.set_up_planner(state, metadata)
+    return dict(planner.state_dict)
+
+
+def _loaded_anywhere(keys: set[str]) -> set[str]:
+    """The keys some rank loads (this rank's alone without a process group)."""
+    if not _distributed():
+        return keys
+    every: list[Any] = [None] * dist.get_world_size(_group())
+    dist.all_gather_object(every, sorted(keys), group=_group())
+    return {key for part in every for key in part}
+
+
+def _check_metadata(
+    path: Path,
+    metadata: Any,
+    flat: Mapping[str, Any],
+    parts: tuple[str, ...],
+    strict: bool,
+    model_name: str,
+    loaded: set[str],
+) -> None:
+    """Check this rank's flattened state (:func:`_flatten`) against a checkpoint's metadata
+    before reading anything: the names, the global shapes, the dtypes, and the data files'
+    sizes. A saved key is unexpected when no rank loads it (``loaded``: every rank's keys),
+    so the stages of a pipeline, each holding part of the model, load strictly; entries of
+    parts not being loaded (``parts``: ``"model."``, ``"optim."``; the optimizer's, when
+    there is none) are not extra."""
     saved = metadata.state_dict_metadata
     missing = [k for k in flat if k not in saved]
-    # entries of parts not being loaded (the optimizer's, when there is none) are not extra
-    parts = tuple(f"{part}." for part in state if part != "rng")
-    unexpected = [k for k in saved if k not in flat and k.startswith(parts)]
+    unexpected = [k for k in saved if k not in loaded and k.startswith(parts)]
     mismatched, lossy = [], []
     for key, value in flat.items():
         entry = saved.get(key)
