@@ -10,6 +10,7 @@ micro-batches' gradients, ``scale_grads=True``).
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -437,3 +438,45 @@ def test_a_3d_checkpoint_loads_on_other_layouts(tmp_path):
     assert not torch.equal(
         initial["layers.0.attention.wq.weight"], saved["layers.0.attention.wq.weight"]
     )
+
+
+@pytest.mark.slow
+def test_every_transformers_decoder_splits_into_stages_that_give_its_logits(monkeypatch):
+    """Every causal LM of the installed transformers that declares a ``base_model_pp_plan``
+    (the zoo of test_zoo.py, tiny, untied embeddings): split into two stages and run one
+    after the other on one device, it gives the whole model's logits, or split_model refuses
+    it with NotImplementedError. Nothing in between: no architecture is split wrongly."""
+    import test_zoo
+
+    untied = test_zoo.tiny_config
+
+    def tiny_config(model_type: str):
+        config = untied(model_type)
+        config.tie_word_embeddings = False
+        return config
+
+    monkeypatch.setattr(test_zoo, "tiny_config", tiny_config)
+    passed, refused = [], []
+    for model_type in sorted(test_zoo.zoo()):
+        config = tiny_config(model_type)
+        if not getattr(type(config), "base_model_pp_plan", None):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = test_zoo.build(model_type)
+                ids = torch.randint(2, test_zoo.VOCAB, (2, test_zoo.SEQ))
+                expected = model(input_ids=ids, use_cache=False).logits
+        except Exception:  # noqa: BLE001 - the zoo test records what does not build
+            continue
+        try:
+            stages = split_model(model, 2)
+        except NotImplementedError:
+            refused.append(model_type)
+            continue
+        with torch.no_grad():
+            logits = stages[1](stages[0](ids))
+        torch.testing.assert_close(logits, expected, **test_zoo.TOLERANCE, msg=model_type)
+        passed.append(model_type)
+    print(f"{len(passed)} split and match, {len(refused)} refused: {refused}")
+    assert len(passed) >= 78, passed

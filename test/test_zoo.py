@@ -6,7 +6,8 @@ built from a tiny config (random weights, float64 where the model computes in it
 float32; eager attention and experts; two layers, or one of each kind where the layers
 differ; four heads, four experts; a sliding window shorter than the sequence), and
 ``parallelize_module(model, mesh, plan_for(model))`` must give the single-device logits, loss,
-every gradient and the same 8 greedy ``generate`` tokens.
+every gradient, the same 8 greedy ``generate`` tokens, and the same 8 tokens sampled with
+``generate(do_sample=True, top_p=0.9)`` after the same seed (on every rank).
 
 What each architecture does is recorded in one file, ``test/zoo_status.json``: those that
 pass (with the largest logits difference), those that fail (with the reason: the error's
@@ -45,6 +46,10 @@ VOCAB = 128
 SEQ = 12
 PROMPT = 5
 NEW_TOKENS = 8
+# sampling: the same seed before generate on one device and under TP (transformers #36634
+# reports other tokens per rank)
+SAMPLE_SEED = 1234
+SAMPLING = {"do_sample": True, "top_p": 0.9, "max_new_tokens": NEW_TOKENS}
 # one architecture's check, on both ranks (the slowest, the hybrid linear-attention ones
 # running transformers' reference kernels, take a few seconds)
 TIMEOUT = 90.0
@@ -321,6 +326,8 @@ def _check(model_type: str) -> dict[str, Any]:
             expected = reference.generate(
                 ids[:, :PROMPT], do_sample=False, max_new_tokens=NEW_TOKENS
             )
+            torch.manual_seed(SAMPLE_SEED)
+            expected_sampled = reference.generate(ids[:, :PROMPT], **SAMPLING)
     except Exception as error:
         return {"status": DOES_NOT_BUILD, "reason": _first_line(error)}
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -339,6 +346,8 @@ def _check(model_type: str) -> dict[str, Any]:
                 logits = logits.full_tensor()
             grads = {name: _grad(p) for name, p in tp.named_parameters()}
             generated = tp.generate(ids[:, :PROMPT], do_sample=False, max_new_tokens=NEW_TOKENS)
+            torch.manual_seed(SAMPLE_SEED)
+            sampled = tp.generate(ids[:, :PROMPT], **SAMPLING)
     except Exception as error:
         result["reason"] = _first_line(error)
         return result
@@ -374,6 +383,9 @@ def _check(model_type: str) -> dict[str, Any]:
                 break
     if not torch.equal(generated, expected):
         problems.append("generate gives other tokens")
+    # every rank compares with its own single-device run: equal here means equal everywhere
+    if not torch.equal(sampled, expected_sampled):
+        problems.append("generate(do_sample=True, top_p=0.9) gives other tokens")
     if problems:
         result["reason"] = "; ".join(problems)
     else:

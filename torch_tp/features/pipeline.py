@@ -113,7 +113,7 @@ class _DecoderStage(nn.Module):
         super().__init__()
         self.config = model.config
         self.first, self.last = first, last
-        self._prefix, self._heads = layout.prefix, layout.heads
+        self._prefix = layout.prefix
         base = getattr(model, layout.prefix)
         view = _view(base)
         config = copy.copy(base.config)  # a shallow copy: only these fields differ
@@ -134,6 +134,14 @@ class _DecoderStage(nn.Module):
         setattr(self, layout.prefix, view)
         for name in layout.heads if last else ():
             setattr(self, name, getattr(model, name))
+        # The last stage runs the causal LM's own forward (what it does around the head:
+        # scaling the hidden states, soft-capping or scaling the logits, casting them) on a
+        # view holding this stage's modules; not a submodule: its modules are this stage's
+        self._causal_lm: nn.Module | None = None
+        if last:
+            causal = _view(model)
+            setattr(causal, layout.prefix, view)
+            object.__setattr__(self, "_causal_lm", causal)
 
     def forward(
         self,
@@ -144,14 +152,10 @@ class _DecoderStage(nn.Module):
         # the first stage takes token ids, the others the hidden states and whatever else the
         # first stage was given (a padding mask, position ids) to hand on
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        out = getattr(self, self._prefix)(
-            **inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        )
-        hidden = out.last_hidden_state
-        if self.last:
-            for name in self._heads:
-                hidden = getattr(self, name)(hidden)
-            return hidden
+        inputs.update(attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        if self._causal_lm is not None:
+            return self._causal_lm(**inputs).logits
+        hidden = getattr(self, self._prefix)(**inputs).last_hidden_state
         if position_ids is not None:
             if attention_mask is None:
                 attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
@@ -159,11 +163,30 @@ class _DecoderStage(nn.Module):
         return hidden if attention_mask is None else (hidden, attention_mask)
 
 
+# transformers architectures whose hidden states between blocks are not what a stage can
+# hand on as ``inputs_embeds``, by model_type (found by test/test_pipeline.py, which splits
+# every causal LM of the installed transformers that declares a base_model_pp_plan)
+_NOT_REPRODUCED = "its stages, run one after the other, do not give the whole model's logits"
+_NOT_SPLITTABLE = {
+    "deepseek_v4": "its blocks take the token ids too, and carry hyper-connection streams",
+    "gemma3n_text": "its blocks take per-layer inputs made from the token ids",
+    "gemma4_text": "its blocks take per-layer inputs made from the token ids",
+    "hy_v4": _NOT_REPRODUCED,
+    "longcat_flash": _NOT_REPRODUCED,
+}
+
+
 class _DecoderLayout:
     """Where a transformers decoder's parts are, read from its ``base_model_pp_plan``."""
 
     def __init__(self, model: nn.Module) -> None:
         kind = type(model).__qualname__
+        model_type = model.config.model_type
+        if model_type in _NOT_SPLITTABLE:
+            raise NotImplementedError(
+                f"split_model cannot cut {kind} (model_type {model_type!r}) into pipeline "
+                f"stages: {_NOT_SPLITTABLE[model_type]}"
+            )
         self.prefix = getattr(model, "base_model_prefix", "") or "model"
         base = getattr(model, self.prefix, None)
         pp_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None)
