@@ -10,6 +10,7 @@ micro-batches' gradients, ``scale_grads=True``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -60,13 +61,16 @@ def _train(
     sp: bool = False,
     ac: bool = False,
     hf: bool = False,
+    dropout: bool = False,
 ) -> None:
     """Three AdamW steps through the pipeline against one device. ``hf``: transformers'
-    Llama with its ready plan, and a padding mask that the stages hand on."""
+    Llama with its ready plan, and a padding mask that the stages hand on. ``dropout``:
+    dropout 0.25 on every residual branch, with ``exact_dropout``."""
     from torch_tp.plans.hf import plan_for
 
     torch.manual_seed(0)
-    reference = _hf_llama() if hf else Llama(CONFIG).double()
+    config = dataclasses.replace(CONFIG, dropout=0.25 if dropout else 0.0)
+    reference = _hf_llama() if hf else Llama(config).double()
     model = copy.deepcopy(reference)
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("pp", "tp"))
     plan = (plan_for(model) if hf else llama_plan(sequence_parallel=sp)) if tp else None
@@ -77,6 +81,7 @@ def _train(
         tp_mesh=mesh["tp"] if tp else None,
         plan=plan,
         sequence_parallel=sp,
+        exact_dropout=dropout,
     )
     if ac:  # activation checkpointing of every block, inside the stages
         from torch.distributed._composable import checkpoint
@@ -108,11 +113,16 @@ def _train(
             inputs["attention_mask"] = (torch.arange(SEQ) < lengths).long()
             ref_loss = _loss(reference(tokens, **inputs).logits, targets)
         else:
+            before = torch.get_rng_state()  # the pipeline starts the step from the same state
             ref_loss = _loss(reference(tokens), targets)
+            after = torch.get_rng_state()
+            torch.set_rng_state(before)
         ref_loss.backward()
         losses: list[torch.Tensor] = []
         # the same call on every rank: each hands the schedule what its stages take
         schedule.step(tokens, **inputs, target=targets, losses=losses)
+        if not hf:  # and leaves the generator where one device does
+            assert torch.equal(torch.get_rng_state(), after)
         if last:  # the mean of the micro-batches' losses is the batch's
             torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach())
         for p in params:
@@ -150,6 +160,14 @@ def test_pp2_tp2_matches_one_device(schedule, stages_per_rank):
 @pytest.mark.slow
 def test_pp2_tp2_with_sequence_parallelism_matches_one_device():
     run_distributed(_train, 4, "Schedule1F1B", 1, True, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("schedule", "stages_per_rank"), [("ScheduleGPipe", 1), ("ScheduleInterleaved1F1B", 2)]
+)
+def test_pp2_tp2_with_dropout_matches_one_device(schedule, stages_per_rank):
+    run_distributed(_train, 4, schedule, stages_per_rank, True, False, False, False, True)
 
 
 @pytest.mark.slow
@@ -276,6 +294,24 @@ def _bad_pipeline_inputs() -> None:
     with pytest.raises(ValueError, match="the last stage's rank got no target"):
         schedule.step(tokens)
     schedule.step(tokens, target=tokens)  # the pipeline still works after both
+    # exact dropout cannot follow the backward's recomputation of checkpointed blocks
+    with pytest.raises(NotImplementedError, match="exact_dropout with sequence_parallel"):
+        pipeline_stages(
+            Llama(CONFIG),
+            mesh["pp"],
+            tp_mesh=mesh["tp"],
+            plan=llama_plan(sequence_parallel=True),
+            sequence_parallel=True,
+            exact_dropout=True,
+        )
+    from torch.distributed._composable import checkpoint
+
+    dropout_model = Llama(dataclasses.replace(CONFIG, dropout=0.1))
+    stages = pipeline_stages(dropout_model, mesh["pp"], exact_dropout=True)
+    checkpoint(next(iter(stages[0].submod.layers.values())))
+    schedule = build_schedule(stages, "Schedule1F1B", n_microbatches=2, batch_size=4, loss_fn=_loss)
+    with pytest.raises(ValueError, match=r"exact_dropout cannot redraw the masks of 'layers.\d'"):
+        schedule.step(tokens, target=tokens)
     dist.barrier()
 
 

@@ -22,14 +22,18 @@ states, and the attention mask and position ids when the first stage was given t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["CheckedSchedule", "build_schedule", "pipeline_stages", "split_model"]
 
@@ -57,6 +61,10 @@ class _LlamaStage(nn.Module):
         self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with _dropout_of(self, x):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         # the first stage takes token ids (bsz, seqlen); the others the hidden states
         seqlen = x.shape[1] if self.first else x.shape[1] * self.sequence_shards
         rope = self.rope_cache[:seqlen]
@@ -148,6 +156,15 @@ class _DecoderStage(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        with _dropout_of(self, x):
+            return self._forward(x, attention_mask, position_ids)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         # the first stage takes token ids, the others the hidden states and whatever else the
         # first stage was given (a padding mask, position ids) to hand on
@@ -338,6 +355,7 @@ def pipeline_stages(
     tp_mesh: DeviceMesh | None = None,
     plan: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    exact_dropout: bool = False,
     device: torch.device | None = None,
 ) -> list[Any]:
     """This rank's pipeline stages of ``model``, tensor-parallel inside, ready for a schedule.
@@ -361,6 +379,11 @@ def pipeline_stages(
         sequence_parallel: the plan shards the activations between blocks on the sequence
             (``llama_plan(sequence_parallel=True)``): stages then pass each other this
             rank's sequence shard. Default: ``False``.
+        exact_dropout: draw every dropout mask of the model's default random stream as the
+            single-device model draws it for the whole batch, and keep the micro-batch's
+            rows, so that training matches one device bit for bit (see
+            :class:`_ExactDropout`; needs :func:`build_schedule`). It costs, per step and
+            rank, drawing the whole model's masks once more. Default: ``False``.
         device: where the stages compute; default: the mesh's device.
 
     Returns:
@@ -411,6 +434,14 @@ def pipeline_stages(
         )
     if plan is not None:
         _check_plan_names_something(plan, stage_modules)
+    dropout = None
+    if exact_dropout and sequence_parallel:
+        raise NotImplementedError(
+            "exact_dropout with sequence_parallel: sequence-parallel dropout draws its masks "
+            "itself, in the stages' order"
+        )
+    if exact_dropout:
+        dropout = _ExactDropout(model, num_stages, split, range(rank, num_stages, pp), device)
     stages = []
     for index in range(rank, num_stages, pp):
         module = stage_modules[index]
@@ -426,7 +457,10 @@ def pipeline_stages(
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a key that matches nothing here is a bug
                 parallelize_module(module, tp_mesh, _plan_for_stage(plan, module))
-        stages.append(PipelineStage(module, index, num_stages, device, group=pp_mesh.get_group()))
+        if dropout is not None:  # plain attributes, not submodules
+            module.__dict__.update(_exact_dropout=dropout, _stage_index=index)
+        stage_class = PipelineStage if dropout is None else _chunked_stage_class()
+        stages.append(stage_class(module, index, num_stages, device, group=pp_mesh.get_group()))
     return stages
 
 
@@ -477,6 +511,10 @@ class CheckedSchedule:
         self._first = any(stage.is_first for stage in stages)
         self._last = any(stage.is_last for stage in stages)
         self._group = stages[0].group
+        self._stages = [stage.submod for stage in stages]
+        self._n_microbatches = schedule._n_microbatches
+        dropouts = {id(d): d for st in stages if (d := _dropout_attr(st.submod)) is not None}
+        self._dropout: _ExactDropout | None = next(iter(dropouts.values()), None)
 
     def step(
         self,
@@ -527,7 +565,15 @@ class CheckedSchedule:
                     f"the target has shape {tuple(target.shape)}, expected {self.batch_size} "
                     "samples in dimension 0"
                 )
+        if self._dropout is not None and not problem:
+            problem = self._dropout.refusal(self._stages)
         _agree_on(problem, self._group)
+        if self._dropout is not None:  # the first stage's input shape, on every rank
+            shapes: list[Any] = [None] * dist.get_world_size(self._group)
+            shape = tuple(args[0].shape) if self._first and args else None
+            dist.all_gather_object(shapes, shape, group=self._group)
+            shape = next(s for s in shapes if s is not None)
+            self._dropout.begin_step(shape, self._n_microbatches)
         step_args = args if self._first else ()
         step_kwargs = dict(kwargs) if self._first else {}
         if self._last:
@@ -541,8 +587,6 @@ class CheckedSchedule:
 def _agree_on(problem: str, group: Any) -> None:
     """Raise on every rank of ``group`` if any has a problem (one small all-reduce; the
     messages are gathered only when one is)."""
-    import torch.distributed as dist
-
     backend = dist.get_backend(group)
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -651,3 +695,237 @@ def build_schedule(
         **schedule_kwargs,
     )
     return CheckedSchedule(built, stages, batch_size)
+
+
+# --------------------------------------------------------------------------- exact dropout
+
+
+def _dropout_attr(module: nn.Module) -> _ExactDropout | None:
+    return module.__dict__.get("_exact_dropout")
+
+
+def _dropout_of(stage: nn.Module, x: torch.Tensor) -> Any:
+    """The context a stage's forward of ``x`` runs in: its rank's exact dropout, or nothing
+    (also for the schedule's shape inference, on meta tensors)."""
+    dropout = _dropout_attr(stage)
+    if dropout is None or x.device.type == "meta":
+        return contextlib.nullcontext()
+    return dropout.drawing(stage)
+
+
+class _Recorder(TorchFunctionMode):
+    """Records the dropouts that draw random numbers (training, ``p > 0``) of a meta run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[tuple[tuple[int, ...], torch.dtype, float]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            x, p, training = _dropout_args(args, kwargs)
+            if training and p > 0:
+                self.sites.append((tuple(x.shape), x.dtype, p))
+            return x
+        return func(*args, **kwargs)
+
+
+def _dropout_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, float, bool]:
+    names = ("input", "p", "training", "inplace")
+    bound = {**dict(zip(names, args, strict=False)), **kwargs}
+    if bound.get("inplace"):
+        raise NotImplementedError("exact_dropout does not support in-place dropout")
+    return bound["input"], float(bound.get("p", 0.5)), bool(bound.get("training", True))
+
+
+class _ExactDropout(TorchFunctionMode):
+    """Dropout masks in pipeline stages equal to those of the single-device model.
+
+    The single-device model draws each dropout's mask for the whole batch from the default
+    generator, one dropout after another through the model. A stage runs only some of the
+    dropouts, a micro-batch at a time, in another order. So at the start of each step this
+    rank replays the single-device draws for the whole model: from the generator's state
+    (the same on every rank and as on one device, as in 1-D), it draws every dropout's
+    whole-batch mask in the model's order, keeping the generator's state before each
+    dropout of its own stages, and leaves the generator where the single-device model
+    leaves it. The ``c``-th dropout call of a stage's micro-batch ``k`` (which the stage
+    learns from the schedule's ``forward_one_chunk``) is then dropout ``c`` of its own: its
+    mask is drawn again for the whole batch from the state kept, and micro-batch ``k``'s
+    rows are used. Activation checkpointing is refused (every rank raises before the step):
+    the backward recomputes the blocks last to first.
+
+    The dropouts are found by running the model's stages, on the meta device, for the
+    step's input shape. Only ``F.dropout`` on the default stream is redrawn: under
+    ``torch_tp.random.fork()`` (the tensor-parallel stream) dropout is left as it is; a
+    dropout whose input is not the whole model's activation apart from the batch (a
+    head-sharded one) is refused, as is an in-place one. torch's metadata inference (one
+    forward on the first step, for shapes only) draws nothing.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_stages: int,
+        split: Sequence[int] | None,
+        own: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        # the model's structure on the meta device, for finding its dropouts
+        memo: dict[int, Any] = {}
+        for tensor in [*model.parameters(), *model.buffers()]:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = (
+                nn.Parameter(meta, tensor.requires_grad)
+                if isinstance(tensor, nn.Parameter)
+                else meta
+            )
+        self._meta_stages = split_model(copy.deepcopy(model, memo), num_stages, split=split)
+        self._own = list(own)
+        self._device = device
+        self._input_shape: tuple[int, ...] | None = None
+        self._sites: list[list[tuple[tuple[int, ...], torch.dtype, float]]] = []
+        self._states: dict[tuple[int, int], torch.Tensor] = {}
+        self._calls: dict[tuple[int, int], int] = {}
+        self._begun = False
+        self._micro = 0
+        self._stage: int | None = None
+        self._chunk: int | None = None
+
+    def _find_sites(self, shape: tuple[int, ...]) -> None:
+        out: Any = torch.zeros(shape, dtype=torch.long, device="meta")
+        self._sites = []
+        for stage in self._meta_stages:
+            recorder = _Recorder()
+            try:
+                with recorder, torch.no_grad():
+                    out = stage(*out) if isinstance(out, tuple) else stage(out)
+            except Exception as error:
+                raise NotImplementedError(
+                    f"exact_dropout finds the model's dropouts by running it on the meta "
+                    f"device, which failed: {type(error).__name__}: {error}"
+                ) from error
+            self._sites.append(recorder.sites)
+        self._input_shape = shape
+
+    def refusal(self, stages: Sequence[nn.Module]) -> str:
+        """Why this rank's stages cannot draw exact masks, or ``""``: a block whose forward
+        the backward recomputes (activation checkpointing) recomputes its dropouts in
+        another order than the forward's, blocks last to first."""
+        from torch.distributed._composable import checkpoint
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointWrapper,
+        )
+
+        for stage in stages:
+            for name, module in stage.named_modules():
+                if isinstance(module, CheckpointWrapper) or checkpoint.state(module) is not None:
+                    return (
+                        f"exact_dropout cannot redraw the masks of {name!r}, whose forward the "
+                        "backward recomputes (activation checkpointing): pass "
+                        "exact_dropout=False or leave the blocks unchecked"
+                    )
+        return ""
+
+    def begin_step(self, input_shape: tuple[int, ...], n_microbatches: int) -> None:
+        """Replay the step's whole-batch draws (see the class docstring)."""
+        from torch_tp.core.random import _default_generator
+
+        if input_shape != self._input_shape:
+            self._find_sites(input_shape)
+        generator = _default_generator(self._device.type)
+        self._states = {}
+        for index, sites in enumerate(self._sites):
+            for j, (shape, dtype, p) in enumerate(sites):
+                if index in self._own:
+                    self._states[index, j] = generator.get_state()
+                F.dropout(torch.ones(shape, dtype=dtype, device=self._device), p, training=True)
+        self._calls = {}
+        self._begun = True
+        self._micro = input_shape[0] // n_microbatches
+
+    @contextlib.contextmanager
+    def drawing(self, stage: nn.Module) -> Iterator[None]:
+        if not self._begun:
+            raise RuntimeError(
+                "exact_dropout needs each step to begin with the whole batch's draws: run the "
+                "stages with build_schedule's schedule"
+            )
+        self._stage = stage.__dict__["_stage_index"]
+        self._chunk = stage.__dict__.get("_chunk")
+        try:
+            with self:
+                yield
+        finally:
+            self._stage = self._chunk = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.dropout or self._stage is None:
+            return func(*args, **kwargs)
+        x, p, training = _dropout_args(args, kwargs)
+        from torch_tp.core.random import _default_generator, get_rng_tracker
+
+        tracker = get_rng_tracker()
+        if not training or p == 0 or (tracker is not None and tracker._depth):
+            return func(*args, **kwargs)  # no draw, or the tensor-parallel stream's
+        if torch._C._current_graph_task_id() != -1:  # not found by refusal() before
+            raise NotImplementedError(
+                "exact_dropout cannot redraw a dropout that the backward recomputes"
+            )
+        if self._chunk is None:
+            # a forward outside the schedule's micro-batches: torch's metadata inference on
+            # the first step, which only reads shapes; it must not draw
+            return x.clone()
+        sites = self._sites[self._stage]
+        key = (self._stage, self._chunk)
+        j = self._calls.get(key, 0)  # the j-th dropout of this micro-batch
+        self._calls[key] = j + 1
+        if j >= len(sites):
+            raise RuntimeError(
+                f"exact_dropout: stage {self._stage} drew more dropouts for micro-batch "
+                f"{self._chunk} than its {len(sites)} of the meta run"
+            )
+        shape, dtype, site_p = sites[j]
+        if tuple(x.shape[1:]) != shape[1:] or x.shape[0] != self._micro or p != site_p:
+            raise NotImplementedError(
+                f"exact_dropout: dropout {j} of stage {self._stage} has input shape "
+                f"{tuple(x.shape)} and p={p}, the whole model's is {shape} and p={site_p} "
+                f"(with micro-batches of {self._micro}): a dropout on a sharded activation "
+                "has no single-device mask to match"
+            )
+        generator = _default_generator(self._device.type)
+        saved = generator.get_state()
+        generator.set_state(self._states[self._stage, j])
+        noise = F.dropout(torch.ones(shape, dtype=dtype, device=x.device), p, training=True)
+        generator.set_state(saved)
+        rows = slice(self._chunk * self._micro, (self._chunk + 1) * self._micro)
+        return x * noise[rows]
+
+
+_CHUNKED_STAGE: type | None = None
+
+
+def _chunked_stage_class() -> type:
+    """A :class:`~torch.distributed.pipelining.PipelineStage` that tells its module which
+    micro-batch its forward computes, for :class:`_ExactDropout`."""
+    global _CHUNKED_STAGE
+    if _CHUNKED_STAGE is None:
+        from torch.distributed.pipelining import PipelineStage
+
+        class _ChunkedStage(PipelineStage):
+            def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                with _chunk(self.submod, fwd_chunk_id):
+                    return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        _CHUNKED_STAGE = _ChunkedStage
+    return _CHUNKED_STAGE
+
+
+@contextlib.contextmanager
+def _chunk(module: nn.Module, chunk_id: int) -> Iterator[None]:
+    module.__dict__["_chunk"] = chunk_id
+    try:
+        yield
+    finally:
+        module.__dict__["_chunk"] = None
