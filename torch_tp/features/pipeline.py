@@ -505,14 +505,16 @@ class CheckedSchedule:
             ``batch_size // n_microbatches`` samples each).
     """
 
-    def __init__(self, schedule: Any, stages: Sequence[Any], batch_size: int) -> None:
+    def __init__(
+        self, schedule: Any, stages: Sequence[Any], batch_size: int, n_microbatches: int
+    ) -> None:
         self.schedule = schedule
         self.batch_size = batch_size
         self._first = any(stage.is_first for stage in stages)
         self._last = any(stage.is_last for stage in stages)
         self._group = stages[0].group
         self._stages = [stage.submod for stage in stages]
-        self._n_microbatches = schedule._n_microbatches
+        self._n_microbatches = n_microbatches
         dropouts = {id(d): d for st in stages if (d := _dropout_attr(st.submod)) is not None}
         self._dropout: _ExactDropout | None = next(iter(dropouts.values()), None)
 
@@ -694,7 +696,7 @@ def build_schedule(
         loss_fn=loss_fn,
         **schedule_kwargs,
     )
-    return CheckedSchedule(built, stages, batch_size)
+    return CheckedSchedule(built, stages, batch_size, n_microbatches)
 
 
 # --------------------------------------------------------------------------- exact dropout
