@@ -14,19 +14,23 @@ import torch
 import torch.nn.functional as F
 from helpers import tp_mesh
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import torch_tp.plans
 from torch_tp import (
     AttentionHeads,
     ColwiseParallel,
+    LocalParamsParallel,
+    MLAKVAProjParallel,
     PackedColwiseParallel,
     ReplicateParallel,
+    RowwiseParallel,
+    TensorParallelExperts,
 )
 from torch_tp.core.plan import planned_placement
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plan import from_dict, resolve_plan, to_dict
-from torch_tp.plans.auto import auto
+from torch_tp.plans.auto import ReplicatedModulesWarning, auto
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import check_parity, run_distributed
 
@@ -241,10 +245,13 @@ def test_refuses_model_without_repeated_blocks():
         auto(model)
 
 
-def test_refuses_blocks_that_differ():
-    model = _Stack(_MLP(8, 16), _MLP(8, 24))
-    with pytest.raises(ValueError, match=r"the blocks of 'layers' differ: 'layers.1' has 'up'"):
-        auto(model)
+def test_blocks_that_differ_are_planned_kind_by_kind():
+    # alike styles over blocks of different sizes: one '*' key each
+    plan = auto(_Stack(_MLP(8, 16), _MLP(8, 24)), tp_degree=2)
+    assert plan["layers.*.up"] == ColwiseParallel() and plan["layers.*.down"] == RowwiseParallel()
+    # a size that divides in one kind only: refused naming that kind's first block
+    with pytest.raises(ValueError, match=r"'layers.1.up': 12 output features do not divide"):
+        auto(_Stack(_MLP(8, 16), _MLP(8, 12)), tp_degree=8)
 
 
 def test_refuses_shapes_that_do_not_chain():
@@ -365,3 +372,172 @@ def test_refuses_fused_qkv_interleaved_per_head():
         r"'gpt_neox.layers.\*.attention.query_key_value'",
     ):
         auto(model)
+
+
+# --------------------------------------------------------------------------- the zoo's kinds
+
+
+def _zoo_model(model_type: str, **fields) -> nn.Module:
+    """The tiny model test_zoo.py builds for ``model_type``, on the meta device."""
+    from test_zoo import _meta_model
+
+    return _meta_model(model_type, **fields)
+
+
+@needs_transformers
+def test_mixture_of_experts_with_a_dense_layer():
+    # Qwen3-MoE, layer 0 dense: the dense MLP's keys name layer 0's only, with '*'
+    model = _zoo_model("qwen3_moe")
+    plan = auto(model, tp_degree=2)
+    assert plan["model.layers.*.mlp.gate_proj"] == ColwiseParallel()
+    assert plan["model.layers.*.mlp.down_proj"] == RowwiseParallel()
+    assert plan["model.layers.*.mlp.experts"] == TensorParallelExperts()
+    assert not any("mlp.gate" == k.rpartition("layers.*.")[2] for k in plan)  # router: whole
+    # every parameter of the experts sharded, the router's replicated
+    placements = _placements(model, plan)
+    assert placements["model.layers.1.mlp.experts.gate_up_proj"] is not None
+    assert placements["model.layers.1.mlp.gate.weight"] is None
+    assert placements["model.layers.0.mlp.gate_proj.weight"] == Shard(0)
+    # shared experts: planned as MLPs inside the mixture of experts (DeepSeek-V3)
+    plan = auto(_zoo_model("deepseek_v3"), tp_degree=2)
+    assert plan["model.layers.*.mlp.shared_experts.gate_proj"] == ColwiseParallel()
+    assert plan["model.layers.*.mlp.shared_experts.down_proj"] == RowwiseParallel()
+    # the experts' hidden size must divide
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.experts': the experts' hidden"):
+        auto(_zoo_model("qwen3_moe", moe_intermediate_size=6, num_key_value_heads=4), tp_degree=4)
+
+
+class _Experts(nn.Module):
+    def __init__(self, gate_up: tuple, down: tuple) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(gate_up))
+        self.down_proj = nn.Parameter(torch.zeros(down))
+
+
+class _MoE(nn.Module):
+    def __init__(self, gate_up: tuple = (4, 32, 8), down: tuple = (4, 8, 16)) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = _Experts(gate_up, down)
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        self.mlp = _MLP(8, 16)
+        self.moe = moe
+
+
+def test_stacked_experts():
+    plan = auto(_Stack(_MoEBlock(_MoE()), _MoEBlock(_MoE())), tp_degree=2)
+    assert plan["layers.*.moe.experts"] == TensorParallelExperts()
+    assert "layers.*.moe.router" not in plan
+    # shapes that are not SwiGLU experts: refused
+    bad = _MoE(gate_up=(4, 24, 8))
+    with pytest.raises(ValueError, match=r"'layers.\*.moe.experts' \(_Experts: gate_up_proj"):
+        auto(_Stack(_MoEBlock(bad), _MoEBlock(bad)))
+
+
+@needs_transformers
+def test_hybrid_blocks_leave_mixers_replicated():
+    # Qwen3-Next: a gated delta net (linear attention) then softmax attention with a gated
+    # query; the mixer is left whole, with a warning naming it
+    model = _zoo_model("qwen3_next")
+    with pytest.warns(ReplicatedModulesWarning, match=r"'model.layers.\*.linear_attn'") as got:
+        plan = auto(model, tp_degree=2)
+    assert got[0].message.modules == ("model.layers.*.linear_attn",)
+    assert not any(".linear_attn" in key for key in plan)
+    assert plan["model.layers.*.self_attn.q_proj"] == ColwiseParallel()
+    assert plan["model.layers.*.self_attn.q_norm"] == ReplicateParallel(sum_gradients=True)
+    assert isinstance(plan["model.layers.*.self_attn"], AttentionHeads)
+
+
+@needs_transformers
+def test_norm_over_all_heads_keeps_attention_whole():
+    # OLMo-2's q_norm/k_norm normalize the whole projection: the attention runs with every
+    # head on every rank, its projections' weights sharded (transformers' plan does this)
+    plan = auto(_zoo_model("olmo2"), tp_degree=2)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert plan[f"model.layers.*.self_attn.{name}"] == ColwiseParallel(
+            output_layouts=Replicate()
+        )
+    assert plan["model.layers.*.self_attn.o_proj"] == RowwiseParallel(input_layouts=Replicate())
+    assert "model.layers.*.self_attn" not in plan and "model.layers.*.self_attn.q_norm" not in plan
+
+
+@needs_transformers
+def test_attention_sinks_shard_with_the_heads():
+    plan = auto(_zoo_model("granite_swa"), tp_degree=2)
+    assert plan["model.layers.*.self_attn"] == LocalParamsParallel({"sinks": Shard(0)})
+    # MiMo-V2-Flash: sinks in one kind of layer only
+    plan = auto(_zoo_model("mimo_v2_flash"), tp_degree=2)
+    assert plan["model.layers.1.self_attn"] == LocalParamsParallel({"sinks": Shard(0)})
+    assert isinstance(plan["model.layers.0.self_attn"], AttentionHeads)
+
+
+@needs_transformers
+def test_multi_head_latent_attention():
+    plan = auto(_zoo_model("deepseek_v3"), tp_degree=2)
+    attention = "model.layers.*.self_attn"
+    assert plan[f"{attention}.kv_a_proj_with_mqa"] == MLAKVAProjParallel(4)
+    assert plan[f"{attention}.q_b_proj"] == ColwiseParallel()
+    assert plan[f"{attention}.kv_b_proj"] == ColwiseParallel()
+    assert plan[f"{attention}.o_proj"] == RowwiseParallel()
+    assert f"{attention}.q_a_proj" not in plan  # whole: its output feeds a norm
+    assert f"{attention}.kv_a_layernorm" not in plan
+    # MiniCPM3 too
+    plan = auto(_zoo_model("minicpm3"), tp_degree=2)
+    assert plan[f"{attention}.kv_a_proj_with_mqa"] == MLAKVAProjParallel(4)
+
+
+@needs_transformers
+def test_learned_activation_sums_its_gradient():
+    # Apertus's xIELU activation has single-value parameters, applied to this rank's slice
+    plan = auto(_zoo_model("apertus"), tp_degree=2)
+    assert plan["model.layers.*.mlp.act_fn"] == ReplicateParallel(sum_gradients=True)
+
+
+class _SinkAttention(nn.Module):
+    def __init__(self, sinks: int) -> None:
+        super().__init__()
+        self.n_heads = 2
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+        self.sinks = nn.Parameter(torch.zeros(sinks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.q(x) + self.k(x) + self.v(x))
+
+
+class _SinkBlock(nn.Module):
+    def __init__(self, sinks: int) -> None:
+        super().__init__()
+        self.attn = _SinkAttention(sinks)
+        self.mlp = _MLP(8, 16)
+
+
+def test_refuses_attention_parameters_other_than_sinks():
+    plan = auto(_Stack(_SinkBlock(2), _SinkBlock(2)), tp_degree=2)
+    assert plan["layers.*.attn"] == LocalParamsParallel({"sinks": Shard(0)})
+    with pytest.raises(ValueError, match=r"holds parameters of its own \(sinks \[3\]\)"):
+        auto(_Stack(_SinkBlock(3), _SinkBlock(3)))
+
+
+@needs_transformers
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "qwen3_next",  # a linear-attention mixer left whole, MoE with a shared expert, gated q
+        "olmo2",  # q/k norms over all heads: attention computed whole
+        "deepseek_v3",  # multi-head latent attention, a dense layer then MoE
+        "granite_swa",  # attention sinks
+        "apertus",  # a learned activation inside the MLP
+    ],
+)
+def test_new_capabilities_parity(model_type):
+    # test_zoo's parity check (logits, loss, every gradient, greedy generate) at TP=2, with
+    # auto()'s plan
+    from test_zoo_auto import _check
+
+    result = run_distributed(_check, 2, model_type, timeout=120.0)[0]
+    assert result["status"] == "pass", result

@@ -12,23 +12,27 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp.style import (
     AttentionHeads,
     ColwiseParallel,
+    LocalParamsParallel,
+    MLAKVAProjParallel,
     PackedColwiseParallel,
     ParallelStyle,
     ReplicateParallel,
     RowwiseParallel,
+    TensorParallelExperts,
 )
 
-__all__ = ["auto"]
+__all__ = ["ReplicatedModulesWarning", "auto"]
 
 # where head counts are looked up: the attention module's own attributes first, then the
 # model's config (the attention module's ``config``, then ``model.config``)
@@ -42,30 +46,61 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
     """Infer a Megatron-style tensor-parallel plan for a transformer, from its structure.
 
     The model must be built from ``nn.Linear`` (or transformers' ``Conv1D``), ``nn.Embedding``
-    and norm modules. Nothing is run and nothing is changed: a model on the meta device works,
-    and no process group is needed. The rules, in order:
+    and norm modules, with mixtures of experts stacked in 3-D parameters. Nothing is run and
+    nothing is changed: a model on the meta device works, and no process group is needed.
+    The rules, in order:
 
-    1. **Blocks.** The repeated blocks are the ``nn.ModuleList`` holding the most parameters.
-       All its children must have the same structure (module paths, types and parameter
-       shapes), and no other ``nn.ModuleList`` outside it may hold Linear layers (an encoder
-       and a decoder, a vision tower): else refuse. Plan keys use ``*`` for the block index.
-    2. **Groups.** Inside a block, the Linear-like layers are grouped by their parent module
-       (the attention, the MLP). The hidden size is the width that every group both reads
-       and writes (the input embedding's width breaks a tie). In a group, the last
-       registered layer writing the hidden size is row-parallel (``RowwiseParallel()``);
-       the other layers must read the hidden size, and are column-parallel. The shapes must
-       chain: the row-parallel layer reads what a column-parallel sibling writes
-       (``ColwiseParallel()``), or one part of a fused one: ``PackedColwiseParallel(3)`` for a
-       fused q/k/v writing 3 x the row-parallel's input beside a square row-parallel layer
-       (GPT-2's ``c_attn``), ``PackedColwiseParallel(2)`` for a fused pair writing 2 x it
-       (a fused gate/up). A group whose column-parallel layers make three parts (q, k and v:
-       three layers, a fused one, or a query beside a fused key/value) is an attention;
-       its k and v may be narrower (grouped-query attention). One or two parts, each
-       writing exactly what the row-parallel layer reads, is an MLP. Anything else is
-       refused (a group without a layer writing the hidden size, layers reading another
-       width, shapes that do not chain), and so is a block holding a nested
-       ``nn.ModuleList`` of Linear layers (mixture of experts).
-    3. **Heads.** An attention group's parent gets ``AttentionHeads(...)`` when the head
+    1. **Blocks.** The repeated blocks are the ``nn.ModuleList`` holding the most parameters;
+       no other ``nn.ModuleList`` outside it may hold Linear layers (an encoder and a decoder,
+       a vision tower): else refuse. Blocks of the same structure (module paths, types and
+       parameter shapes) are one *kind*, planned once. A key uses ``*`` for the block index
+       when every block holding that path gets the same style (a dense MLP's keys in a model
+       whose first layer only is dense: ``*`` names just it), else one key per block
+       (``layers.0.self_attn``, ``layers.1.self_attn``).
+    2. **Units.** Each child of a block holding Linear layers or stacked experts is planned on
+       its own:
+
+       * a *mixer auto() cannot split* (a convolution inside, parameters of its own such as a
+         state space's ``A_log``/``D``, not attention sinks, or a class named for Mamba,
+         linear attention, a delta rule, lightning attention, ...) is left out of the plan:
+         every rank computes it whole on the replicated residual stream, which is correct
+         but not sharded. :func:`auto` says so with a :class:`ReplicatedModulesWarning`
+         naming the modules (its ``modules`` attribute). So are Linear layers right in a
+         block that has an MLP child (Gemma's per-layer input gate), whose use forward
+         alone knows.
+       * a *mixture of experts* (a child holding ``gate_up_proj`` ``[E, 2I, H]`` and
+         ``down_proj`` ``[E, H, I]``, or both transposed): the experts get
+         ``TensorParallelExperts()``; its routers and gates stay whole (replicated, on the
+         replicated tokens); a shared expert inside it that is an MLP is planned as one
+         (rule 3). Other stacked parameters, or experts of other shapes, are refused. A child
+         whose Linear layers all write the expert count (a router beside the experts) stays
+         whole too.
+       * anything else is planned by its groups of Linear layers (rule 3), or refused.
+    3. **Groups.** Inside a unit, the Linear-like layers are grouped by their parent module
+       (the attention, the MLP). The hidden size is the input embedding's width when a group
+       reads and writes it, else the width that every group both reads and writes. In a group,
+       the last registered layer writing the hidden size is row-parallel
+       (``RowwiseParallel()``); the other layers must read the hidden size, and are
+       column-parallel. The shapes must chain: the row-parallel layer reads what a
+       column-parallel sibling writes (``ColwiseParallel()``), or one part of a fused one:
+       ``PackedColwiseParallel(3)`` for a fused q/k/v writing 3 x the row-parallel's input
+       beside a square row-parallel layer (GPT-2's ``c_attn``), ``PackedColwiseParallel(2)``
+       for a fused pair writing 2 x it (a fused gate/up). A group whose column-parallel
+       layers make three parts (q, k and v: three layers, a fused one, or a query beside a
+       fused key/value) is an attention; its k and v may be narrower (grouped-query
+       attention), and its query may write twice the heads' width when forward views it per
+       head as ``(..., heads, self.head_dim * 2)`` (Qwen3-Next's gated query). One or two
+       parts, each writing exactly what the row-parallel layer reads, is an MLP.
+       **Multi-head latent attention** (DeepSeek-V2/V3, MiniCPM3): down-projections reading
+       the hidden size, each feeding an up-projection that reads all it writes (the query's
+       ``q_a_proj`` -> ``q_b_proj``) or all but a rotary part (``kv_a_proj_with_mqa`` ->
+       ``kv_b_proj``, the rotary width equal to ``qk_rope_head_dim``), and ``o_proj``: the
+       query's down-projection stays whole, the key/value one is
+       ``MLAKVAProjParallel(rope_dim)``, the up-projections (or a plain ``q_proj``) are
+       column-parallel. Anything else is refused (a group without a layer writing the hidden
+       size, layers reading another width, shapes that do not chain, a nested
+       ``nn.ModuleList`` of Linear layers).
+    4. **Heads.** An attention group's parent gets ``AttentionHeads(...)`` when the head
        counts can be found: attributes of the attention module (``num_heads``, ``n_heads``,
        ``num_key_value_heads``, ...), of its ``config``, or of ``model.config``
        (``num_attention_heads``/``n_head``, ``num_key_value_heads``), named by attribute
@@ -76,16 +111,24 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
        equal the query width or a head count are divided by the TP degree
        (``divide=...``) when their name says they are such a size (``num_heads``,
        ``split_size``, ``embed_dim``, ...) or forward splits by them; ignored when their name
-       says otherwise (``head_dim``, ``layer_idx``, ...) or their value differs between
-       blocks; refused otherwise (a ``self.window`` equal to the width by chance).
-       A name saying "attention" or "attn" on a group shaped like an MLP is refused.
-    4. **Fused projections.** A fused q/k/v needs head counts, as many key/value heads as
+       says otherwise (``head_dim``, ``layer_idx``, ``rotary_ndims``, the latent sizes of
+       multi-head latent attention, ...) or their value differs between blocks; refused
+       otherwise (a ``self.window`` equal to the width by chance). A name saying "attention"
+       or "attn" on a group shaped like an MLP is refused. **Attention sinks** (a parameter
+       ``sinks [heads]`` of the attention itself) shard with the heads: the attention gets
+       ``LocalParamsParallel({"sinks": Shard(0)})`` instead (refused if it also needs
+       ``divide``). **A norm over all the heads** at once inside the attention (OLMo-2's
+       ``q_norm`` of the whole query width) needs every head on every rank: q, k and v
+       become ``ColwiseParallel(output_layouts=Replicate())`` and the output projection
+       ``RowwiseParallel(input_layouts=Replicate())`` (weights sharded, attention computed
+       whole, as transformers plans OLMo-2), and the attention gets no style.
+    5. **Fused projections.** A fused q/k/v needs head counts, as many key/value heads as
        query heads, and a ``forward`` that splits it into ``[q | k | v]`` blocks: by an
        attribute equal to one part's width (GPT-2's ``.split(self.split_size, dim=2)``,
        that attribute is divided) or by ``self.<fused>(x).chunk(3, ...)``; a reshape per
        head first (GPT-NeoX, Bloom) is refused. A fused gate/up needs a ``forward`` that
        calls ``.chunk(2, ...)`` and reads no attribute equal to one half's width.
-    5. **Embedding and head.** The input embedding (``model.get_input_embeddings()``, else
+    6. **Embedding and head.** The input embedding (``model.get_input_embeddings()``, else
        the ``nn.Embedding`` outside the blocks whose vocabulary is the head's output size)
        is ``RowwiseParallel(input_layouts=Replicate())``; the output head (the one Linear
        outside the blocks reading the embedding's width, the hidden size, and writing its
@@ -93,21 +136,26 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
        ``ColwiseParallel(output_layouts=Replicate())``. Tied embedding and head weights are
        fine (both ``Shard(0)``; torch_tp keeps them tied). Other embeddings (positions) stay
        out of the plan, as do all other modules outside the blocks.
-    6. **Everything else** in a block stays out of the plan (replicated): norms, dropouts,
+    7. **Everything else** in a block stays out of the plan (replicated): norms, dropouts,
        any module whose parameters are scalars or 1-D of the hidden size, outside the
-       attention and MLP modules. Inside an attention, a module whose parameters are 1-D of
-       the head size (per-head ``q_norm``/``k_norm``, as in Qwen3) sees only this rank's
-       heads: ``ReplicateParallel(sum_gradients=True)``. Any other parameter in a block is
-       refused (a router, 3-D expert weights, a bias of per-head values).
+       planned groups. Inside a sharded attention or MLP, what sees only this rank's share
+       sums its gradient over the ranks, ``ReplicateParallel(sum_gradients=True)``: a module
+       whose parameters are 1-D of the head size (per-head ``q_norm``/``k_norm``, as in
+       Qwen3) and an element-wise module with single-value parameters (Apertus's learned
+       activation). The latent norms of multi-head latent attention see whole latents and
+       stay replicated. Any other parameter in a block is refused (a bias of per-head
+       values on a module of its own, ...).
 
     With ``tp_degree``, the plan is refused when a head count, a column-parallel layer's
-    output (per part), a row-parallel layer's input or a divided attribute does not divide
-    by it (vocabularies need not: uneven vocabulary shards are supported).
+    output (per part), a row-parallel layer's input, the experts' hidden size or a divided
+    attribute does not divide by it (vocabularies need not: uneven vocabulary shards are
+    supported).
 
     The plan is communication-optimal in normal runs: column-parallel layers reading the same
     tensor (q, k and v; gate and up) share one backward all-reduce at run time, so no
     ``PrepareModuleInput`` is needed. It checks structure, not what ``forward`` computes:
-    verify a new model with :func:`torch_tp.testing.check_parity`.
+    verify a new model with :func:`torch_tp.testing.check_parity` (``test/test_zoo_auto.py``
+    does so for every transformers causal LM with a tensor-parallel plan).
 
     Args:
         model: the model to plan for (on any device, including meta).
@@ -117,12 +165,18 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
             Default: ``None`` (no check).
 
     Returns:
-        A dict from module paths (``*`` over the blocks) to styles: the embedding, then each
-        block's groups in registration order (then its per-head norms), then the head.
+        A dict from module paths (``*`` over the blocks, or block indices where kinds of
+        blocks differ) to styles: the embedding, then each kind of block's units in
+        registration order (a group's layers, then the block's other styled modules), then
+        the head.
 
     Raises:
         ValueError: the structure is ambiguous or unsupported, or a size does not divide by
             ``tp_degree``; the message names the module path and what was found.
+
+    Warns:
+        ReplicatedModulesWarning: some mixers are left replicated (rule 2); the warning's
+            ``modules`` lists their plan-key paths.
 
     Example::
         >>> import torch
@@ -139,34 +193,307 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
     ):
         raise ValueError(f"tp_degree must be a positive int, found {tp_degree!r}")
     blocks_path, blocks = _find_blocks(model)
-    prefix = f"{blocks_path}.*"
-    block = blocks[0]
-    groups = _linear_groups(block, prefix)
     embedding = _input_embedding(model, blocks_path)
     head = _output_head(model, blocks_path, embedding)
     if head is not None:
         embedding = embedding or head[2]
-    hidden = _hidden_size(groups, embedding, prefix)
+    kinds = _block_kinds(blocks)
+    first_prefix = _kind_prefix(blocks_path, kinds, 0)
+    hidden = _hidden_size(
+        _linear_groups(blocks[kinds[0][0]], first_prefix), embedding, first_prefix
+    )
+
+    planned: list[_BlockPlan] = []
+    for k, indices in enumerate(kinds):
+        prefix = _kind_prefix(blocks_path, kinds, k)
+        members = [blocks[i] for i in indices]
+        block_plan = _plan_block(model, members, hidden, prefix)
+        block_plan.indices = indices
+        if tp_degree is not None:
+            _check_degree(block_plan, members[0], tp_degree)
+        planned.append(block_plan)
 
     plan: dict[str, ParallelStyle] = {}
     if embedding is not None:
         plan[embedding[0]] = RowwiseParallel(input_layouts=Replicate())
-    for group in groups:
-        _assign(group, hidden, block.get_submodule(group.parent))
-        if group.kind == "attention":
-            heads = _attention_heads(model, blocks, group)
-            if heads is not None:
-                plan[group.key] = heads
-        elif any(layer.parts > 1 for layer in group.columns):
-            _check_fused_mlp(blocks, group)
-        for layer in group.layers:
-            plan[layer.key] = layer.style
-    plan.update(_other_parameters(block, groups, hidden, prefix))
+    plan.update(_merge(blocks_path, blocks, planned))
     if head is not None:
         plan[head[0]] = ColwiseParallel(output_layouts=Replicate())
-    if tp_degree is not None:
-        _check_degree(plan, groups, block, tp_degree)
+    replicated = list(
+        dict.fromkeys(key for _, key in _merged_paths(blocks_path, blocks, planned, "replicated"))
+    )
+    if replicated:
+        warnings.warn(
+            ReplicatedModulesWarning(
+                f"auto() leaves {', '.join(repr(k) for k in replicated)} replicated: mixers it "
+                "cannot split (state-space, linear-attention or convolution mixers, attention "
+                "with parameters of its own) or Linear layers right in a block beside its MLP; "
+                "every rank computes them whole, correct but not sharded",
+                replicated,
+            ),
+            stacklevel=2,
+        )
     return plan
+
+
+class ReplicatedModulesWarning(UserWarning):
+    """:func:`auto` left these modules (plan-key paths, in :attr:`modules`) replicated: every
+    rank keeps and computes them whole."""
+
+    def __init__(self, message: str, modules: list[str]) -> None:
+        super().__init__(message)
+        self.modules = tuple(modules)
+
+
+# ------------------------------------------------------------------------------------------
+# kinds of blocks, and one plan for each
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _BlockPlan:
+    styles: dict[str, ParallelStyle]  # path inside the block -> style, in plan order
+    replicated: list[str]  # paths inside the block of mixers left replicated
+    groups: list[_Group]  # the planned groups (for the TP degree check)
+    experts: list[str]  # paths of stacked experts
+    prefix: str = ""  # how errors name this kind of block
+    indices: list[int] = field(default_factory=list)
+
+
+def _block_kinds(blocks: nn.ModuleList) -> list[list[int]]:
+    """The indices of the blocks, grouped by structure (types, paths, parameter shapes)."""
+    kinds: dict[tuple, list[int]] = {}
+    for i, block in enumerate(blocks):
+        signature = tuple(_structure(block))
+        kinds.setdefault(signature, []).append(i)
+    return list(kinds.values())
+
+
+def _kind_prefix(blocks_path: str, kinds: list[list[int]], k: int) -> str:
+    """How errors name a kind of block: ``layers.*`` when all are alike, else its first index."""
+    return _join(blocks_path, "*" if len(kinds) == 1 else str(kinds[k][0]))
+
+
+def _has_path(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _merged_paths(
+    blocks_path: str, blocks: nn.ModuleList, planned: list[_BlockPlan], what: str
+) -> list[tuple[str, str]]:
+    """``(path inside the block, plan key)`` of each entry of the kinds' ``what``: a ``*`` key
+    where every block holding that path gives it the same entry, else one key per block."""
+    order: dict[str, None] = {}
+    for block_plan in planned:
+        entries = getattr(block_plan, what)
+        order.update(dict.fromkeys(entries))
+    merged = []
+    for path in order:
+        owners = [bp for bp in planned if path in getattr(bp, what)]
+        values = [bp.styles[path] if what == "styles" else True for bp in owners]
+        covered = sorted(i for bp in owners for i in bp.indices)
+        holding = [i for i, block in enumerate(blocks) if _has_path(block, path)]
+        if all(v == values[0] for v in values) and covered == holding:
+            merged.append((path, _join(_join(blocks_path, "*"), path)))
+        else:
+            merged += [(path, _join(_join(blocks_path, str(i)), path)) for i in covered]
+    return merged
+
+
+def _merge(
+    blocks_path: str, blocks: nn.ModuleList, planned: list[_BlockPlan]
+) -> dict[str, ParallelStyle]:
+    styles = {}
+    for path, key in _merged_paths(blocks_path, blocks, planned, "styles"):
+        index = key[len(blocks_path) :].lstrip(".").partition(".")[0]
+        owner = next(
+            bp for bp in planned if path in bp.styles and (index == "*" or int(index) in bp.indices)
+        )
+        styles[key] = owner.styles[path]
+    return styles
+
+
+def _plan_block(model: nn.Module, members: list[nn.Module], hidden: int, prefix: str) -> _BlockPlan:
+    """The plan of one kind of block (``members``, alike), as paths inside the block.
+
+    Each child of the block holding Linear layers is planned on its own: a mixer auto()
+    cannot split (state space, linear attention, convolution) is left replicated, a
+    mixture of experts gets its stacked experts sharded and its shared experts planned as
+    MLPs (its routers stay whole), and an attention or MLP is planned as before.
+    """
+    block = members[0]
+    groups = _linear_groups(block, prefix)
+    # the units: the children of the block (and the block itself, for Linear layers right
+    # in it) holding Linear layers or stacked experts, in registration order
+    names = ["", *(name for name, _ in block.named_children())]
+    units = {name: [g for g in groups if g.parent.partition(".")[0] == name] for name in names}
+    moe = {name for name in names if name and _stacked_experts_quiet(block, name)}
+    units = {
+        name: found
+        for name, found in units.items()
+        if found or name in moe or name and _has_conv(block.get_submodule(name))
+    }
+    result = _BlockPlan({}, [], [], [], prefix)
+    counts = {
+        block.get_submodule(path).gate_up_proj.shape[0]
+        for name in moe
+        for path in _stacked_experts_quiet(block, name)
+    }
+    routers: set[str] = set()
+    for name, unit_groups in units.items():
+        unit = block.get_submodule(name)
+        if name in moe:
+            experts = _stacked_experts(unit, name, prefix)
+            result.experts += experts
+            for group in unit_groups:
+                try:
+                    _assign(group, hidden, block.get_submodule(group.parent))
+                except ValueError:
+                    continue  # a router or a gate: whole, on the replicated tokens
+                if group.kind != "mlp":
+                    raise ValueError(
+                        f"{_where(group)} inside the mixture of experts '{_join(prefix, name)}' "
+                        f"looks like an {group.kind}: auto() knows shared-expert MLPs there; "
+                        "write the plan by hand"
+                    )
+                _plan_group(model, members, group, result)
+            for path in experts:
+                result.styles[path] = TensorParallelExperts()
+            continue
+        if (
+            name
+            and unit_groups
+            and all(layer.out_features in counts for g in unit_groups for layer in g.layers)
+        ):
+            routers.add(name)  # a router beside experts (Gemma 4): whole, on whole tokens
+            continue
+        if name and _is_mixer(unit):
+            result.replicated.append(name)
+            continue
+        if not name and len(units) > 1 and any(_holds_mlp(block, n) for n in units if n):
+            # Linear layers right in a block that has its own MLP (Gemma's per-layer input
+            # gate): what forward combines them with is unknown; every rank computes them
+            result.replicated += [layer.name for group in unit_groups for layer in group.layers]
+            continue
+        for group in unit_groups:
+            _assign(group, hidden, block.get_submodule(group.parent))
+            _plan_group(model, members, group, result)
+    skipped = set(result.replicated) | moe | routers
+    result.styles.update(_other_parameters(block, result.groups, hidden, prefix, skipped))
+    return result
+
+
+def _holds_mlp(block: nn.Module, name: str) -> bool:
+    """Whether the child ``name`` of the block is a mixture of experts or names itself an MLP
+    (``mlp``, ``feed_forward``, ``ffn``)."""
+    child = block.get_submodule(name)
+    words = f"{name} {type(child).__name__}".lower()
+    return bool(_stacked_experts_quiet(block, name)) or any(
+        w in words for w in ("mlp", "feed_forward", "feedforward", "ffn", "moe")
+    )
+
+
+def _plan_group(
+    model: nn.Module, members: list[nn.Module], group: _Group, result: _BlockPlan
+) -> None:
+    if group.kind in ("attention", "mla"):
+        attention = members[0].get_submodule(group.parent)
+        if group.kind == "attention" and _full_width_norms(model, attention, group):
+            _gather_attention(group)
+        else:
+            heads = _attention_heads(model, members, group)
+            sinks = _sinks(attention, group)
+            if sinks:
+                if heads is not None and heads.divide:
+                    raise ValueError(
+                        f"{_where(group)} has attention sinks and reads sizes that must become "
+                        f"per-rank ({', '.join(heads.divide)}): no style does both; write the "
+                        "plan by hand"
+                    )
+                result.styles[group.parent] = LocalParamsParallel({"sinks": Shard(0)})
+            elif heads is not None:
+                result.styles[group.parent] = heads
+    elif any(layer.parts > 1 for layer in group.columns):
+        _check_fused_mlp(members, group)
+    for layer in group.layers:
+        if layer.style is not None:
+            result.styles[layer.name] = layer.style
+    result.groups.append(group)
+
+
+# a token mixer that is not softmax attention, by the words of its class name
+_MIXER_WORDS = ("mamba", "ssm", "lightning", "delta", "conv", "recurren", "rwkv", "retention")
+
+
+def _has_conv(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+
+
+def _is_mixer(unit: nn.Module) -> bool:
+    """A child of a block that auto() leaves replicated: a convolution inside, parameters of
+    its own (a state space's ``A_log``, ``D``, ``dt_bias``; not attention sinks), or a class
+    named for a mixer other than softmax attention."""
+    if _has_conv(unit):
+        return True
+    own = [name for name, _ in unit.named_parameters(recurse=False)]
+    if own and own != ["sinks"]:
+        return True
+    words = [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+", type(unit).__name__)]
+    linear_attention = "linear attention" in " ".join(words)
+    return linear_attention or any(w.startswith(_MIXER_WORDS) for w in words)
+
+
+def _stacked_experts_quiet(block: nn.Module, name: str) -> list[str]:
+    unit = block.get_submodule(name)
+    return [
+        _join(name, path)
+        for path, module in unit.named_modules()
+        if all(
+            isinstance(getattr(module, p, None), torch.Tensor) and getattr(module, p).ndim == 3
+            for p in ("gate_up_proj", "down_proj")
+        )
+    ]
+
+
+def _stacked_experts(unit: nn.Module, name: str, prefix: str) -> list[str]:
+    """The paths (inside the block) of the stacked experts in ``unit``, checked: SwiGLU
+    experts ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` (or both
+    transposed) and no other parameter, or refuse."""
+    found = []
+    for path, module in unit.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not all(isinstance(p, torch.Tensor) and p.ndim == 3 for p in (gate_up, down)):
+            continue
+        key = _join(prefix, _join(name, path))
+        others = sorted(
+            n for n, _ in module.named_parameters() if n not in ("gate_up_proj", "down_proj")
+        )
+        (e, a, b), (e2, c, d) = gate_up.shape, down.shape
+        plain = a == 2 * d and b == c and e == e2
+        transposed = b == 2 * c and a == d and e == e2
+        if others or not (plain or transposed):
+            raise ValueError(
+                f"'{key}' ({type(module).__name__}: gate_up_proj {list(gate_up.shape)}, "
+                f"down_proj {list(down.shape)}{', ' + ', '.join(others) if others else ''}): "
+                "auto() shards stacked SwiGLU experts (gate_up_proj [E, 2I, H] and down_proj "
+                "[E, H, I], or both transposed) with no other parameter; write the plan by hand"
+            )
+        found.append(_join(name, path))
+    for path, module in unit.named_modules():
+        if _join(name, path) in found:
+            continue
+        stacked = [n for n, p in module.named_parameters(recurse=False) if p.ndim >= 3]
+        if stacked:
+            raise ValueError(
+                f"'{_join(prefix, _join(name, path))}' ({type(module).__name__}) holds stacked "
+                f"parameters {stacked} beside the experts: auto() knows only stacked SwiGLU "
+                "experts (gate_up_proj, down_proj); write the plan by hand"
+            )
+    return found
 
 
 # ------------------------------------------------------------------------------------------
@@ -197,15 +524,6 @@ def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             f"{type(blocks[0]).__name__}); auto() plans one stack: call it on the submodule "
             "holding each and prefix the keys, or write the plan by hand"
         )
-    first = _structure(blocks[0])
-    for i, child in enumerate(blocks):
-        difference = _first_difference(first, _structure(child))
-        if difference is not None:
-            raise ValueError(
-                f"the blocks of {where} differ: '{_join(path, str(i))}' has {difference[1]} "
-                f"where '{_join(path, '0')}' has {difference[0]}; auto() needs identical "
-                "blocks (one plan entry per layer with '*')"
-            )
     return path, blocks
 
 
@@ -226,22 +544,6 @@ def _structure(block: nn.Module) -> list[tuple[str, str, tuple]]:
         )
         for path, module in block.named_modules()
     ]
-
-
-def _first_difference(a: list, b: list) -> tuple[str, str] | None:
-    def show(entry: tuple | None) -> str:
-        if entry is None:
-            return "nothing"
-        path, kind, params = entry
-        shapes = ", ".join(f"{n} {list(s)}" for n, s in params)
-        return f"'{path or '(the block)'}' ({kind}{': ' + shapes if shapes else ''})"
-
-    for i in range(max(len(a), len(b))):
-        x = a[i] if i < len(a) else None
-        y = b[i] if i < len(b) else None
-        if x != y:
-            return show(x), show(y)
-    return None
 
 
 # ------------------------------------------------------------------------------------------
@@ -265,7 +567,7 @@ def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Layer:
     name: str  # path inside the block
     key: str  # plan key
@@ -273,6 +575,7 @@ class _Layer:
     out_features: int
     style: ParallelStyle | None = None
     parts: int = 1
+    gated: bool = False  # a query projection writing [q | gate] per head (2 x the heads)
 
 
 @dataclass
@@ -280,10 +583,12 @@ class _Group:
     parent: str  # path of the parent module inside the block ("" for the block itself)
     key: str  # plan key of the parent
     layers: list[_Layer]
-    kind: str = ""  # "attention" or "mlp"
+    kind: str = ""  # "attention", "gathered" (attention computed whole), "mla" or "mlp"
     row: _Layer | None = None
     columns: list[_Layer] = field(default_factory=list)
     heads: tuple[int, int] | None = None  # (query, key/value) head counts, if found
+    latents: tuple[int, ...] = ()  # multi-head latent attention: the latent widths
+    rope: int = 0  # multi-head latent attention: the rotary width of the key/value latent
 
 
 def _linear_groups(block: nn.Module, prefix: str) -> list[_Group]:
@@ -292,8 +597,8 @@ def _linear_groups(block: nn.Module, prefix: str) -> list[_Group]:
         if path and isinstance(module, nn.ModuleList) and _has_linear(module):
             raise ValueError(
                 f"'{_join(prefix, path)}' is a nn.ModuleList of Linear layers inside the "
-                "repeated blocks (mixture of experts?): auto() does not plan experts; write "
-                "the plan by hand"
+                "repeated blocks (experts, or several attentions): auto() plans experts "
+                "stacked in 3-D parameters only; write the plan by hand"
             )
         shape = _linear_shape(module)
         if shape is None:
@@ -317,8 +622,11 @@ def _hidden_size(groups: list[_Group], embedding: tuple | None, prefix: str) -> 
         candidates = (ins & outs) if candidates is None else candidates & ins & outs
     candidates = candidates or set()
     width = None if embedding is None else embedding[1].embedding_dim
-    if width in candidates:
-        return width
+    if width in candidates or any(
+        width in {x.in_features for x in g.layers} and width in {x.out_features for x in g.layers}
+        for g in groups
+    ):
+        return width  # the embedding's width, read and written by a group (routers neither)
     if len(candidates) == 1:
         return next(iter(candidates))
     found = "; ".join(
@@ -351,6 +659,8 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
     row = writers[-1]
     columns = [layer for layer in group.layers if layer is not row]
     strangers = [layer for layer in columns if layer.in_features != hidden]
+    if strangers and _assign_mla(group, hidden, row, columns, strangers):
+        return
     if strangers:
         raise ValueError(
             f"in {where}, {shapes(strangers)} do not read the hidden size {hidden} and are not "
@@ -369,17 +679,28 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
             layer.parts = 3
         elif layer.out_features == 2 * wide:
             layer.parts = 2
+    if (
+        len(columns) == 3
+        and columns[0].out_features == 2 * wide
+        and columns[1].out_features == columns[2].out_features
+        and wide % columns[1].out_features == 0
+        and _named_like_attention(group, module)
+    ):
+        # a gated query (Qwen3-Next): q_proj writes [q | gate] per head, beside k and v
+        for layer in columns:
+            layer.parts = 1
+        columns[0].gated = True
     parts = sum(layer.parts for layer in columns)
     exact = [layer for layer in columns if layer.parts > 1 or layer.out_features == wide]
     narrow = [layer for layer in columns if layer not in exact]
-    if not exact:
+    if not exact and not columns[0].gated:
         raise ValueError(
             f"the shapes in {where} do not chain: the row-parallel {row.name} reads "
             f"{wide} features, but the column-parallel layers write "
             f"{[x.out_features for x in columns]} ({shapes(columns)}); expected one of them "
             f"to write {wide} (or {2 * wide} or {3 * wide} for fused projections)"
         )
-    if parts == 3 and _kv_like(narrow, exact, wide):
+    if columns[0].gated or parts == 3 and _kv_like(narrow, exact, wide):
         group.kind = "attention"
     elif parts in (1, 2) and not narrow and not _named_like_attention(group, module):
         group.kind = "mlp"
@@ -394,6 +715,71 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
         layer.style = ColwiseParallel() if layer.parts == 1 else PackedColwiseParallel(layer.parts)
     row.style = RowwiseParallel()
     group.row, group.columns = row, columns
+
+
+def _assign_mla(
+    group: _Group, hidden: int, row: _Layer, columns: list[_Layer], ups: list[_Layer]
+) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3), or ``False``.
+
+    Down-projections read the hidden size; each up-projection reads what one of them writes
+    (``q_a_proj`` -> ``q_b_proj``, through a norm) or all of it but a rotary part
+    (``kv_a_proj_with_mqa`` -> ``kv_b_proj``). The query's down-projection stays whole (its
+    output's gradient is reduced by the column-parallel ``q_b_proj``), the key/value one is
+    ``MLAKVAProjParallel`` (its rotary part, read by every rank's heads, gets its gradient
+    summed), the up-projections (or a plain ``q_proj``) are column-parallel, ``o_proj``
+    row-parallel."""
+    downs = [layer for layer in columns if layer.in_features == hidden]
+    if len(downs) + len(ups) != len(columns) or len(ups) > 2:
+        return False
+    matches = {m for m in (_match_mla(downs, ups), _match_mla(downs, ups[::-1])) if m}
+    if len(matches) > 1:  # q_b and kv_b read latents of one width: kv_b is named so
+        matches = {m for m in matches if "kv" in m[3].name.rpartition(".")[2]}
+    if len(matches) != 1:
+        return False
+    query, q_down, kv_down, kv_up = matches.pop()
+    group.kind = "mla"
+    group.rope = kv_down.out_features - kv_up.in_features
+    group.latents = tuple(up.in_features for up in ups)
+    for layer in columns:
+        layer.parts = 1
+    query.style = ColwiseParallel()
+    kv_up.style = ColwiseParallel()
+    kv_down.style = MLAKVAProjParallel(group.rope)
+    row.style = RowwiseParallel()
+    group.row, group.columns = row, [query, kv_up]
+    return True
+
+
+def _match_mla(downs: list[_Layer], ups: list[_Layer]) -> tuple | None:
+    """``(query, its down-projection or None, key/value down, key/value up)``, pairing each
+    up-projection (in this order) with an unused down-projection: the one writing exactly
+    its input (the query's), else the one writing more (the key/value's, with the rotary
+    part); ``None`` where that does not pair them all."""
+    query = kv_down = kv_up = q_down = None
+    used: list[_Layer] = []
+    for up in ups:
+        free = [d for d in downs if all(d is not u for u in used)]
+        exact = [d for d in free if d.out_features == up.in_features]
+        wider = [d for d in free if d.out_features > up.in_features]
+        if len(exact) == 1 and query is None:
+            q_down, query = exact[0], up
+            used.append(exact[0])
+        elif not exact and len(wider) == 1 and kv_up is None:
+            kv_down, kv_up = wider[0], up
+            used.append(wider[0])
+        else:
+            return None
+    if kv_up is None:
+        return None
+    rest = [d for d in downs if all(d is not u for u in used)]
+    if query is None:
+        if len(rest) != 1:
+            return None
+        query = rest[0]
+    elif rest:
+        return None
+    return query, q_down, kv_down, kv_up
 
 
 def _named_like_attention(group: _Group, module: nn.Module) -> bool:
@@ -451,6 +837,16 @@ _KEEP_NAMES = frozenset(
         "rotary_dim",
         "layer_idx",
         "layer_id",
+        "rotary_ndims",
+        "rotary_emb_dim",
+        "rope_dim",
+        # multi-head latent attention: per-head sizes and latent ranks
+        "qk_head_dim",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "kv_lora_rank",
+        "q_lora_rank",
     )
 )
 
@@ -476,6 +872,17 @@ def _attention_heads(
         _check_heads(group, where, *counts)
         group.heads = counts
     source = _source(type(attention), where, "attention")
+    if group.kind == "mla":
+        _check_rope(model, attention, group, where)
+    if any(layer.gated for layer in group.columns) and not re.search(
+        r"self\.head_dim\s*\*\s*2\b", source
+    ):
+        raise ValueError(
+            f"{where}: the query projection writes twice the query heads' width (a gated "
+            "query), and forward does not view it per head as '(..., heads, self.head_dim * "
+            "2)' before splitting query and gate: cannot tell that whole heads stay "
+            "together; write the plan by hand"
+        )
     split = _fused_split_sizes(attention, group, source, where) if fused else set()
     divide = _sizes_to_divide(blocks, group, source, counts, split, where)
     if heads is None:
@@ -486,6 +893,75 @@ def _attention_heads(
             )
         return None
     return AttentionHeads(heads[0], None if kv_heads is None else kv_heads[0], divide=divide)
+
+
+def _check_rope(model: nn.Module, attention: nn.Module, group: _Group, where: str) -> None:
+    """The key/value latent's last ``group.rope`` features must be its rotary part, as the
+    attention (or the config) names it (``qk_rope_head_dim``), else refuse."""
+    found = _count(model, attention, ("qk_rope_head_dim",))
+    if found is None or found[1] != group.rope:
+        raise ValueError(
+            f"{where} looks like multi-head latent attention with a rotary part of {group.rope} "
+            "features in its key/value down-projection, but "
+            + (
+                "no qk_rope_head_dim was found"
+                if found is None
+                else f"qk_rope_head_dim is {found[1]}"
+            )
+            + "; write the plan by hand"
+        )
+
+
+def _full_width_norms(model: nn.Module, attention: nn.Module, group: _Group) -> bool:
+    """Whether a norm inside the attention normalizes all the heads at once (OLMo-2's
+    ``q_norm`` over the whole query width): it needs every head on every rank."""
+    heads = _count(model, attention, _HEAD_NAMES)
+    wide = group.row.in_features
+    head_dim = wide // heads[1] if heads and heads[1] and wide % heads[1] == 0 else None
+    widths = {layer.out_features for layer in group.columns} | {wide}
+    planned = {layer.name.rpartition(".")[2] for layer in group.layers}
+    for name, module in attention.named_modules():
+        if not name or name in planned:
+            continue
+        params = list(module.parameters(recurse=False))
+        if params and all(
+            p.ndim == 1 and p.shape[0] in widths and p.shape[0] != head_dim for p in params
+        ):
+            return True
+    return False
+
+
+def _gather_attention(group: _Group) -> None:
+    """Attention computed whole on every rank, its projections' weights sharded (as
+    transformers plans OLMo-2): q, k and v gather their outputs, o splits its input."""
+    fused = [layer for layer in group.columns if layer.parts > 1 or layer.gated]
+    if fused:
+        raise ValueError(
+            f"{_where(group)} normalizes all its heads at once (a norm over the whole query "
+            f"width), which needs every head on every rank, and its '{fused[0].key}' is fused: "
+            "auto() gathers only separate q, k and v projections; write the plan by hand"
+        )
+    group.kind = "gathered"
+    for layer in group.columns:
+        layer.style = ColwiseParallel(output_layouts=Replicate())
+    group.row.style = RowwiseParallel(input_layouts=Replicate())
+
+
+def _sinks(attention: nn.Module, group: _Group) -> bool:
+    """Whether the attention has sinks (one learned logit per head, ``sinks [heads]``), which
+    shard with the heads; other parameters of its own are refused."""
+    own = dict(attention.named_parameters(recurse=False))
+    if not own:
+        return False
+    heads = None if group.heads is None else group.heads[0]
+    if list(own) != ["sinks"] or heads is None or tuple(own["sinks"].shape) != (heads,):
+        shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in own.items())
+        raise ValueError(
+            f"{_where(group)} ({type(attention).__name__}) holds parameters of its own "
+            f"({shapes}): auto() knows attention sinks there (sinks [heads], with the head "
+            "count found); write the plan by hand"
+        )
+    return True
 
 
 def _where(group: _Group) -> str:
@@ -515,9 +991,17 @@ def _check_heads(group: _Group, where: str, heads: int, kv_heads: int) -> None:
     problem = None
     if heads < 1 or kv_heads < 1 or wide % heads or heads % kv_heads:
         problem = f"{wide} features of the row-parallel {group.row.name} do not split into them"
+    elif group.kind == "mla":
+        if kv_heads != heads:
+            problem = "multi-head latent attention has a key/value head per query head"
+        for layer in group.columns:
+            if layer.out_features % heads:
+                problem = f"{layer.name} writes {layer.out_features} features"
     else:
         head_dim = wide // heads
         for layer in group.columns:
+            if layer.gated and layer.out_features == 2 * wide:
+                continue
             if layer.parts == 1 and layer.out_features not in (wide, kv_heads * head_dim):
                 problem = (
                     f"{layer.name} writes {layer.out_features} features, neither {heads} nor "
@@ -663,15 +1147,26 @@ def _source(kind: type, where: str, what: str) -> str:
 
 
 def _other_parameters(
-    block: nn.Module, groups: list[_Group], hidden: int, prefix: str
+    block: nn.Module, groups: list[_Group], hidden: int, prefix: str, skipped: set[str]
 ) -> dict[str, ParallelStyle]:
-    """Styles for the parameters of a block outside its Linear layers, or refuse.
+    """Styles for the parameters of a block outside its planned Linear layers (as paths
+    inside the block), or refuse.
 
-    Outside the attention and MLP modules, a module whose parameters are 1-D of the hidden
-    size (a norm) or scalars sees whole activations: it stays out of the plan (replicated).
-    Inside an attention, a module whose parameters are 1-D of the head size (per-head
-    ``q_norm``/``k_norm``) sees this rank's heads: ``ReplicateParallel(sum_gradients=True)``
-    sums its gradient over the ranks. Anything else is refused.
+    The children named in ``skipped`` (mixers left replicated, mixtures of experts) compute
+    on whole activations: their parameters stay out of the plan, but for the shared-expert
+    MLPs planned inside them. Outside the planned groups, a module whose parameters are 1-D
+    of the hidden size (a norm) or scalars sees whole activations: it stays out of the plan
+    (replicated). Inside a sharded attention or MLP:
+
+    * 1-D parameters of the head size (per-head ``q_norm``/``k_norm``) and single-value
+      parameters of an element-wise module (a learned activation) see this rank's share:
+      ``ReplicateParallel(sum_gradients=True)`` sums their gradient over the ranks;
+    * attention sinks on the attention itself are sharded with the heads (its style);
+    * in multi-head latent attention, 1-D parameters of a latent width (the norms between
+      the down- and up-projections) see whole latents: replicated;
+    * in an attention computed whole (``"gathered"``), everything is replicated.
+
+    Anything else is refused.
     """
     planned = {layer.name for group in groups for layer in group.layers}
     parents = [group for group in groups if group.parent]
@@ -686,6 +1181,8 @@ def _other_parameters(
             (g for g in parents if path == g.parent or path.startswith(f"{g.parent}.")), None
         )
         if inside is None:
+            if path.partition(".")[0] in skipped:
+                continue
             if all(p.ndim == 0 or tuple(p.shape) == (hidden,) for _, p in params):
                 continue
             raise ValueError(
@@ -694,22 +1191,34 @@ def _other_parameters(
                 f"parameters of the hidden size {hidden} (norms) and scalars replicated; write "
                 "the plan by hand"
             )
-        heads = inside.heads
-        head_dim = None if heads is None else inside.row.in_features // heads[0]
-        if (
-            inside.kind == "attention"
-            and path != inside.parent
-            and head_dim is not None
-            and all(tuple(p.shape) == (head_dim,) for _, p in params)
-        ):
-            styles[key] = ReplicateParallel(sum_gradients=True)
+        if inside.kind == "gathered":
             continue
+        if path == inside.parent:
+            if inside.kind == "attention" and [n for n, _ in params] == ["sinks"]:
+                continue  # sharded with the heads by the attention's own style
+        else:
+            heads = inside.heads
+            head_dim = None if heads is None else inside.row.in_features // heads[0]
+            shapes_1d = [tuple(p.shape) for _, p in params]
+            if (
+                inside.kind == "attention"
+                and head_dim is not None
+                and all(shape == (head_dim,) for shape in shapes_1d)
+            ):
+                styles[path] = ReplicateParallel(sum_gradients=True)
+                continue
+            if inside.kind == "mla" and all(
+                len(shape) == 1 and shape[0] in inside.latents for shape in shapes_1d
+            ):
+                continue
+            if not list(module.children()) and all(p.numel() == 1 for _, p in params):
+                styles[path] = ReplicateParallel(sum_gradients=True)
+                continue
         raise ValueError(
             f"'{key}' ({type(module).__name__}, {shapes}) is inside the {inside.kind} "
             f"{_where(inside)}, whose activations are split over the ranks: auto() only "
-            "knows per-head norms there (1-D parameters of the head size"
-            + (f" {head_dim}" if head_dim else ", and no head count was found")
-            + "); write the plan by hand"
+            "knows per-head norms, attention sinks, latent norms and single-value parameters "
+            "there; write the plan by hand"
         )
     return styles
 
@@ -794,13 +1303,8 @@ def _output_head(
 # ------------------------------------------------------------------------------------------
 
 
-def _check_degree(
-    plan: dict[str, ParallelStyle],
-    groups: list[_Group],
-    block: nn.Module,
-    n: int,
-) -> None:
-    for group in groups:
+def _check_degree(block_plan: _BlockPlan, block: nn.Module, n: int) -> None:
+    for group in block_plan.groups:
         if group.heads is not None:
             for what, count in zip(("query heads", "key/value heads"), group.heads, strict=True):
                 if count % n:
@@ -809,7 +1313,8 @@ def _check_degree(
                         "rank must hold whole heads)"
                     )
             attention = block.get_submodule(group.parent)
-            for name in plan[group.key].divide:
+            style = block_plan.styles.get(group.parent)
+            for name in getattr(style, "divide", ()):
                 value = getattr(attention, name)
                 if value % n:
                     raise ValueError(
@@ -828,6 +1333,15 @@ def _check_degree(
             raise ValueError(
                 f"'{group.row.key}': {group.row.in_features} input features do not divide by "
                 f"tp_degree {n}"
+            )
+    for path in block_plan.experts:
+        experts = block.get_submodule(path)
+        gate_up, down = experts.gate_up_proj.shape, experts.down_proj.shape
+        width = down[2] if gate_up[1] == 2 * down[2] else down[1]
+        if width % n:
+            raise ValueError(
+                f"'{_join(block_plan.prefix, path)}': the experts' hidden size {width} does not "
+                f"divide by tp_degree {n}"
             )
 
 

@@ -1,0 +1,244 @@
+"""The transformers zoo planned by :func:`torch_tp.plans.auto.auto`, at TP=2.
+
+The same architectures, tiny models and parity check as ``test/test_zoo.py`` (logits, loss,
+every gradient and 8 greedy ``generate`` tokens against one device), with the plan inferred
+from the model's structure (``auto(model, tp_degree=2)``) instead of transformers' own. An
+architecture ``auto`` refuses is recorded as a failure with the refusal's first line; one it
+plans must pass. The results live in ``test/zoo_auto_status.json`` (with each
+architecture's kind, dense or mixture-of-experts, and what ``auto`` left replicated); the
+test compares the live results with the file. Rewrite it with::
+
+    TORCH_TP_ZOO_UPDATE=1 python -m pytest test/test_zoo_auto.py
+
+and render it as a markdown table with ``python test/test_zoo_auto.py``. To work on a few
+architectures, name them: ``TORCH_TP_ZOO_ONLY=olmo2,qwen3_next`` runs (and compares, or
+rewrites the entries of) those only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_zoo
+import torch
+from test_zoo import DOES_NOT_BUILD, FAIL, PASS, UPDATE_ENV, WORLD_SIZE
+from torch import nn
+
+STATUS_FILE = Path(__file__).with_name("zoo_auto_status.json")
+TIMEOUT = test_zoo.TIMEOUT
+DENSE, MOE = "dense", "moe"
+
+
+def _kind(model: nn.Module) -> str:
+    """``"moe"`` where a block holds experts (stacked 3-D weights, or a list named
+    ``experts``), else ``"dense"``."""
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in ("experts", "expert"):
+            return MOE
+        if any(p.ndim == 3 for p in module.parameters(recurse=False)) and "expert" in name:
+            return MOE
+    return DENSE
+
+
+def _auto_plan(model: nn.Module) -> dict:
+    from torch_tp.plans.auto import auto
+
+    return auto(model, tp_degree=WORLD_SIZE)
+
+
+def _check(model_type: str) -> dict[str, Any]:
+    """test_zoo's check of one architecture, on every rank, with ``auto`` as the plan.
+
+    test_zoo's ``_check`` looks ``plan_for`` up in :mod:`torch_tp.plans.hf` when it runs:
+    it is replaced there, in this worker and for this call only, by ``auto``.
+    """
+    import warnings
+
+    import torch_tp.plans.hf as hf
+
+    original = hf.plan_for
+    hf.plan_for = _auto_plan
+    try:
+        result = test_zoo._check(model_type)
+    finally:
+        hf.plan_for = original
+    result.pop("unmatched_plan_keys", None)  # about transformers' plan, not auto's
+    if result["status"] == DOES_NOT_BUILD:
+        return result
+    import transformers
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(test_zoo.tiny_config(model_type))
+        result["kind"] = _kind(model)
+        if result["status"] == PASS:
+            _auto_plan(model)  # the modules it leaves replicated, as its warning names them
+    replicated = sorted({path for w in caught for path in getattr(w.message, "modules", ())})
+    if replicated:
+        result["replicated"] = replicated
+    return result
+
+
+# --------------------------------------------------------------------------- the file
+
+
+def _load() -> dict[str, Any]:
+    if not STATUS_FILE.exists():
+        return {}
+    return json.loads(STATUS_FILE.read_text())
+
+
+def _counts(models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    counts: dict[str, Any] = {
+        status: sum(e["status"] == status for e in models.values())
+        for status in (PASS, FAIL, DOES_NOT_BUILD)
+    }
+    for kind in (DENSE, MOE):
+        built = [e for e in models.values() if e.get("kind") == kind]
+        counts[f"{kind}_pass"] = sum(e["status"] == PASS for e in built)
+        counts[f"{kind}_built"] = len(built)
+    return counts
+
+
+def _write(results: dict[str, dict[str, Any]]) -> None:
+    import transformers
+
+    models = {
+        model_type: {k: v for k, v in entry.items() if k != "seconds"}
+        for model_type, entry in sorted(results.items())
+    }
+    data = {
+        "about": (
+            "torch_tp.plans.auto.auto(model, tp_degree=2) at TP=2 against one device, for "
+            "every causal LM of the transformers below that declares a base_model_tp_plan "
+            "(the models and checks of test/test_zoo.py); 'replicated' lists the modules "
+            f"auto left whole on every rank; written by {UPDATE_ENV}=1 python -m pytest "
+            "test/test_zoo_auto.py"
+        ),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "counts": _counts(models),
+        "models": models,
+    }
+    STATUS_FILE.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def markdown(data: dict[str, Any] | None = None) -> str:
+    """The status file as a markdown table: one row per architecture."""
+    data = _load() if data is None else data
+    counts = data.get("counts", {})
+    lines = [
+        f"transformers {data.get('transformers')}, torch {data.get('torch')}, TP=2, plan by "
+        f"auto(): {counts.get(PASS, 0)} pass, {counts.get(FAIL, 0)} fail, "
+        f"{counts.get(DOES_NOT_BUILD, 0)} do not build at tiny size; dense "
+        f"{counts.get('dense_pass', 0)}/{counts.get('dense_built', 0)}, MoE "
+        f"{counts.get('moe_pass', 0)}/{counts.get('moe_built', 0)}.",
+        "",
+        "| model_type | kind | status | max logits difference / reason |",
+        "|---|---|---|---|",
+    ]
+    labels = {PASS: "passes", FAIL: "fails", DOES_NOT_BUILD: "does not build"}
+    for model_type, entry in data.get("models", {}).items():
+        if entry["status"] == PASS:
+            detail = f"{entry['max_logits_diff']:.1e}"
+            if entry.get("replicated"):
+                detail += f" (replicated: {', '.join(entry['replicated'])})"
+        else:
+            detail = entry.get("reason", "")
+        detail = detail.replace("|", "\\|")
+        lines.append(
+            f"| `{model_type}` | {entry.get('kind', '')} | {labels[entry['status']]} | {detail} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def _selected() -> list[str]:
+    """The architectures to run: all, or those named in ``TORCH_TP_ZOO_ONLY`` (comma-separated,
+    for working on a few; the comparison then covers only those)."""
+    only = os.environ.get("TORCH_TP_ZOO_ONLY")
+    every = list(test_zoo.zoo())
+    if not only:
+        return every
+    return [m for m in every if m in only.split(",")]
+
+
+@pytest.mark.slow
+def test_zoo_auto_matches_status_file():
+    pytest.importorskip("transformers")
+    from torch_tp.testing import RankError, RankTimeout, run_distributed
+
+    selected = _selected()
+    results = {}
+    for model_type in selected:
+        try:
+            ranks = run_distributed(_check, WORLD_SIZE, model_type, timeout=TIMEOUT)
+            results[model_type] = ranks[0]
+        except RankTimeout:
+            results[model_type] = {"status": FAIL, "reason": f"hangs (over {TIMEOUT:.0f} s)"}
+        except RankError as error:
+            results[model_type] = {"status": FAIL, "reason": test_zoo._first_line(error)}
+    data = _load()
+    recorded = data.get("models", {})
+    if os.environ.get(UPDATE_ENV):
+        _write({**recorded, **results} if len(selected) < len(test_zoo.zoo()) else results)
+        return
+    import transformers
+
+    changes = []
+    names = set(results) | (set(recorded) if len(selected) == len(test_zoo.zoo()) else set())
+    for model_type in sorted(names):
+        live, old = results.get(model_type), recorded.get(model_type)
+        if live is None:
+            changes.append(f"{model_type}: recorded, but no longer in transformers' zoo")
+        elif old is None:
+            changes.append(f"{model_type}: new, {live['status']} {live.get('reason', '')}")
+        elif test_zoo._comparable(live) != test_zoo._comparable(old):
+            changes.append(
+                f"{model_type}: recorded {old['status']} {old.get('reason', '')!r}, "
+                f"now {live['status']} {live.get('reason', '')!r}"
+            )
+    versions = (
+        f"recorded with transformers {data.get('transformers')} and torch {data.get('torch')}, "
+        f"run with transformers {transformers.__version__} and torch {torch.__version__}"
+    )
+    assert not changes, (
+        f"the zoo under auto() differs from {STATUS_FILE.name} ({versions}; if that is what "
+        f"you meant, rewrite it with `{UPDATE_ENV}=1 python -m pytest test/test_zoo_auto.py`):"
+        "\n  " + "\n  ".join(changes)
+    )
+
+
+def test_status_file_counts_are_consistent():
+    data = _load()
+    if not data:
+        pytest.skip(f"no {STATUS_FILE.name} yet")
+    assert data["counts"] == _counts(data["models"])
+
+
+def test_markdown_table():
+    data = {
+        "transformers": "5.0",
+        "torch": "2.13",
+        "counts": {PASS: 1, FAIL: 1, DOES_NOT_BUILD: 0},
+        "models": {
+            "llama": {"status": PASS, "kind": DENSE, "max_logits_diff": 1.3e-15},
+            "x": {"status": FAIL, "kind": MOE, "reason": "ValueError: a | b"},
+        },
+    }
+    assert markdown(data).splitlines()[-2:] == [
+        "| `llama` | dense | passes | 1.3e-15 |",
+        "| `x` | moe | fails | ValueError: a \\| b |",
+    ]
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown())
