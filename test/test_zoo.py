@@ -547,6 +547,22 @@ def test_plan_for_drops_llama4s_unprefixed_duplicates_only():
     assert all(key.startswith(("model.", "lm_head")) for key in plan), plan
 
 
+def test_plan_for_sums_the_gradient_of_a_broadcast_parameter_its_plan_leaves_out():
+    """apertus' own plan leaves out ``mlp.act_fn`` (xIELU, whose ``alpha_p``/``alpha_n`` are
+    single values computing on the column-sharded hidden layer): plan_for replicates it with
+    its gradient summed. Doge's q/k norms, which are not single values, are refused by name
+    (its own plan would give them silently wrong gradients)."""
+    pytest.importorskip("transformers")
+    from torch_tp.plans.hf import plan_for
+
+    model = _meta_model("apertus")
+    plan = plan_for(model)
+    assert "model.layers.*.mlp.act_fn" not in model._tp_plan
+    assert plan["model.layers.*.mlp.act_fn"] == "replicated_with_grad_allreduce"
+    with pytest.raises(ValueError, match=r"q_norm\.weight, which no plan entry lays out"):
+        plan_for(_meta_model("doge"))
+
+
 def test_plan_for_keeps_a_key_that_names_something_even_if_wrong():
     pytest.importorskip("transformers")
     from torch_tp.plans.hf import plan_for

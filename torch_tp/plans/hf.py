@@ -219,6 +219,10 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     Any other transformers model gets its own plan, ``model._tp_plan`` (its config's
     ``base_model_tp_plan`` under the base model's prefix, plus the head's entries), as plan
     names, less the keys that name nothing in this model (see :func:`transformers_plan`).
+    A parameter that plan leaves out but that computes on a sharded activation would get a
+    silently wrong gradient: the dry-run report finds it (on a meta-device copy); one that is
+    a single broadcast value (apertus' ``act_fn.alpha_p``) gets its module replicated with
+    its gradient summed (``replicated_with_grad_allreduce``), any other one is refused.
 
     Args:
         model: a transformers model: one of the families in :data:`PLANS`, or one whose
@@ -230,7 +234,9 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
 
     Raises:
         ValueError: the model has no ``config.model_type``, or it is not one of :data:`PLANS`
-            and declares no ``_tp_plan``; the message lists the supported types.
+            and declares no ``_tp_plan`` (the message lists the supported types); or its own
+            plan leaves out a parameter that computes on a sharded activation and is not one
+            value (the message names it).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -251,7 +257,7 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     make_plan = PLANS.get(model_type)
     if make_plan is None:
         if getattr(model, "_tp_plan", None):
-            return transformers_plan(model)
+            return _with_unplanned_parameters(model, transformers_plan(model))
         raise ValueError(
             f"no tensor-parallel plan for model_type {model_type!r} "
             f"({type(model).__qualname__}): it declares no _tp_plan of its own, and torch_tp's "
@@ -260,6 +266,67 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     prefix = getattr(model, "base_model_prefix", None) or "model"
     base_model = not isinstance(getattr(model, prefix, None), nn.Module)
     return make_plan(base_model=base_model)
+
+
+def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with the parameters it leaves out but that compute on sharded activations
+    taken care of: a parameter that acts on every feature alike (one value, broadcast, like
+    apertus' ``act_fn.alpha_p``) gets its module replicated with its gradient summed
+    (``replicated_with_grad_allreduce``); any other one is refused.
+
+    Found by the dry-run report (:func:`torch_tp.report.plan_report`) on a meta-device copy
+    of ``model``. A model the report cannot run on the meta device keeps its plan as it is.
+
+    Raises:
+        ValueError: a parameter no entry lays out computes on a sharded activation and is not
+            one value: the message names it and the layout it meets.
+    """
+    import copy
+    import warnings
+
+    import torch
+
+    from torch_tp.tools.report import plan_report
+
+    memo: dict[int, object] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (
+            nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        )
+    try:
+        meta_model = copy.deepcopy(model, memo)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = plan_report(meta_model, plan, 2, batch_size=1, seq_len=8)
+    except Exception:  # noqa: BLE001 - the report's own limits; the plan is checked when applied
+        return plan
+    unplanned = [
+        p
+        for p in report.problems
+        if p.severity == "error" and p.message.startswith("the parameter")
+    ]
+    if not unplanned:
+        return plan
+    refused, added = [], {}
+    for problem in unplanned:
+        pattern = problem.where.split(".")
+        names = [
+            name
+            for name, param in model.named_parameters()
+            if len(name.split(".")) == len(pattern)
+            and all(fnmatchcase(a, b) for a, b in zip(name.split("."), pattern, strict=True))
+        ]
+        if names and all(model.get_parameter(n).numel() == 1 for n in names):
+            added[problem.where.rsplit(".", 1)[0]] = "replicated_with_grad_allreduce"
+        else:
+            refused.append(problem.message)
+    if refused:
+        raise ValueError(
+            f"{type(model).__qualname__}'s own tensor-parallel plan leaves out parameters that "
+            "compute on sharded activations: " + "; ".join(refused)
+        )
+    return {**plan, **added}
 
 
 def _names_something(key: str, paths: list[list[str]]) -> bool:
