@@ -1226,7 +1226,9 @@ class TensorParallelExperts(ParallelStyle):
     multiply ``x @ w`` and take the tokens already routed and weighted as their one input),
     are sharded alike on their hidden dimension: ``gate_up_proj`` strided on dim 2,
     ``down_proj`` on dim 1. The two layouts are told apart by the shapes, which no sizes
-    make ambiguous.
+    make ambiguous. Experts without a gate, ``up_proj`` ``[n_experts, hidden, dim]`` and
+    ``down_proj`` ``[n_experts, dim, hidden]`` (Nemotron-H), are sharded on the same
+    dimension: ``up_proj`` ``Shard(1)``, ``down_proj`` ``Shard(2)``.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -1273,15 +1275,38 @@ class TensorParallelExperts(ParallelStyle):
             return True  # both at once would need hidden == 0
         return None
 
+    @staticmethod
+    def _ungated(module: nn.Module) -> bool:
+        """Experts without a gate: ``up_proj`` ``[E, I, H]`` and ``down_proj`` ``[E, H, I]``
+        (Nemotron-H's ``down(act(up(x)))``), and no ``gate_up_proj``."""
+        up, down = getattr(module, "up_proj", None), getattr(module, "down_proj", None)
+        if getattr(module, "gate_up_proj", None) is not None or not all(
+            isinstance(p, torch.Tensor) and p.ndim == 3 for p in (up, down)
+        ):
+            return False
+        (e, i, h), (e2, h2, i2) = up.shape, down.shape
+        return e == e2 and i == i2 and h == h2
+
     def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
         # each rank: its slice of every expert's gate rows and of its up rows (strided),
         # the matching slice of down_proj's hidden dimension
+        if self._ungated(module):
+            return {"up_proj": Shard(1), "down_proj": Shard(2)}
         if self._transposed(module):
             return {"gate_up_proj": StridedShard(2, split_factor=2), "down_proj": Shard(1)}
         return {"gate_up_proj": StridedShard(1, split_factor=2), "down_proj": Shard(2)}
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
+        if self._ungated(module):
+            hidden = module.up_proj.shape[1]
+            if hidden % device_mesh.size():
+                raise ValueError(
+                    f"the experts' hidden size {hidden} does not divide by the "
+                    f"{device_mesh.size()} ranks"
+                )
+            _check_not_distributed(module)
+            return
         gate_up = getattr(module, "gate_up_proj", None)
         down = getattr(module, "down_proj", None)
         stacked = all(isinstance(p, nn.Parameter) and p.ndim == 3 for p in (gate_up, down))
@@ -1330,7 +1355,8 @@ class TensorParallelExperts(ParallelStyle):
             )
         if routing:  # (top_k_index, top_k_weights): the weights' gradient is partial too
             top_k_index, top_k_weights = routing
-            _check_expert_ids(self, module, top_k_index, module.gate_up_proj.shape[0])
+            stacked = module.up_proj if self._ungated(module) else module.gate_up_proj
+            _check_expert_ids(self, module, top_k_index, stacked.shape[0])
             hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
             routing = (top_k_index, top_k_weights)
         else:  # tokens routed and weighted already (Llama 4)

@@ -257,7 +257,7 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     make_plan = PLANS.get(model_type)
     if make_plan is None:
         if getattr(model, "_tp_plan", None):
-            return _with_unplanned_parameters(model, transformers_plan(model))
+            return _with_unplanned_parameters(model, _packed_experts(transformers_plan(model)))
         raise ValueError(
             f"no tensor-parallel plan for model_type {model_type!r} "
             f"({type(model).__qualname__}): it declares no _tp_plan of its own, and torch_tp's "
@@ -266,6 +266,24 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     prefix = getattr(model, "base_model_prefix", None) or "model"
     base_model = not isinstance(getattr(model, prefix, None), nn.Module)
     return make_plan(base_model=base_model)
+
+
+def _packed_experts(plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with its ``"colwise"`` entry for the stacked ``gate_up_proj`` of experts
+    planned ``moe_tp_experts`` stated as what that style does to it: each rank holds its
+    slice of every expert's gate rows and of its up rows (``"packed_colwise"``). A plain
+    column split would give one rank the gates and the other the ups (the experts split
+    ``gate_up`` in halves); transformers' plans for Inkling write ``"colwise"`` there."""
+    return {
+        key: (
+            "packed_colwise"
+            if name == "colwise"
+            and key.endswith(".gate_up_proj")
+            and plan.get(key.rsplit(".", 1)[0]) == "moe_tp_experts"
+            else name
+        )
+        for key, name in plan.items()
+    }
 
 
 def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
