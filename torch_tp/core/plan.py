@@ -610,3 +610,16 @@ def from_dict(data: Mapping[str, str | Mapping[str, Any]]) -> dict[str, Parallel
         )
     _check_keys(data)
     return {key: _names.style_from_data(value, key) for key, value in data.items()}
+
+
+def names_something(key: str, paths: list[list[str]]) -> bool:
+    """Whether the plan key (``fnmatch`` wildcards per dotted segment) names one of
+    ``paths`` (module and parameter paths, split into segments)."""
+    if key == "":  # the model itself
+        return True
+    segments = key.split(".")
+    return any(
+        len(path) == len(segments)
+        and all(fnmatchcase(name, pattern) for name, pattern in zip(path, segments, strict=True))
+        for path in paths
+    )

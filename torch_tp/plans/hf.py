@@ -50,11 +50,11 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from fnmatch import fnmatchcase
 
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from torch_tp.core.plan import names_something
 from torch_tp.style import (
     AttentionHeads,
     ColwiseParallel,
@@ -328,12 +328,10 @@ def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[s
         return plan
     refused, added = [], {}
     for problem in unplanned:
-        pattern = problem.where.split(".")
         names = [
             name
-            for name, param in model.named_parameters()
-            if len(name.split(".")) == len(pattern)
-            and all(fnmatchcase(a, b) for a, b in zip(name.split("."), pattern, strict=True))
+            for name, _ in model.named_parameters()
+            if names_something(problem.where, [name.split(".")])
         ]
         if names and all(model.get_parameter(n).numel() == 1 for n in names):
             added[problem.where.rsplit(".", 1)[0]] = "replicated_with_grad_allreduce"
@@ -345,19 +343,6 @@ def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[s
             "compute on sharded activations: " + "; ".join(refused)
         )
     return {**plan, **added}
-
-
-def _names_something(key: str, paths: list[list[str]]) -> bool:
-    """Whether the plan key (``fnmatch`` wildcards per dotted segment) names one of
-    ``paths`` (module and parameter paths, split into segments)."""
-    if key == "":  # the model itself
-        return True
-    segments = key.split(".")
-    return any(
-        len(path) == len(segments)
-        and all(fnmatchcase(name, pattern) for name, pattern in zip(path, segments, strict=True))
-        for path in paths
-    )
 
 
 def transformers_plan(model: nn.Module) -> dict[str, str]:
@@ -398,7 +383,7 @@ def transformers_plan(model: nn.Module) -> dict[str, str]:
         )
     paths = [path.split(".") for path, _ in model.named_modules(remove_duplicate=False) if path]
     paths += [path.split(".") for path, _ in model.named_parameters(remove_duplicate=False)]
-    return {key: name for key, name in tp_plan.items() if _names_something(key, paths)}
+    return {key: name for key, name in tp_plan.items() if names_something(key, paths)}
 
 
 def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
