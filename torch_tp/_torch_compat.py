@@ -41,6 +41,9 @@ torch_tp name                               torch's (2.13.0 and 2.15.0)
                                             (public), else its ``_lazy_init``
 ``enabled_local_tensor_mode``,              ``torch.distributed._local_tensor`` (all of
 ``per_rank_rng_states``, ``per_rank_ints``  LocalTensorMode is private)
+``recomputed_in_backward``                  ``torch.distributed._composable.checkpoint``'s
+                                            state, ``CheckpointWrapper`` of
+                                            ``torch.distributed.algorithms._checkpoint``
 ==========================================  ==================================================
 """
 
@@ -59,12 +62,12 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
 __all__ = [
-    "SUPPORTED",
-    "TORCH_VERSION",
-    "DTensorSpec",
     "COMPILED_MODULE_NAME",
+    "DTensorSpec",
     "IncompatibleKeys",
+    "SUPPORTED",
     "StridedShard",
+    "TORCH_VERSION",
     "TensorMeta",
     "check_version",
     "compute_local_shape_and_global_offset",
@@ -83,6 +86,7 @@ __all__ = [
     "per_rank_ints",
     "per_rank_rng_states",
     "queue_callback",
+    "recomputed_in_backward",
     "shard_split_tensor",
     "swap_direct_parameters",
     "tree_leaves",
@@ -331,3 +335,13 @@ def per_rank_ints(node: Any) -> dict[int, int] | None:
     """The per-rank values of an int the mode made per simulated rank (a ``LocalIntNode``),
     or ``None`` for one that is the same on every rank."""
     return getattr(node, "_local_ints", None)
+
+
+def recomputed_in_backward(module: nn.Module) -> bool:
+    """Whether activation checkpointing wraps ``module`` (its forward runs again in the
+    backward): the composable ``checkpoint(module)`` or a ``CheckpointWrapper``. Used by
+    the pipeline's exact dropout, which cannot redraw a recomputed dropout."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper) or checkpoint.state(module) is not None

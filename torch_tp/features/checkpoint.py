@@ -1113,7 +1113,7 @@ def _load_dcp(
             return torch.empty_like(value)
 
         staged = _copy_structure(state, stage)
-        flat = _flatten(staged, metadata)
+        flat = _flat_for_dcp(staged, metadata)
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error, flat = exc, {}
     # A key is unexpected when no rank loads it: the stages of a pipeline each load theirs
@@ -1181,7 +1181,7 @@ def _copy_structure(state: Any, fn) -> Any:
     return state
 
 
-def _flatten(state: dict[str, Any], metadata: Any) -> dict[str, Any]:
+def _flat_for_dcp(state: dict[str, Any], metadata: Any) -> dict[str, Any]:
     """``state`` flattened as ``dcp.load`` flattens it (``{"model.layers.0.wq.weight": ...}``)."""
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state, metadata)

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
+from torch_tp import _torch_compat as compat
+
 __all__ = ["CheckedSchedule", "build_schedule", "pipeline_stages", "split_model"]
 
 
@@ -814,14 +816,9 @@ class _ExactDropout(TorchFunctionMode):
         """Why this rank's stages cannot draw exact masks, or ``""``: a block whose forward
         the backward recomputes (activation checkpointing) recomputes its dropouts in
         another order than the forward's, blocks last to first."""
-        from torch.distributed._composable import checkpoint
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointWrapper,
-        )
-
         for stage in stages:
             for name, module in stage.named_modules():
-                if isinstance(module, CheckpointWrapper) or checkpoint.state(module) is not None:
+                if compat.recomputed_in_backward(module):
                     return (
                         f"exact_dropout cannot redraw the masks of {name!r}, whose forward the "
                         "backward recomputes (activation checkpointing): pass "
@@ -871,7 +868,7 @@ class _ExactDropout(TorchFunctionMode):
         tracker = get_rng_tracker()
         if not training or p == 0 or (tracker is not None and tracker._depth):
             return func(*args, **kwargs)  # no draw, or the tensor-parallel stream's
-        if torch._C._current_graph_task_id() != -1:  # not found by refusal() before
+        if compat.current_graph_task_id() != -1:  # not found by refusal() before
             raise NotImplementedError(
                 "exact_dropout cannot redraw a dropout that the backward recomputes"
             )

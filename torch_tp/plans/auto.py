@@ -429,8 +429,18 @@ def _plan_group(
 _MIXER_WORDS = ("mamba", "ssm", "lightning", "delta", "conv", "recurren", "rwkv", "retention")
 
 
+_CONVOLUTIONS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+
+
 def _has_conv(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+    return any(isinstance(m, _CONVOLUTIONS) for m in module.modules())
 
 
 def _is_mixer(unit: nn.Module) -> bool:
