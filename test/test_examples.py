@@ -1,13 +1,14 @@
 """The scripts in examples/ run under torchrun on CPU (gloo), with tiny sizes and few steps.
 
 Starting ranks costs more than the scripts do, so one ``torchrun --standalone`` with 4 ranks
-runs all three, one after the other, as ``python script.py args`` would (``runpy`` with
+runs the first three, one after the other, as ``python script.py args`` would (``runpy`` with
 ``__name__ == "__main__"``). The process group outlives each script: the driver turns their
 final ``destroy_process_group()`` into a no-op and destroys it itself at the end. Then it
 leaves without the interpreter's teardown (``os._exit``): torch's own teardown at exit, after
 the work is done and every group destroyed, now and then aborts a rank ("terminate called
 without an active exception"; about 1 run in 10 here, on torch 2.15.0, as in
-``benchmarks/bench_tp.py``'s ranks before they did the same).
+``benchmarks/bench_tp.py``'s ranks before they did the same). The 3-D example needs 8 ranks
+and runs in a torchrun of its own, through the same driver.
 """
 
 from __future__ import annotations
@@ -43,13 +44,9 @@ os._exit(0)
 """
 
 
-@pytest.mark.slow
-def test_examples_run_under_torchrun(tmp_path):
-    runs = [
-        [str(EXAMPLES / "tp_1d.py"), "--steps", "2"],
-        [str(EXAMPLES / "fsdp2_tp.py"), "--tp", "2", "--steps", "2", "--checkpointing"],
-        [str(EXAMPLES / "checkpoint_round_trip.py"), "--dir", str(tmp_path), "--steps", "1"],
-    ]
+def _torchrun(tmp_path, runs: list[list[str]], nproc: int) -> subprocess.CompletedProcess:
+    """Run ``runs`` (each ``[script, *args]``) one after the other in one ``torchrun
+    --standalone`` of ``nproc`` ranks, through DRIVER."""
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(DRIVER.format(runs=runs)), encoding="utf-8")
     env = dict(os.environ)
@@ -58,8 +55,8 @@ def test_examples_run_under_torchrun(tmp_path):
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks are on this machine
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=4", str(driver)]
-    proc = subprocess.run(
+    command += [f"--nproc-per-node={nproc}", str(driver)]
+    return subprocess.run(
         command,
         cwd=ROOT,
         env=env,
@@ -68,6 +65,16 @@ def test_examples_run_under_torchrun(tmp_path):
         text=True,
         timeout=TIMEOUT,
     )
+
+
+@pytest.mark.slow
+def test_examples_run_under_torchrun(tmp_path):
+    runs = [
+        [str(EXAMPLES / "tp_1d.py"), "--steps", "2"],
+        [str(EXAMPLES / "fsdp2_tp.py"), "--tp", "2", "--steps", "2", "--checkpointing"],
+        [str(EXAMPLES / "checkpoint_round_trip.py"), "--dir", str(tmp_path), "--steps", "1"],
+    ]
+    proc = _torchrun(tmp_path, runs, 4)
     output = proc.stdout
     expected = [
         "finished " + runs[0][0],
@@ -87,6 +94,58 @@ def test_examples_run_under_torchrun(tmp_path):
 
 
 def test_examples_have_a_docstring_with_the_command():
-    for script in ("tp_1d.py", "fsdp2_tp.py", "checkpoint_round_trip.py"):
+    for script in ("tp_1d.py", "fsdp2_tp.py", "checkpoint_round_trip.py", "pipeline_3d.py"):
         text = (EXAMPLES / script).read_text(encoding="utf-8")
         assert "torchrun --nproc-per-node" in text and f"examples/{script}" in text, script
+
+
+@pytest.mark.slow
+def test_pipeline_3d_example_trains_like_one_device(tmp_path):
+    """examples/pipeline_3d.py under torchrun, 8 ranks as (pp=2, dp=2, tp=2), two steps: the
+    losses it prints and the checkpoint it saves, loaded on one device, equal a single-device
+    run of the same job (same seed, same global batches, AdamW, clipping at 1.0)."""
+    import importlib.util
+
+    import torch
+
+    from torch_tp.checkpoint import load
+    from torch_tp.models import Llama, LlamaConfig
+
+    script = EXAMPLES / "pipeline_3d.py"
+    sizes = {"dim": 32, "layers": 4, "batch": 4, "seq": 8}
+    args = [f"--{k}={v}" for k, v in sizes.items()]
+    args += ["--steps=2", "--microbatches=2", f"--checkpoint-dir={tmp_path / 'dcp'}"]
+    proc = _torchrun(tmp_path, [[str(script), *args]], 8)
+    output = proc.stdout
+    assert proc.returncode == 0, output[-5000:]
+    printed = [
+        float(line.split("loss ")[1].split(",")[0])
+        for line in output.splitlines()
+        if line.startswith("[pp=2, dp=2, tp=2] step ")
+    ]
+    assert len(printed) == 2, output[-5000:]
+    assert (tmp_path / "dcp" / "step-2" / ".metadata").is_file()
+
+    # the same job on one device: the script's own data
+    spec = importlib.util.spec_from_file_location("pipeline_3d", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    config = LlamaConfig(dim=32, n_layers=4, n_heads=4, max_seq_len=8)
+    reference = Llama(config)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    losses = []
+    for step in range(2):
+        tokens = example.global_batch(step, 2 * sizes["batch"], sizes["seq"], config.vocab_size)
+        loss = example.loss_fn(reference(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    torch.testing.assert_close(printed, losses, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(5)  # other weights: the load must replace them all
+    loaded = Llama(config)
+    load(tmp_path / "dcp", loaded, step=2, rng=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
