@@ -798,6 +798,8 @@ class _ExactDropout(TorchFunctionMode):
 
     def _find_sites(self, shape: tuple[int, ...]) -> None:
         out: Any = torch.zeros(shape, dtype=torch.long, device="meta")
+        if isinstance(self._meta_stages[0], _DecoderStage):  # (see the dry-run report)
+            out = (out, torch.ones(shape, dtype=torch.long, device="meta"))
         self._sites = []
         for stage in self._meta_stages:
             recorder = _Recorder()

@@ -69,7 +69,18 @@ from torch_tp.tools.report.render import (
 )
 from torch_tp.tools.report.trace import _backward, _generalize, _group, _Node, _run, _Trace
 
-__all__ = ["Collective", "ParameterGroup", "PlanReport", "Problem", "plan_report"]
+# after plan_report's names: the pipeline report uses them
+
+__all__ = [
+    "Collective",
+    "ParameterGroup",
+    "PipelineReport",
+    "PlanReport",
+    "Problem",
+    "StageRow",
+    "pipeline_report",
+    "plan_report",
+]
 
 # ------------------------------------------------------------------------------------------
 # The report
@@ -86,6 +97,7 @@ def plan_report(
     dtype: torch.dtype | None = None,
     example_inputs: Any = None,
     device_type: str = "cuda",
+    input_layout: Placement | None = None,
 ) -> PlanReport:
     """Report what ``plan`` would do to ``model`` at ``tp_degree``, without running it.
 
@@ -111,6 +123,10 @@ def plan_report(
         device_type (str, optional): the device the plan will run on. It matters for one
             thing: on ``"cpu"`` (gloo has no all-to-all) DTensor moves a shard to another
             dimension with an all-gather. Default: ``"cuda"``.
+        input_layout (Placement, optional): how the inputs arrive on each rank: local
+            tensors of this layout of the example inputs (``Shard(1)``: a sequence shard,
+            as a pipeline stage after the first gets it under sequence parallelism).
+            Default: ``Replicate()``, the whole inputs on every rank.
 
     Returns:
         A :class:`PlanReport`; ``print(report)`` shows the tables. The collectives are those
@@ -175,7 +191,7 @@ def plan_report(
     trace = _Trace(valid, tp_degree, cpu=device_type == "cpu")
     trace.watch_unplanned(model)
     with torch.enable_grad():
-        output = _run(model, trace, inputs)
+        output = _run(model, trace, inputs, input_layout)
     for t in tree_leaves(output):
         if isinstance(t, torch.Tensor) and isinstance(trace.states.get(id(t)), _Node):
             node = trace.states[id(t)]
@@ -388,3 +404,6 @@ def _unsharded(model: nn.Module, entries: list[PlanEntry]) -> list[Problem]:
         )
         for name, sizes in groups.items()
     ]
+
+
+from torch_tp.tools.report.pipeline import PipelineReport, StageRow, pipeline_report  # noqa: E402

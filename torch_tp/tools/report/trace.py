@@ -611,7 +611,12 @@ class _LayoutMode(TorchFunctionMode):
         return out
 
 
-def _run(model: nn.Module, trace: _Trace, inputs: tuple[tuple, dict]) -> Any:
+def _run(
+    model: nn.Module,
+    trace: _Trace,
+    inputs: tuple[tuple, dict],
+    input_layout: Placement | None = None,
+) -> Any:
     handles = []
     for path, module in model.named_modules():
         entry = trace.entry_of.get(id(module))
@@ -633,7 +638,10 @@ def _run(model: nn.Module, trace: _Trace, inputs: tuple[tuple, dict]) -> Any:
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     for t in tree_leaves(inputs):
         if isinstance(t, torch.Tensor):
-            trace.set_state(t, _Local(Replicate(), "the model input", t.ndim))
+            layout = input_layout or Replicate()
+            if isinstance(layout, Shard) and layout.dim >= 0:  # counted from the end
+                layout = Shard(layout.dim - t.ndim)
+            trace.set_state(t, _Local(layout, "the model input", t.ndim))
     args, kwargs = inputs
     try:
         with _LayoutMode(trace):
