@@ -36,6 +36,7 @@ from torch_tp.testing import run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_moe  # noqa: E402
+import bench_pipeline  # noqa: E402
 import bench_tp  # noqa: E402
 import megatron  # noqa: E402
 
@@ -351,3 +352,25 @@ def test_moe_script_quick_mode() -> None:
 def test_moe_bad_filter_is_refused_before_spawning(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_moe.main(["--only", "nosuch"]) == 2
     assert "matches no variant" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pipeline_script_quick_mode() -> None:
+    """Every variant runs at a tiny size; the pipelined rows hold fewer parameters per rank
+    than pp=1 (half the model), and 1F1B keeps fewer activations alive than GPipe."""
+    args = bench_pipeline.parse(["--quick"])
+    rows = {row.variant: row for row in bench_pipeline.bench(args)}
+    assert list(rows) == ["pp=1", "gpipe", "1f1b", "interleaved"]
+    assert rows["pp=1"].bubble == 0 and rows["1f1b"].bubble == pytest.approx(1 / 5)
+    assert rows["interleaved"].bubble == pytest.approx(1 / 9)
+    assert all(row.median_ms > 0 and row.saved_bytes > 0 for row in rows.values())
+    assert rows["gpipe"].state_bytes < 0.6 * rows["pp=1"].state_bytes
+    assert rows["1f1b"].saved_bytes < rows["gpipe"].saved_bytes
+    text = bench_pipeline.table(list(rows.values()), args, markdown=True)
+    assert text.count("\n| ") == 5  # the header and four rows
+
+
+def test_pipeline_bad_variant_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_pipeline.parse(["--variants", "zero-bubble"])
+    assert "unknown variants ['zero-bubble']" in capsys.readouterr().err
