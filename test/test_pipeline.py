@@ -319,24 +319,31 @@ def test_bad_pipeline_inputs_raise_on_every_rank():
     run_distributed(_bad_pipeline_inputs, 4)
 
 
-def _train_3d(schedule_name: str) -> None:
+def _train_3d(schedule_name: str, stages_per_rank: int = 1) -> None:
     """pp=2 x dp=2 x tp=2: each data-parallel rank trains its half of the batch, in two
     micro-batches, through the pipeline; FSDP2 shards each stage over mesh["dp"]."""
-    from torch.distributed import pipelining
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     reference = Llama(CONFIG).double()
     model = copy.deepcopy(reference)
     mesh = init_device_mesh(device_type(), (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-    stages = pipeline_stages(model, mesh["pp"], tp_mesh=mesh["tp"], plan=llama_plan())
+    stages = pipeline_stages(
+        model,
+        mesh["pp"],
+        stages_per_rank=stages_per_rank,
+        tp_mesh=mesh["tp"],
+        plan=llama_plan(),
+    )
     for stage in stages:
         for block in stage.submod.layers.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(stage.submod, mesh=mesh["dp"])
-    schedule = getattr(pipelining, schedule_name)(stages[0], n_microbatches=2, loss_fn=_loss)
-    params = list(stages[0].submod.parameters())
-    names = {id(p): n for n, p in stages[0].submod.named_parameters()}
+    schedule = build_schedule(
+        stages, schedule_name, n_microbatches=2, batch_size=BATCH // 2, loss_fn=_loss
+    )
+    params = [p for stage in stages for p in stage.submod.parameters()]
+    names = {id(p): n for stage in stages for n, p in stage.submod.named_parameters()}
     optim, ref_optim = adamw(params), adamw(reference.parameters())
     dp_rank = mesh["dp"].get_local_rank()
     for step in range(3):
@@ -345,11 +352,7 @@ def _train_3d(schedule_name: str) -> None:
         targets = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
         _loss(reference(tokens), targets).backward()
         mine = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
-        stage = stages[0]
-        if stage.is_first:
-            schedule.step(tokens[mine])
-        else:
-            schedule.step(target=targets[mine])
+        schedule.step(tokens[mine], target=targets[mine])
         for p in params:
             ref = reference.get_parameter(names[id(p)])
             torch.testing.assert_close(full_tensor(p.grad), ref.grad, msg=names[id(p)])
@@ -368,9 +371,12 @@ def _train_3d(schedule_name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
-def test_pp2_dp2_tp2_matches_one_device(schedule):
-    run_distributed(_train_3d, 8, schedule)
+@pytest.mark.parametrize(
+    ("schedule", "stages_per_rank"),
+    [("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2)],
+)
+def test_pp2_dp2_tp2_matches_one_device(schedule, stages_per_rank):
+    run_distributed(_train_3d, 8, schedule, stages_per_rank)
 
 
 # --------------------------------------------------------------------------- checkpoints
