@@ -1,0 +1,171 @@
+"""Hugging Face checkpoint directories in and out (``torch_tp.checkpoint.load_pretrained``,
+``save_pretrained``): transformers' Llama, GPT-2 (tied embeddings, packed ``c_attn``) and
+Qwen3-MoE (per-expert checkpoint keys, stacked experts in the model), at TP=2 and FSDP2 x
+TP, against the single-device model, with the bytes each rank reads counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import safetensors_reads, tp_mesh
+
+transformers = pytest.importorskip("transformers")
+
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from torch_tp import parallelize_module  # noqa: E402
+from torch_tp.checkpoint import (  # noqa: E402
+    CheckpointError,
+    full_state_dict,
+    load_pretrained,
+    save_pretrained,
+)
+from torch_tp.plans.hf import plan_for  # noqa: E402
+from torch_tp.testing import device_type, run_distributed  # noqa: E402
+
+SHARD = 40_000  # bytes: several files
+
+
+def _model(family: str, seed: int = 0):
+    common = {"vocab_size": 64, "attn_implementation": "eager"}
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, **common)
+    elif family == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False, **common,
+        )  # fmt: skip
+    else:
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            tie_word_embeddings=False, **common,
+        )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _saved(family: str, path: str) -> dict[str, torch.Tensor]:
+    model = _model(family)
+    model.save_pretrained(path, max_shard_size=SHARD)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _load(family: str, path: str, fsdp: bool) -> tuple[dict, dict]:
+    """The model with other weights, parallelized, loaded from ``path``: its full state
+    dict, and the elements each tensor's reads took on this rank."""
+    model = _model(family, seed=1)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], plan_for(model))
+        for block in model.model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        parallelize_module(model, tp_mesh(), plan_for(model))
+    # this rank's elements of every tensor the checkpoint holds once (tied weights once)
+    mine = {
+        id(v): (v.to_local() if hasattr(v, "to_local") else v).numel()
+        for v in model.state_dict(keep_vars=True).values()
+    }
+    with safetensors_reads() as reads:
+        load_pretrained(model, path)
+    return full_state_dict(model), {k: sum(v) for k, v in reads.items()}, sum(mine.values())
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "llama",
+        pytest.param("gpt2", marks=pytest.mark.slow),
+        pytest.param("moe", marks=pytest.mark.slow),
+    ],
+)
+def test_load_pretrained_reads_each_ranks_slices(family, tmp_path):
+    expected = _saved(family, str(tmp_path))
+    results = run_distributed(_load, 2, family, str(tmp_path), False)
+    for state, reads, mine in results:
+        assert sorted(state) == sorted(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+        # each rank read exactly its slices: the sharded tensors' halves, the others whole
+        assert sum(reads.values()) == mine
+        assert mine < 0.8 * sum(v.numel() for v in expected.values())
+    if family == "moe":  # each rank: half the rows of every expert's gate, up and down
+        expert = "model.layers.0.mlp.experts.1.gate_proj.weight"
+        assert results[0][1][expert] == 16 * 32 // 2
+
+
+@pytest.mark.slow
+def test_load_pretrained_into_fsdp2_and_tp(tmp_path):
+    expected = _saved("llama", str(tmp_path))
+    for state, reads, mine in run_distributed(_load, 4, "llama", str(tmp_path), True):
+        assert sum(reads.values()) == mine
+        for name, value in expected.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+
+
+def _refused(path: str) -> str:
+    model = _model("llama", seed=1)
+    parallelize_module(model, tp_mesh(), plan_for(model))
+    before = full_state_dict(model)
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(model, path)
+    after = full_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed
+    return str(error.value)
+
+
+def test_a_renamed_key_is_refused_by_name_and_nothing_changes(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _saved("llama", str(tmp_path))
+    for path in tmp_path.glob("model-*.safetensors"):
+        state = load_file(str(path))
+        if "model.norm.weight" in state:
+            state["model.final_norm.weight"] = state.pop("model.norm.weight")
+            save_file(state, str(path), metadata={"format": "pt"})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace("model.norm.weight", "model.final_norm.weight"))
+    for message in run_distributed(_refused, 2, str(tmp_path)):
+        assert "'model.norm.weight'" in message and "'model.final_norm.weight'" in message
+
+
+def _save(family: str, path: str, fsdp: bool) -> None:
+    model = _model(family)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], plan_for(model))
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        parallelize_module(model, tp_mesh(), plan_for(model))
+    save_pretrained(model, path, max_shard_size=SHARD)
+
+
+@pytest.mark.parametrize(
+    ("family", "world_size"),
+    [
+        ("llama", 2),
+        pytest.param("gpt2", 2, marks=pytest.mark.slow),
+        pytest.param("moe", 2, marks=pytest.mark.slow),
+        pytest.param("llama", 4, marks=pytest.mark.slow),
+    ],
+)
+def test_save_pretrained_loads_with_from_pretrained(family, world_size, tmp_path):
+    run_distributed(_save, world_size, family, str(tmp_path / "out"), world_size == 4)
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "config.json" in files and not (tmp_path / "out.partial").exists()
+    if family != "gpt2":
+        assert "model.safetensors.index.json" in files  # several shards
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "out"), attn_implementation="eager"
+    ).eval()
+    expected = _model(family)
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    ids = torch.randint(0, 64, (2, 8))
+    torch.testing.assert_close(loaded(ids).logits, expected(ids).logits, rtol=0, atol=0)

@@ -1,0 +1,335 @@
+"""Hugging Face checkpoint directories in and out of a parallelized model, shard by shard.
+
+:func:`load_pretrained` reads a ``save_pretrained`` directory (one ``model.safetensors``, or
+shards listed by ``model.safetensors.index.json``) into a model parallelized by torch_tp
+(1-D TP, or FSDP2 x TP): each rank opens only the files holding its tensors and reads only
+the bytes of its own slices, with the all-or-nothing guarantees of
+:func:`torch_tp.checkpoint.load_full_state_dict`. :func:`save_pretrained` writes the model
+back as such a directory, one parameter gathered at a time, rank 0 writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from torch_tp._torch_compat import IncompatibleKeys
+from torch_tp.features.checkpoint import (
+    _SAFETENSORS_DTYPES,
+    CheckpointError,
+    _agree,
+    _check_keys,
+    _copy_staged,
+    _distributed,
+    _first_line,
+    _load_failed,
+    _Piece,
+    _rank,
+    _refuse_nested_packed,
+    _single_device_name,
+    _stage_local,
+)
+
+__all__ = ["load_pretrained", "save_pretrained"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# the stacked experts of transformers 5.x models, and the per-expert keys checkpoints hold
+_STACKED = re.compile(r"(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj|up_proj)")
+_PARTS = {
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+    "up_proj": ("up_proj",),
+}
+
+
+class _PretrainedSource:
+    """A Hugging Face checkpoint directory read as the model's full state dict.
+
+    ``shapes``/``dtypes`` are by the model's names: the checkpoint's own keys, and for stacked
+    experts (``...experts.gate_up_proj [E, 2I, H]``) the per-expert keys a checkpoint holds
+    (``...experts.<e>.gate_proj.weight [I, H]`` and ``up_proj``), stacked and concatenated
+    on read, as transformers' own loading does. Only the files' headers are read up front.
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        from safetensors import safe_open
+
+        root = Path(directory)
+        self.description = f"the Hugging Face checkpoint {str(root)!r}"
+        if (root / _INDEX).is_file():
+            try:
+                weight_map = json.loads((root / _INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"{str(root / _INDEX)!r} is not a safetensors index: {_first_line(exc)}"
+                ) from exc
+            self._file = {key: root / name for key, name in weight_map.items()}
+        elif (root / _SINGLE).is_file():
+            self._file = {}
+        else:
+            raise FileNotFoundError(
+                f"no {_SINGLE} or {_INDEX} in {str(root)!r} (expected a save_pretrained directory)"
+            )
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype | str] = {}
+        for path in sorted(set(self._file.values())) or [root / _SINGLE]:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as file:
+                    for key in file.keys():
+                        tensor_slice = file.get_slice(key)
+                        self.shapes[key] = tuple(tensor_slice.get_shape())
+                        dtype = tensor_slice.get_dtype()
+                        self.dtypes[key] = _SAFETENSORS_DTYPES.get(dtype, dtype)
+                        self._file.setdefault(key, path)
+            except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
+                raise CheckpointError(
+                    f"{str(path)!r} is not a readable safetensors file: {_first_line(exc)}"
+                ) from exc
+        self._stacked: dict[str, tuple[list[list[str]], list[int]]] = {}
+
+    def stack_experts(self, wanted: Iterable[str]) -> None:
+        """Stand the per-expert keys in for the model's stacked experts it wants."""
+        for name in wanted:
+            match = _STACKED.fullmatch(name)
+            if name in self.shapes or match is None:
+                continue
+            prefix, parts = match["prefix"], _PARTS[match["kind"]]
+            experts = 0
+            while f"{prefix}.{experts}.{parts[0]}.weight" in self.shapes:
+                experts += 1
+            keys = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in range(experts)]
+            if not experts or any(k not in self.shapes for row in keys for k in row):
+                continue
+            rows = [self.shapes[k][0] for k in keys[0]]
+            columns = {self.shapes[k][1] for row in keys for k in row}
+            if len(columns) != 1 or any([self.shapes[k][0] for k in row] != rows for row in keys):
+                continue  # not stackable: the key stays missing, and is reported so
+            self._stacked[name] = (keys, rows)
+            self.shapes[name] = (experts, sum(rows), columns.pop())
+            self.dtypes[name] = self.dtypes[keys[0][0]]
+            for row in keys:
+                for key in row:
+                    del self.shapes[key], self.dtypes[key]
+
+    def copy_to(self, name: str, pieces: list[_Piece] | None, dst: Tensor) -> None:
+        """``dst[mine] = name[whole]`` for each piece (the whole tensor: ``pieces=None``),
+        reading only those bytes."""
+        from safetensors import safe_open
+
+        if pieces is None:
+            pieces = [(tuple(slice(0, s) for s in self.shapes[name]), (slice(None),) * dst.ndim)]
+        if name not in self._stacked:
+            with safe_open(str(self._file[name]), framework="pt", device="cpu") as file:
+                if not self.shapes[name]:  # 0-d
+                    dst.copy_(file.get_tensor(name))
+                    return
+                tensor_slice = file.get_slice(name)
+                for whole, mine in pieces:
+                    dst[mine].copy_(tensor_slice[whole])
+            return
+        keys, rows = self._stacked[name]
+        for whole, mine in pieces:
+            experts, wanted_rows, columns = whole
+            for e in range(experts.start, experts.stop):
+                at = mine[0].start or 0
+                local_e = at + e - experts.start
+                offset = 0
+                for key, count in zip(keys[e], rows, strict=True):
+                    lo, hi = max(wanted_rows.start, offset), min(wanted_rows.stop, offset + count)
+                    if lo < hi:
+                        first = (mine[1].start or 0) + lo - wanted_rows.start
+                        with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
+                            part = f.get_slice(key)[lo - offset : hi - offset, columns]
+                        dst[local_e, first : first + hi - lo, mine[2]].copy_(part)
+                    offset += count
+
+    def read(self, name: str) -> Tensor:
+        out = torch.empty(self.shapes[name], dtype=self.dtypes[name])
+        self.copy_to(name, None, out)
+        return out
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """State-dict names whose tensor is an earlier name's (tied weights): alias -> name."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        name = _single_device_name(name)
+        if id(value) in first:
+            aliases[name] = first[id(value)]
+        else:
+            first[id(value)] = name
+    return aliases
+
+
+def load_pretrained(
+    model: nn.Module, directory: str | os.PathLike, *, strict: bool = True
+) -> IncompatibleKeys:
+    """Load a Hugging Face ``save_pretrained`` directory into a parallelized model.
+
+    The directory holds ``model.safetensors``, or shards listed by
+    ``model.safetensors.index.json``. Each rank opens the files holding its tensors and
+    reads only its slices of them (``safe_open(...).get_slice``), so no rank reads the whole
+    checkpoint. The names are the model's; two differences transformers' own loading also
+    takes care of are handled:
+
+    * tied weights (GPT-2's ``lm_head.weight``, the embedding's) saved once: the alias is
+      loaded through the name the checkpoint holds;
+    * stacked experts: a model's ``...experts.gate_up_proj [E, 2I, H]`` (``down_proj``,
+      ungated ``up_proj``) read from the per-expert ``...experts.<e>.gate_proj.weight`` and
+      ``up_proj.weight`` keys that ``save_pretrained`` writes, each rank reading only its rows
+      of its experts.
+
+    Any other difference is a missing or unexpected key, refused by name. As
+    :func:`torch_tp.checkpoint.load_full_state_dict`, the load is all or nothing: names,
+    shapes and dtypes are checked first, every rank stages its slices, the ranks agree, and
+    only then is the model changed; any failure raises on every rank.
+
+    Args:
+        model (:class:`nn.Module`): the model, parallelized (and possibly FSDP2-sharded).
+        directory: the ``save_pretrained`` directory.
+
+    Keyword Args:
+        strict (bool, optional): raise for missing and unexpected keys. Default: ``True``.
+
+    Returns:
+        ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``.
+
+    Raises:
+        FileNotFoundError: the directory holds no checkpoint.
+        CheckpointError: missing or unexpected keys, shapes or dtypes that do not fit, or a
+            file that cannot be read; the message names every key at fault.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> model = AutoModelForCausalLM.from_config(config)  # or on the meta device
+        >>> parallelize_module(model, tp_mesh, plan_for(model))
+        >>> torch_tp.checkpoint.load_pretrained(model, "path/to/checkpoint")
+    """
+    targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
+    _refuse_nested_packed(targets)  # on every rank, before any communication
+    error: Exception | None = None
+    result, staged = IncompatibleKeys([], []), {}
+    try:
+        source = _PretrainedSource(directory)
+        source.stack_experts(targets)
+        aliases = _tied_aliases(model)
+        wanted = {
+            k: v
+            for k, v in targets.items()
+            if not (k in aliases and k not in source.shapes and aliases[k] in source.shapes)
+        }
+        result = _check_keys(model, wanted, source, strict)
+        staged = _stage_local(source, wanted, result)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+        error = exc
+    if _distributed() and any(isinstance(t, DTensor) for t in targets.values()):
+        _agree(error, _load_failed(f"loading {str(directory)!r}"))
+    elif error is not None:
+        raise error
+    _copy_staged(targets, staged)
+    return result
+
+
+def save_pretrained(
+    model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int = 5 * 2**30
+) -> None:
+    """Write a parallelized model as a Hugging Face directory ``from_pretrained`` loads.
+
+    Every rank gathers one parameter at a time (``full_tensor()``, a collective); rank 0
+    writes shards of at most ``max_shard_size`` bytes (``model-00001-of-0000N.safetensors``
+    and ``model.safetensors.index.json``, or one ``model.safetensors``), holding at most one
+    gathered parameter and the shard being filled, then the model's ``config.json`` (and
+    ``generation_config.json`` where it has one). Tied weights are written once, under the
+    first name. The directory appears whole or not at all: it is written beside and
+    renamed into place; a failure raises on every rank. Must be called on every rank.
+
+    Args:
+        model (:class:`nn.Module`): a transformers model, parallelized (and possibly
+            FSDP2-sharded).
+        directory: where to write; an existing directory is replaced.
+
+    Keyword Args:
+        max_shard_size (int, optional): bytes per file. Default: 5 GiB.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> torch_tp.checkpoint.save_pretrained(model, "out")
+        >>> AutoModelForCausalLM.from_pretrained("out")  # on one device
+    """
+    from safetensors.torch import save_file
+
+    final = Path(directory)
+    partial = final.with_name(final.name + ".partial")
+    writer = _rank() == 0
+    error: Exception | None = None
+    if writer:
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            error = exc
+    aliases = _tied_aliases(model)
+    shard: dict[str, Tensor] = {}
+    shard_bytes, files, weight_map, total = 0, [], {}, 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(partial / name), metadata={"format": "pt"})
+            files.append((name, list(shard)))
+        shard, shard_bytes = {}, 0
+
+    for name, value in model.state_dict().items():
+        name = _single_device_name(name)
+        if name in aliases:
+            continue
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # a collective: every rank, in the same order
+        if not writer or error is not None:
+            continue
+        try:
+            value = value.detach().cpu().contiguous()
+            nbytes = value.numel() * value.element_size()
+            if shard and shard_bytes + nbytes > max_shard_size:
+                flush()
+            shard[name] = value
+            shard_bytes += nbytes
+            total += nbytes
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            error = exc
+    if writer and error is None:
+        try:
+            flush()
+            if len(files) == 1:
+                (partial / files[0][0]).rename(partial / _SINGLE)
+            else:
+                for i, (name, keys) in enumerate(files):
+                    renamed = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                    (partial / name).rename(partial / renamed)
+                    weight_map.update(dict.fromkeys(keys, renamed))
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                (partial / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+            for attribute in ("config", "generation_config"):
+                config = getattr(model, attribute, None)
+                if config is not None and hasattr(config, "save_pretrained"):
+                    config.save_pretrained(partial)
+            shutil.rmtree(final, ignore_errors=True)
+            partial.rename(final)
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            error = exc
+    if _distributed():
+        _agree(error, lambda cause: f"saving {str(final)!r} failed: {cause}")
+    elif error is not None:
+        raise error
