@@ -5,8 +5,6 @@ The public path of :mod:`torch_tp.features.checkpoint`, which holds the code.
 """
 
 from torch_tp.features import checkpoint as _impl
-from torch_tp.features import hf_checkpoint as _hf
 from torch_tp.features.checkpoint import *  # noqa: F403
-from torch_tp.features.hf_checkpoint import *  # noqa: F403
 
-__all__ = [*_impl.__all__, *_hf.__all__]
+__all__ = _impl.__all__

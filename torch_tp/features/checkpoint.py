@@ -77,7 +77,9 @@ __all__ = [
     "latest_step",
     "load",
     "load_full_state_dict",
+    "load_pretrained",
     "save",
+    "save_pretrained",
 ]
 
 # ``torch.compile`` wraps a module and holds it under this name; the single-device name has no
@@ -1402,3 +1404,7 @@ def _single_process_is_intended() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
+
+
+# Hugging Face directories, built on the pieces above (imported last: it imports them)
+from torch_tp.features.hf_checkpoint import load_pretrained, save_pretrained  # noqa: E402
