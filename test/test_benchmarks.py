@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_moe  # noqa: E402
 import bench_pipeline  # noqa: E402
 import bench_tp  # noqa: E402
+import bench_transformers  # noqa: E402
 import megatron  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -374,3 +375,24 @@ def test_pipeline_bad_variant_is_refused(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         bench_pipeline.parse(["--variants", "zero-bubble"])
     assert "unknown variants ['zero-bubble']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_transformers_script_quick_mode() -> None:
+    """Both libraries' TP at a tiny size: every row matches one device, and torch_tp issues
+    fewer all-reduces than transformers' own TP (or transformers' row says why it cannot
+    run here)."""
+    pytest.importorskip("transformers")
+    args = bench_transformers.parse(["--quick"])
+    rows = {(r.family, r.library): r for r in bench_transformers.bench(args)}
+    assert set(rows) == {
+        (f, lib) for f in ("llama", "mixtral") for lib in ("torch_tp", "transformers")
+    }
+    for (family, library), row in rows.items():
+        if library == "transformers" and row.error:
+            continue  # the table reports it
+        assert row.loss_diff is not None and row.loss_diff < 1e-5, (family, library)
+    assert not rows["llama", "torch_tp"].error
+    reduces = rows["llama", "torch_tp"].collectives
+    assert "allreduce_ 10" in reduces, reduces  # 2 layers: 2 forward + 2 backward each, + 2
+    assert "| llama | torch_tp |" in bench_transformers.table(list(rows.values()), args, True)
