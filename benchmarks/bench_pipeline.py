@@ -216,6 +216,11 @@ def table(rows: list[Row], args: argparse.Namespace, markdown: bool = False) -> 
         f"{args.batch} x {args.seq} tokens, {args.microbatches} micro-batches; tp={args.tp}; "
         f"median of {args.steps} steps"
     )
+    return render(title, header, body, markdown)
+
+
+def render(title: str, header: list[str], body: list[list[str]], markdown: bool) -> str:
+    """A titled table: markdown, or plain columns two spaces apart."""
     if markdown:
         lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in body]

@@ -42,6 +42,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from torch_tp.testing import device_type, run_distributed
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pipeline import render  # noqa: E402
+
 FAMILIES = ("llama", "mixtral")
 LIBRARIES = ("torch_tp", "transformers")
 
@@ -184,13 +187,7 @@ def table(rows: list[Row], args: argparse.Namespace, markdown: bool = False) -> 
         f"TP={args.tp}; hidden {args.dim}, {args.layers} layers, vocab {args.vocab}; batch "
         f"{args.batch} x {args.seq} tokens; median of {args.steps} steps"
     )
-    if markdown:
-        lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
-    widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
-    return "\n".join(lines)
+    return render(title, header, body, markdown)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
