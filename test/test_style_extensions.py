@@ -392,10 +392,47 @@ def test_replicate_parallel(world_size):
     run_distributed(_replicate, world_size, world_size)
 
 
-def test_replicate_parallel_refuses_children_with_parameters():
-    model = nn.Sequential(nn.Linear(2, 2))
-    with pytest.raises(ValueError, match=r"children \['0'\]"):
-        ReplicateParallel()._validate(model, None)
+class NormedEmbedding(nn.Embedding):
+    """A lookup followed by a norm of its own (transformers' Inkling's normed embeddings)."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__(vocab, dim)
+        self.embed_norm = nn.LayerNorm(dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_norm(super().forward(ids))
+
+
+def _normed_embedding(style: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(NormedEmbedding(16, 8), nn.Linear(8, 8))
+    plan = {"0": style, "1": "colwise_rep"}
+    tp, _ = check_parity(
+        model, tp_mesh(), plan, (torch.randint(0, 16, (2, 5)),), steps=2, optimizer_fn=sgd
+    )
+    # the norm inside is replicated with the module: a DTensor with its whole gradient
+    for name in ("0.embed_norm.weight", "0.embed_norm.bias"):
+        param = tp.get_parameter(name)
+        assert param.placements == (Replicate(),) and param.grad.placements == (Replicate(),)
+
+
+@pytest.mark.parametrize("style", ["replicate", "embedding_rowwise", "embedding_colwise"])
+def test_a_module_keeps_its_submodules_without_a_style(style):
+    # replicated whole, or sharded with its own forward running on DTensors (the norm on a
+    # DTensor too)
+    run_distributed(_normed_embedding, 2, style)
+
+
+def _replicate_refuses_styled_submodules() -> None:
+    model = nn.Sequential(NormedEmbedding(16, 8))
+    plan = {"0": "replicate", "0.embed_norm": "sequence_parallel"}
+    with pytest.raises(ValueError, match=r"submodules \['embed_norm'\] have styles of their own"):
+        parallelize_module(model, tp_mesh(), plan)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())  # nothing changed
+
+
+def test_replicate_parallel_refuses_submodules_with_styles():
+    run_distributed(_replicate_refuses_styled_submodules, 2)
 
 
 # --------------------------------------------------------------------------- shared entry

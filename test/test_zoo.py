@@ -304,8 +304,11 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def _check(model_type: str) -> dict[str, Any]:
-    """One architecture on every rank: its status and, when it passes, the logits difference."""
+def _check(model_type: str, make_plan: Any = None) -> dict[str, Any]:
+    """One architecture on every rank: its status and, when it passes, the logits difference.
+
+    ``make_plan(model)`` gives the plan; by default :func:`torch_tp.plans.hf.plan_for`.
+    """
     from helpers import tp_mesh
 
     import torch_tp
@@ -336,7 +339,7 @@ def _check(model_type: str) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = plan_for(model)
+            plan = (make_plan or plan_for)(model)
             tp = torch_tp.parallelize_module(model, tp_mesh(), plan)
             out = tp(input_ids=ids, labels=labels, use_cache=False)
             loss = out.loss.full_tensor() if isinstance(out.loss, DTensor) else out.loss
@@ -354,7 +357,7 @@ def _check(model_type: str) -> dict[str, Any]:
     result["max_logits_diff"] = float(f"{_max_diff(logits, ref_out.logits):.2e}")
     # the keys of transformers' plan that name nothing in this config (see transformers_plan)
     unmatched = len(getattr(reference, "_tp_plan", None) or {}) - len(plan)
-    if unmatched > 0 and model.config.model_type not in PLANS:
+    if unmatched > 0 and model.config.model_type not in PLANS and make_plan is None:
         result["unmatched_plan_keys"] = unmatched
     problems = []
     sharded = [

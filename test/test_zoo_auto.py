@@ -52,22 +52,10 @@ def _auto_plan(model: nn.Module) -> dict:
 
 
 def _check(model_type: str) -> dict[str, Any]:
-    """test_zoo's check of one architecture, on every rank, with ``auto`` as the plan.
-
-    test_zoo's ``_check`` looks ``plan_for`` up in :mod:`torch_tp.plans.hf` when it runs:
-    it is replaced there, in this worker and for this call only, by ``auto``.
-    """
+    """test_zoo's check of one architecture, on every rank, with ``auto`` as the plan."""
     import warnings
 
-    import torch_tp.plans.hf as hf
-
-    original = hf.plan_for
-    hf.plan_for = _auto_plan
-    try:
-        result = test_zoo._check(model_type)
-    finally:
-        hf.plan_for = original
-    result.pop("unmatched_plan_keys", None)  # about transformers' plan, not auto's
+    result = test_zoo._check(model_type, _auto_plan)
     if result["status"] == DOES_NOT_BUILD:
         return result
     import transformers

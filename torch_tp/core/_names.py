@@ -31,28 +31,11 @@ from torch_tp.core.style import ParallelStyle, _arguments, short_repr
 
 __all__: list[str] = []  # private module: the public entry points are in torch_tp.plan
 
-# names transformers uses whose meaning needs a style torch_tp does not have (yet): why
-UNSUPPORTED_NAMES: dict[str, str] = {
-    "local_colwise": (
-        "transformers 4.x: column-sharded plain (non-DTensor) parameters and no layout "
-        "conversion; torch_tp keeps parameters as DTensors"
-    ),
-    "local_rowwise": (
-        "transformers 4.x: row-sharded plain (non-DTensor) parameters and no layout "
-        "conversion; torch_tp keeps parameters as DTensors"
-    ),
-    "local_packed_rowwise": (
-        "transformers 4.x: a packed row-sharded plain (non-DTensor) weight and no layout conversion"
-    ),
-    "local": (
-        "transformers 4.x: parameters divided by the TP degree and kept local, the input "
-        "converted to a local tensor"
-    ),
-    "gather": (
-        "transformers 4.x: an in-place all-reduce of the first output, outside autograd; "
-        "for a module returning one tensor use 'all_reduce'"
-    ),
-}
+# names transformers uses whose meaning needs a style torch_tp does not have (yet), with why:
+# none today (transformers 4.x's "local_*" and "gather" are LocalLinearParallel,
+# LocalParamsParallel and PartialSumParallel); a name added here fails with
+# NotImplementedError saying what is missing, rather than as a typo
+UNSUPPORTED_NAMES: dict[str, str] = {}
 
 
 def style_from_name(name: str, key: str | None = None) -> ParallelStyle:

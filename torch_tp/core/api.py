@@ -97,7 +97,10 @@ def parallelize_module(
         return module
 
     entries = resolve_plan(module, parallelize_plan, strict=strict)
-    with planning(module):  # styles that read the model's config find it
+    # styles that read the model's config find it; a partial-sum region, the modules the
+    # plan gives a style
+    styled = frozenset(id(entry.module) for entry in entries)
+    with planning(module, styled):
         validate_plan(entries, device_mesh, module, strict=strict)
     _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
     # dropout in a fork() region works out of the box; this never reseeds the default stream
@@ -105,7 +108,7 @@ def parallelize_module(
 
     result = module
     # every style of this call gets the runtime TORCH_TP_RUNTIME selects now
-    with _layouts.applying(), planning(module):
+    with _layouts.applying(), planning(module, styled):
         for entry in entries:
             entry.style.src_data_rank = src_data_rank
             applied = entry.style._apply(entry.module, device_mesh)

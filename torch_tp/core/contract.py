@@ -170,6 +170,15 @@ class StyleContract:
             module returns, as meta tensors of the right shapes, for a module whose forward
             cannot run on the meta device (it reads its inputs' values: routing counts); the
             report calls it instead of the forward. Default: ``None``, run the forward.
+        partial_sum (callable): ``style -> str | None``, the style's part in a partial-sum
+            region (a module whose forward, run on this rank's shards as local tensors,
+            gives each rank a part of its output, summed as it leaves: transformers'
+            ``"all_reduce"``, and its 4.x ``"gather"`` with ``"local_*"`` styles inside).
+            ``"region"``: the style is such a region. ``"part"``: the style computes on its
+            shards with no collective, so it belongs inside a region and is refused outside
+            one. ``"either"``: no collective either, right inside a region or outside.
+            ``None`` (the default): the style issues collectives of its own, and is refused
+            inside a region, whose sum would count them again.
     """
 
     names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -187,6 +196,7 @@ class StyleContract:
     parameter_entry: Callable[[Any, Any], Placement | None] | None = None
     with_parameter_entries: Callable[[Any, Mapping[str, Placement]], Any] | None = None
     meta_output: Callable[[Any, nn.Module, tuple, dict], Any] | None = None
+    partial_sum: Callable[[Any], str | None] = lambda style: None
 
     def accepts(self, module: nn.Module) -> bool:
         """Whether ``module`` is of a kind this contract lists (any, if it lists none)."""

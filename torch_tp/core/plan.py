@@ -222,7 +222,54 @@ def resolve_plan(
     for key, style, parameters in parameter_entries:
         for path, submodule, name in parameters:
             _check_parameter_entry(key, style, path, submodule, name, owner.get(id(submodule)))
+    _check_partial_sum_regions(entries)
     return entries
+
+
+def _partial_sum(style: object) -> str | None:
+    contract = getattr(style, "contract", None)
+    return None if contract is None else contract.partial_sum(style)
+
+
+# the styles that compute on local shards with no collective (for the message)
+_REGION_PARTS = (
+    "'local_colwise', 'local_rowwise', 'local_packed_rowwise', 'local', 'local_params' or "
+    "'replicated_with_grad_allreduce'"
+)
+
+
+def _check_partial_sum_regions(entries: list[PlanEntry]) -> None:
+    """Refuse a style inside a partial-sum region (``"all_reduce"``, ``"gather"``) that
+    issues collectives of its own, and a style that computes one part of a sum
+    (``"local_colwise"``, ...) outside every region: either way the result would be wrong
+    (counted once per rank, or never summed)."""
+    regions = [e for e in entries if _partial_sum(e.style) == "region"]
+    if not regions and not any(_partial_sum(e.style) == "part" for e in entries):
+        return
+    for entry in entries:
+        role = _partial_sum(entry.style)
+        around = [
+            r
+            for r in regions
+            if r is not entry and (r.path == "" or entry.path.startswith(r.path + "."))
+        ]
+        here = (
+            f"plan key {short_repr(entry.key)} ({_style(entry.style)}) on {_describe(entry.path)}"
+        )
+        if around and role not in ("part", "either"):
+            region = around[0]
+            raise ValueError(
+                f"{here} is inside {_describe(region.path)}, whose style {_style(region.style)} "
+                f"(plan key {short_repr(region.key)}) sums what is computed inside it: a style "
+                "there must compute on its shards with no collective of its own "
+                f"({_REGION_PARTS}), or the sum would count its results once per rank"
+            )
+        if not around and role == "part":
+            raise ValueError(
+                f"{here} computes one part of a sum with no collective of its own: it must be "
+                "inside a module planned 'gather' or 'all_reduce' (PartialSumParallel), which "
+                "sums the parts, and none of the modules around it is"
+            )
 
 
 def _takes_entries(style: object) -> bool:

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import itertools
 import reprlib
 from abc import ABC, abstractmethod
@@ -36,6 +37,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.overrides import TorchFunctionMode
 
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import StridedShard
@@ -59,6 +61,8 @@ __all__ = [
     "IdentityExpertParallel",
     "MLAKVAProjParallel",
     "LocalParamsParallel",
+    "LocalLinearParallel",
+    "PartialSumParallel",
     "AttentionHeads",
     "PrepareModuleInput",
     "PrepareModuleOutput",
@@ -312,13 +316,23 @@ _plan_root: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
 )
 
 
+# the modules the plan being applied gives a style (by id): a partial-sum region replicates
+# the parameters of the other modules inside it
+_plan_styled: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar(
+    "torch_tp_plan_styled", default=None
+)
+
+
 @contextlib.contextmanager
-def planning(root: nn.Module):
-    """The root of the plan being validated and applied, for :func:`plan_root`."""
+def planning(root: nn.Module, styled: frozenset[int] | None = None):
+    """The root of the plan being validated and applied, for :func:`plan_root`, and the ids
+    of the modules it gives a style, for :func:`plan_styled`."""
     token = _plan_root.set(root)
+    styled_token = _plan_styled.set(styled)
     try:
         yield
     finally:
+        _plan_styled.reset(styled_token)
         _plan_root.reset(token)
 
 
@@ -326,6 +340,12 @@ def plan_root() -> nn.Module | None:
     """The root module of the :func:`parallelize_module` call running (``None``: a style
     applied by hand)."""
     return _plan_root.get()
+
+
+def plan_styled() -> frozenset[int] | None:
+    """The ids of the modules the plan being applied gives a style (``None``: a style
+    applied by hand, or a plan that did not say)."""
+    return _plan_styled.get()
 
 
 def _distribute_and_wrap(
@@ -419,8 +439,8 @@ def _project(
 
 
 def _own_forward_caveat(module: nn.Module) -> str | None:
-    if _uses_stock_forward(module):
-        return None
+    if _uses_stock_forward(module) or isinstance(module, nn.Embedding):
+        return None  # an embedding's own forward computes on local tensors (_OwnLookups)
     return (
         f"{type(module).__name__} overrides forward, which then runs on DTensors: the "
         "collectives inside it are not predicted"
@@ -431,7 +451,8 @@ def _uses_stock_forward(module: nn.Module) -> bool:
     """True when ``module`` runs the forward of torch's Linear/Embedding, unchanged.
 
     Only then may a style replace the forward by an equivalent computation on local shards;
-    a subclass with its own forward keeps it and runs on DTensors instead.
+    a Linear subclass with its own forward keeps it and runs on DTensors instead, and an
+    Embedding subclass keeps it with its lookups done by the style (:class:`_OwnLookups`).
     """
     for base in (nn.Linear, nn.Embedding, _conv1d_base(module)):
         if base is not None and isinstance(module, base):
@@ -481,6 +502,9 @@ class _ShardLinearEmbedding(ParallelStyle):
                 "not transformers' Conv1D (a 2-D weight of shape (nx, nf))"
             )
         _check_not_distributed(module)
+        if not _uses_stock_forward(module):
+            for sub in _unstyled_submodules(module):
+                _check_not_distributed(sub)
         _check_parameter_placements(module, self._parameter_placements(module))
         if isinstance(module, nn.Embedding):
             if module.sparse:
@@ -511,7 +535,19 @@ class _ShardLinearEmbedding(ParallelStyle):
         if _uses_stock_forward(module):
             forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
             module.forward = functools.partial(forward, module, rt)
+        elif isinstance(module, nn.Embedding):
+            # its own forward on local tensors, with the lookups of its weight done by the
+            # style; the submodules it calls (a norm after the lookup: transformers' normed
+            # embeddings) are replicated
+            inner = _unstyled_submodules(module)
+            _replicate_parameters(inner, rt, self.src_data_rank)
+            module.forward = functools.partial(
+                self._own_embedding_forward, module, rt, type(module).forward, inner
+            )
         else:
+            # its own forward runs on DTensors, and so do the submodules it calls: their
+            # parameters become replicated DTensors, whose gradients DTensor computes
+            _replicate_parameters(_unstyled_submodules(module), rt, self.src_data_rank)
             _hook_dtensor_forward(
                 self,
                 module,
@@ -522,6 +558,46 @@ class _ShardLinearEmbedding(ParallelStyle):
                 self.use_local_output,
             )
         return module
+
+    def _own_embedding_forward(
+        self,
+        module: nn.Embedding,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        inner: list[nn.Module],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """An ``nn.Embedding`` subclass's own forward, on local tensors: each lookup of its
+        weight is the style's own (as for a stock embedding), the submodules it calls
+        compute on replicated parameters (whose gradients are partial sums when the lookup's
+        output is sharded: a sequence shard)."""
+        partial = not isinstance(self.output_layouts[0], Replicate)
+        swapped = _swap_in_local_parameters(inner, rt, partial)
+        try:
+            with _OwnLookups(module, functools.partial(self._embedding, module, rt)):
+                return own_forward(module, *args, **kwargs)
+        finally:
+            _swap_back(swapped)
+
+
+class _OwnLookups(TorchFunctionMode):
+    """``F.embedding`` of ``module``'s weight done by ``lookup(ids)``; every other call as it
+    is. (An ``nn.Embedding`` subclass calls it through ``super().forward``, which no hook
+    reaches.)"""
+
+    def __init__(self, module: nn.Embedding, lookup) -> None:
+        super().__init__()
+        self.module = module
+        self.lookup = lookup
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is self.module.weight:  # (the mode is off while this runs)
+                return self.lookup(args[0] if args else kwargs["input"])
+        return func(*args, **kwargs)
 
 
 class ColwiseParallel(_ShardLinearEmbedding):
@@ -1180,6 +1256,8 @@ class ReplicateParallel(_ReplicatedParameters):
         ),
         # no boundary of its own: the report follows its ops, whose outputs are laid out
         # like the inputs it was given
+        # no collective: inside a partial-sum region its gradients are partial sums
+        partial_sum=lambda s: "either" if s.sum_gradients else None,
     )
 
     def __init__(self, *, sum_gradients: bool = False) -> None:
@@ -1188,22 +1266,48 @@ class ReplicateParallel(_ReplicatedParameters):
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
-        nested = [
-            name for name, child in module.named_children() if any(True for _ in child.parameters())
+        inner = {id(sub) for sub in _unstyled_submodules(module)}
+        styled = [
+            path
+            for path, sub in module.named_modules()
+            if path and id(sub) not in inner and compat.direct_parameters(sub)
         ]
-        if nested:
+        if styled:
             raise ValueError(
-                f"ReplicateParallel replicates a module's own parameters; the children "
-                f"{nested} have parameters of their own: give them their own styles"
+                "ReplicateParallel keeps the whole module on every rank, and its submodules "
+                f"{styled} have styles of their own in the plan: remove their entries (they "
+                "are replicated with the module), or give the module's own parameters a "
+                "style that leaves its submodules alone"
             )
         _check_not_distributed(module)
+        for sub in _unstyled_submodules(module):
+            _check_not_distributed(sub)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        rt = _layouts.runtime(device_mesh)
+        inner = _unstyled_submodules(module)
+        _replicate_parameters(inner, rt, self.src_data_rank)
+        return _distribute_and_wrap(
+            self, module, device_mesh, self._parameter_placements(module), inner
+        )
 
     def _forward(
-        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        inner: list[nn.Module],
+        *inputs,
+        **kwargs,
     ):
-        return _run_on_local_parameters(
-            module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
-        )
+        swapped = _swap_in_local_parameters(inner, rt, self.sum_gradients)
+        try:
+            return _run_on_local_parameters(
+                module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
+            )
+        finally:
+            _swap_back(swapped)
 
 
 class TensorParallelExperts(ParallelStyle):
@@ -1791,13 +1895,18 @@ class LocalParamsParallel(ParallelStyle):
     """
 
     contract = StyleContract(
-        names={"local_params": {}},
+        # "local": transformers 4.x's name for the same thing (Llama 4's experts inside a
+        # "gather" region, next to "local_packed_rowwise"/"local_colwise" entries for their
+        # stacked weights). transformers also divided the parameters no entry shards by the
+        # TP degree, changing the model's values; here they are refused, as for local_params
+        names={"local_params": {}, "local": {}},
         arguments=lambda s: {"placements": s.placements},
         parameters=lambda s, m: dict(s.placements or {}),
         with_parameter_entries=lambda s, placements: LocalParamsParallel(
             {**(s.placements or {}), **placements}
         ),
         local_forward=lambda s, m: True,
+        partial_sum=lambda s: "either",
     )
 
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
@@ -1847,6 +1956,311 @@ class LocalParamsParallel(ParallelStyle):
         self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
     ):
         return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
+
+
+# what LocalLinearParallel's kinds do to a Linear: (weight, bias) placements
+_LOCAL_LINEAR = {
+    "colwise": (Shard(0), Shard(0)),
+    "rowwise": (Shard(1), Replicate()),
+    "packed_rowwise": (StridedShard(1, split_factor=2), Replicate()),
+}
+
+
+class LocalLinearParallel(ParallelStyle):
+    """An ``nn.Linear`` sharded as a column- or row-parallel layer, computing on this rank's
+    shard with no collective: one part of a :class:`PartialSumParallel` region.
+
+    Its input and output are local tensors, used as they are: ``"colwise"`` takes the whole
+    input and gives this rank's output features; ``"rowwise"`` takes this rank's input
+    features and gives a partial sum; ``"packed_rowwise"`` is ``"rowwise"`` for input
+    features packed as two blocks (each rank its slice of each, as
+    :class:`PackedRowwiseParallel`). The region around it sums what must be summed: its
+    first output in the forward, its inputs' gradients in the backward. Outside a region the
+    style is refused, since nothing would sum the partial results. These are transformers
+    4.x's ``local_colwise``, ``local_rowwise`` and ``local_packed_rowwise``; in a plan entry
+    naming a parameter (stacked experts ``[n_experts, out, in]``) they state
+    ``Shard(-2)``, ``Shard(-1)`` and a packed ``Shard(-1)``.
+
+    Args:
+        shard (str): ``"colwise"`` (weight and bias split by output feature),
+            ``"rowwise"`` (weight split by input feature) or ``"packed_rowwise"``. A
+            row-parallel layer takes no bias: each rank would add it to its part of the sum.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {  # transformers 4.x's plan for Llama 4's dense feed-forward
+        ...     "layers.*.feed_forward.gate_proj": "local_colwise",
+        ...     "layers.*.feed_forward.up_proj": "local_colwise",
+        ...     "layers.*.feed_forward.down_proj": "local_rowwise",
+        ...     "layers.*.feed_forward": "gather",
+        ... }
+    """
+
+    contract = StyleContract(
+        names={
+            "local_colwise": {"shard": "colwise"},
+            "local_rowwise": {"shard": "rowwise"},
+            "local_packed_rowwise": {"shard": "packed_rowwise"},
+        },
+        arguments=lambda s: {"shard": s.shard},
+        modules=(nn.Linear,),
+        parameters=lambda s, m: s._parameter_placements(m),
+        local_forward=lambda s, m: True,
+        partial_sum=lambda s: "part",
+    )
+
+    def __init__(self, shard: str) -> None:
+        super().__init__()
+        if shard not in _LOCAL_LINEAR:
+            raise ValueError(
+                f"shard must be one of {', '.join(map(repr, _LOCAL_LINEAR))}, found "
+                f"{short_repr(shard)}"
+            )
+        self.shard = shard
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        weight, bias = _LOCAL_LINEAR[self.shard]
+        placements = {"weight": weight}
+        if getattr(module, "bias", None) is not None:
+            placements["bias"] = bias
+        return placements
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        n = device_mesh.size()
+        if self.shard == "colwise":
+            size, what = module.out_features, "output features"
+        else:
+            size, what = module.in_features, "input features"
+            if module.bias is not None:
+                raise ValueError(
+                    f"a {self.shard} layer computing one part of a sum takes no bias: each "
+                    "rank would add it to its part, and the sum would hold it once per rank"
+                )
+        parts = 2 * n if self.shard == "packed_rowwise" else n
+        if size % parts:
+            raise ValueError(f"its {size} {what} do not split evenly into {parts} parts")
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        return _distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
+
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
+
+
+class _FirstRankGradient(torch.autograd.Function):
+    """Identity forward; the backward passes the gradient on one rank and zeros on the others
+    (for a replicated output of a partial-sum region: the region sums its gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+def _forward_inputs(module: nn.Module) -> tuple[list[str], bool]:
+    """The names of ``module``'s forward's positional inputs, and whether it takes more
+    (``*args``)."""
+    names, more = [], False
+    for param in inspect.signature(type(module).forward).parameters.values():
+        if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            names.append(param.name)
+        elif param.kind is param.VAR_POSITIONAL:
+            more = True
+    return names[1:], more  # less self
+
+
+class PartialSumParallel(ParallelStyle):
+    """A module whose forward, run on this rank's shards as local tensors, gives each rank
+    a part of its first output: summed over the ranks as it leaves.
+
+    The module's own parameters are sharded as the plan's parameter entries under it say
+    (Inkling's shared experts: stacked ``gate_proj``/``up_proj`` ``"colwise"``,
+    ``down_proj`` ``"rowwise"``); the modules inside it compute with no collective of their
+    own (:class:`LocalLinearParallel`, :class:`LocalParamsParallel`, or no style). Every
+    other parameter inside it (its own without an entry, those of its submodules without a
+    style: Llama 4's router) is replicated, and, since it computes toward a partial sum, its
+    gradient is one too, summed over the ranks. In the forward, the first output (or the
+    module's only one) is summed in one all-reduce; in the backward, the gradients of its
+    floating-point inputs, partial sums too, are summed in one all-reduce. Its other outputs
+    are replicated: their gradient counts on one rank, so that the sums hold it once. A
+    style that issues collectives of its own inside the region is refused (the sum would
+    count its results once per rank), and so is a replicated parameter added to the output
+    directly, which no check can see: the module's forward must compute every term of its
+    first output from this rank's shards.
+
+    This is transformers' ``all_reduce`` (5.x) and ``gather`` (4.x, around ``local_*``
+    layers): Llama 4's feed-forward sums its shared expert and its routed experts, both
+    partial, in one all-reduce.
+
+    Args:
+        placements (Mapping[str, Placement], optional): the placement of each of the
+            module's own parameters. Default: ``None``, taken from the plan's parameter
+            entries under the module; the others are replicated.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {  # transformers 5.x's plan for Inkling's shared experts
+        ...     "layers.*.mlp.shared_experts.gate_proj": "colwise",  # Shard(-2)
+        ...     "layers.*.mlp.shared_experts.up_proj": "colwise",
+        ...     "layers.*.mlp.shared_experts.down_proj": "rowwise",  # Shard(-1)
+        ...     "layers.*.mlp.shared_experts": "all_reduce",
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"all_reduce": {}, "gather": {}},
+        arguments=lambda s: {"placements": s.placements},
+        parameters=lambda s, m: s._parameter_placements(m),
+        partial_gradients=lambda s, m: tuple(
+            ".".join(key) if isinstance(key, tuple) else key for key, _ in s._replicated(m)
+        ),
+        inputs=lambda s, m: s._input_boundary(m),
+        outputs=lambda s, m: Boundary((Layout(Partial(), Replicate()),)),
+        local_forward=lambda s, m: True,
+        with_parameter_entries=lambda s, placements: PartialSumParallel(
+            {**(s.placements or {}), **placements}
+        ),
+        partial_sum=lambda s: "region",
+    )
+
+    def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
+        super().__init__()
+        if placements is not None:
+            if not isinstance(placements, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Placement) for k, v in placements.items()
+            ):
+                raise TypeError(
+                    "placements must map parameter names to Placements, found "
+                    f"{short_repr(placements)}"
+                )
+            placements = dict(placements) or None  # no entries: the default
+        self.placements = placements
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """Each direct parameter's placement: its entry's, else replicated."""
+        placements = self.placements or {}
+        return {
+            name: placements.get(name, Replicate())
+            for name, _ in module.named_parameters(recurse=False)
+        }
+
+    def _replicated(self, module: nn.Module) -> list[tuple[Any, nn.Module]]:
+        """The replicated parameters the region sums the gradients of: ``(name, module)``
+        for its own, ``((path, name), submodule)`` for those of submodules the plan gives no
+        style (all of them, for a style applied by hand)."""
+        placements = self._parameter_placements(module)
+        found: list[tuple[Any, nn.Module]] = [
+            (name, module) for name, p in placements.items() if isinstance(p, Replicate)
+        ]
+        paths = {id(sub): path for path, sub in module.named_modules()}
+        for sub in _unstyled_submodules(module):
+            found += [((paths[id(sub)], n), sub) for n, _ in sub.named_parameters(recurse=False)]
+        return found
+
+    def _input_boundary(self, module: nn.Module) -> Boundary:
+        whole = Layout(Replicate(), Replicate(), grad=Partial())
+        names, _ = _forward_inputs(module)
+        return Boundary(tuple(whole for _ in names), {n: whole for n in names}, coalesced=True)
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        params = dict(module.named_parameters(recurse=False))
+        missing = sorted(set(self.placements or {}) - set(params))
+        if missing:
+            raise ValueError(f"{type(module).__name__} has no direct parameters {missing}")
+        n = device_mesh.size()
+        for name, placement in (self.placements or {}).items():
+            param = params[name]
+            if isinstance(placement, Shard):
+                dim = _layouts.normalize(placement, param.ndim).dim
+                split = placement.split_factor if isinstance(placement, StridedShard) else 1
+                if not 0 <= dim < param.ndim or param.shape[dim] % (n * split):
+                    raise ValueError(
+                        f"parameter {name!r} {tuple(param.shape)} cannot be split evenly on "
+                        f"dim {placement.dim} over {n} ranks"
+                    )
+        _check_not_distributed(module)
+        for sub in _unstyled_submodules(module):
+            _check_not_distributed(sub)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        rt = _layouts.runtime(device_mesh)
+        inner = _unstyled_submodules(module)
+        _replicate_parameters(inner, rt, self.src_data_rank)
+        keep = rt.mesh.get_local_rank() == 0
+        return _distribute_and_wrap(
+            self, module, device_mesh, self._parameter_placements(module), inner, keep
+        )
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        inner: list[nn.Module],
+        keep: bool,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        # every floating-point input, read whole: its gradient is a partial sum
+        names = list(range(len(args))) + list(kwargs)
+        values = [*args, *kwargs.values()]
+        entering = [
+            i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ]
+        if entering:
+            entered = rt.enter_replicated_many(tuple(values[i] for i in entering))
+            for i, value in zip(entering, entered, strict=True):
+                values[i] = value
+        args = tuple(values[: len(args)])
+        kwargs = dict(zip(names[len(args) :], values[len(args) :], strict=True))
+        # the replicated parameters inside, as local tensors with partial gradients
+        swapped = _swap_in_local_parameters(inner, rt, True)
+        try:
+            placements = self._parameter_placements(module)
+            params = compat.direct_parameters(module)
+            local = {
+                name: rt.local_parameter(
+                    module, name, partial=isinstance(placements.get(name), Replicate)
+                )
+                for name in params
+            }
+            compat.swap_direct_parameters(module, local)
+            try:
+                output = own_forward(module, *args, **kwargs)
+            finally:
+                compat.swap_direct_parameters(module, params)
+        finally:
+            _swap_back(swapped)
+        return self._leave(rt, output, keep)
+
+    def _leave(self, rt: _layouts.DTensorRuntime, output: Any, keep: bool) -> Any:
+        """The first output summed; the others' gradients kept on one rank."""
+        if isinstance(output, torch.Tensor):
+            return rt.reduce_partial(output, Replicate(), True)
+        if not isinstance(output, tuple) or not output:
+            raise TypeError(
+                f"expected the module to return a tensor or a tuple whose first element is "
+                f"one, found {type(output).__name__}"
+            )
+        first, *rest = output
+        rest = [
+            _FirstRankGradient.apply(t, keep)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+            else t
+            for t in rest
+        ]
+        return type(output)((rt.reduce_partial(first, Replicate(), True), *rest))
 
 
 class AttentionHeads(ParallelStyle):
@@ -2035,6 +2449,50 @@ def _run_on_local_parameters(
         return forward(module, *inputs, **kwargs)
     finally:
         compat.swap_direct_parameters(module, params)
+
+
+def _unstyled_submodules(module: nn.Module) -> list[nn.Module]:
+    """The submodules of ``module`` (not itself) that hold parameters of their own and that
+    the plan being applied gives no style (every one, for a style applied by hand)."""
+    styled = plan_styled() or frozenset()
+    return [
+        sub
+        for path, sub in module.named_modules()
+        if path and id(sub) not in styled and compat.direct_parameters(sub)
+    ]
+
+
+def _replicate_parameters(
+    modules: list[nn.Module], rt: _layouts.DTensorRuntime, src_data_rank: int | None
+) -> None:
+    """Make every direct parameter of ``modules`` a replicated DTensor."""
+    for sub in modules:
+        placements = {name: Replicate() for name, _ in sub.named_parameters(recurse=False)}
+        _distribute_parameters(sub, rt, placements, src_data_rank)
+
+
+def _swap_in_local_parameters(
+    modules: list[nn.Module], rt: _layouts.DTensorRuntime, partial: bool
+) -> list[tuple[nn.Module, dict]]:
+    """Give ``modules`` local views of their DTensor parameters (see
+    :func:`_run_on_local_parameters`); returns what :func:`_swap_back` puts back."""
+    swapped = []
+    try:
+        for sub in modules:
+            local = {
+                name: rt.local_parameter(sub, name, partial=partial)
+                for name in compat.direct_parameters(sub)
+            }
+            swapped.append((sub, compat.swap_direct_parameters(sub, local)))
+    except BaseException:
+        _swap_back(swapped)
+        raise
+    return swapped
+
+
+def _swap_back(swapped: list[tuple[nn.Module, dict]]) -> None:
+    for sub, original in reversed(swapped):
+        compat.swap_direct_parameters(sub, original)
 
 
 def _hook_dtensor_forward(
@@ -2275,8 +2733,6 @@ class PrepareModuleOutput(ParallelStyle):
     """
 
     contract = StyleContract(
-        # the module's output is a partial sum: all-reduce it, hand on a local tensor
-        names={"all_reduce": {"output_layouts": Partial(), "desired_output_layouts": Replicate()}},
         arguments=lambda s: {
             "output_layouts": s.output_layouts,
             "desired_output_layouts": s.desired_output_layouts,

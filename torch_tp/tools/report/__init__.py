@@ -182,7 +182,8 @@ def plan_report(
         for message in unmatched
         if message.startswith(f"parallelize_plan key {short_repr(key)} matches no submodule")
     ]
-    with planning(model):  # styles that read the model's config find it
+    styled = frozenset(id(e.module) for e in entries)
+    with planning(model, styled):  # styles that read the model's config find it
         invalid, refused = _validate(model, entries, tp_degree)
     problems += refused
     valid = [e for e in entries if id(e.module) not in invalid]
@@ -190,7 +191,7 @@ def plan_report(
     inputs = _inputs(example_inputs, batch_size, seq_len)
     trace = _Trace(valid, tp_degree, cpu=device_type == "cpu")
     trace.watch_unplanned(model)
-    with torch.enable_grad():
+    with torch.enable_grad(), planning(model, styled):
         output = _run(model, trace, inputs, input_layout)
     for t in tree_leaves(output):
         if isinstance(t, torch.Tensor) and isinstance(trace.states.get(id(t)), _Node):

@@ -428,7 +428,10 @@ class _Trace:
         if caveat:
             self.problem("note", entry.key, caveat)
         for name in contract.partial_gradients(style, module) or ():
-            param = getattr(module, name, None)
+            try:  # a dotted name: a parameter of a submodule (inside a partial-sum region)
+                param = module.get_parameter(name)
+            except AttributeError:
+                continue
             if isinstance(param, nn.Parameter) and param.requires_grad:
                 self.partial_params[id(param)] = param
         boundary = contract.inputs(style, module)
