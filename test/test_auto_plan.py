@@ -7,6 +7,7 @@ single-device parity at TP=2, print as plain data, and refuse what it cannot be 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -23,6 +24,7 @@ from torch_tp import (
     LocalParamsParallel,
     MLAKVAProjParallel,
     PackedColwiseParallel,
+    PartialSumParallel,
     ReplicateParallel,
     RowwiseParallel,
     TensorParallelExperts,
@@ -436,6 +438,72 @@ def test_stacked_experts():
     bad = _MoE(gate_up=(4, 24, 8))
     with pytest.raises(ValueError, match=r"'layers.\*.moe.experts' \(_Experts: gate_up_proj"):
         auto(_Stack(_MoEBlock(bad), _MoEBlock(bad)))
+
+
+class _Ungated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.zeros(4, 16, 8))  # [E, I, H]
+        self.down_proj = nn.Parameter(torch.zeros(4, 8, 16))  # [E, H, I]
+
+
+class _SharedStacked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.zeros(2, 16, 8))  # [n, I, H]
+        self.up_proj = nn.Parameter(torch.zeros(2, 16, 8))
+        self.down_proj = nn.Parameter(torch.zeros(2, 8, 16))  # [n, H, I]
+        self.act = nn.SiLU()
+
+
+def test_ungated_experts_and_stacked_shared_experts():
+    # Nemotron-H's ungated experts; Inkling's shared experts stacked beside the routed ones:
+    # one partial sum, their parameters sharded on the hidden dimension
+    moe = _MoE()
+    moe.experts = _Ungated()
+    moe.shared_experts = _SharedStacked()
+    plan = auto(_Stack(_MoEBlock(moe), _MoEBlock(copy.deepcopy(moe))), tp_degree=2)
+    assert plan["layers.*.moe.experts"] == TensorParallelExperts()
+    assert plan["layers.*.moe.shared_experts"] == PartialSumParallel(
+        {"gate_proj": Shard(1), "up_proj": Shard(1), "down_proj": Shard(2)}
+    )
+    # other stacked parameters beside the experts are still refused
+    moe.shared_experts.down_proj = nn.Parameter(torch.zeros(2, 16, 16))
+    with pytest.raises(
+        ValueError, match=r"'layers.\*.moe.shared_experts' \(_SharedStacked\) holds"
+    ):
+        auto(_Stack(_MoEBlock(moe), _MoEBlock(copy.deepcopy(moe))), tp_degree=2)
+
+
+class _GatedAttention(nn.Module):
+    """An attention whose output is gated, per feature (``gate_proj``) or per head
+    (``g_proj``), the gate registered after the output projection (AFMoE, Laguna)."""
+
+    def __init__(self, per_head: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = 4, 2
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 16), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.o_proj = nn.Linear(16, 8)
+        if per_head:
+            self.g_proj = nn.Linear(8, 4)
+        else:
+            self.gate_proj = nn.Linear(8, 16)
+
+
+class _GatedBlock(nn.Module):
+    def __init__(self, per_head: bool) -> None:
+        super().__init__()
+        self.self_attn = _GatedAttention(per_head)
+        self.mlp = _MLP(8, 16)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_attention_output_gates_shard_with_the_heads(per_head):
+    plan = auto(_Stack(_GatedBlock(per_head), _GatedBlock(per_head)), tp_degree=2)
+    gate = "g_proj" if per_head else "gate_proj"
+    assert plan[f"layers.*.self_attn.{gate}"] == ColwiseParallel()
+    assert plan["layers.*.self_attn.o_proj"] == RowwiseParallel()
+    assert plan["layers.*.self_attn.q_proj"] == ColwiseParallel()
 
 
 @needs_transformers

@@ -295,6 +295,14 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
 
 
+def rank_error_reason(error: BaseException) -> str:
+    """A failed rank's exception, as its traceback's last line says it (the first line of a
+    ``RankError`` only names the rank)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    last = next((line for line in reversed(lines) if not line.startswith("rank ")), "")
+    return f"{_first_line(error)} {last}".strip()
+
+
 def _grad(param: torch.Tensor) -> torch.Tensor | None:
     grad = param.grad
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
@@ -480,7 +488,7 @@ def test_zoo_matches_status_file():
         except RankTimeout:
             results[model_type] = {"status": FAIL, "reason": f"hangs (over {TIMEOUT:.0f} s)"}
         except RankError as error:  # a rank's worker died, or ranks disagreed
-            results[model_type] = {"status": FAIL, "reason": _first_line(error)}
+            results[model_type] = {"status": FAIL, "reason": rank_error_reason(error)}
     if os.environ.get(UPDATE_ENV):
         _write(results)
         return
@@ -550,20 +558,45 @@ def test_plan_for_drops_llama4s_unprefixed_duplicates_only():
     assert all(key.startswith(("model.", "lm_head")) for key in plan), plan
 
 
-def test_plan_for_sums_the_gradient_of_a_broadcast_parameter_its_plan_leaves_out():
+def test_plan_for_sums_the_gradient_of_a_broadcast_parameter_its_plan_leaves_out(monkeypatch):
     """apertus' own plan leaves out ``mlp.act_fn`` (xIELU, whose ``alpha_p``/``alpha_n`` are
     single values computing on the column-sharded hidden layer): plan_for replicates it with
     its gradient summed. Doge's q/k norms, which are not single values, are refused by name
-    (its own plan would give them silently wrong gradients)."""
+    when its own plan is taken as it is (its own plan would give them silently wrong
+    gradients; plan_for corrects Doge's plan, see below)."""
     pytest.importorskip("transformers")
-    from torch_tp.plans.hf import plan_for
+    from torch_tp.plans import hf
 
     model = _meta_model("apertus")
-    plan = plan_for(model)
+    plan = hf.plan_for(model)
     assert "model.layers.*.mlp.act_fn" not in model._tp_plan
     assert plan["model.layers.*.mlp.act_fn"] == "replicated_with_grad_allreduce"
+    monkeypatch.delitem(hf._CORRECTIONS, "doge")
     with pytest.raises(ValueError, match=r"q_norm\.weight, which no plan entry lays out"):
-        plan_for(_meta_model("doge"))
+        hf.plan_for(_meta_model("doge"))
+
+
+def test_plan_for_corrects_plans_that_compute_something_else():
+    pytest.importorskip("transformers")
+    from torch.distributed.tensor import Shard
+
+    from torch_tp import RowwiseParallel
+    from torch_tp.plans.hf import plan_for
+
+    # Doge: each rank its own heads' part of the dynamic mask
+    plan = plan_for(_meta_model("doge"))
+    attention = "model.layers.*.self_attn"
+    assert plan[f"{attention}.dt_proj"] == RowwiseParallel(output_layouts=Shard(-1))
+    assert plan[attention] == "local_params" and plan[f"{attention}.A"] == "colwise"
+    assert plan[f"{attention}.q_norm"] == "replicated_with_grad_allreduce"
+    # Gemma 3n: the MLPs with activation sparsity (a cut over all of the gate's features)
+    # stay whole, the others are sharded
+    model = _meta_model("gemma3n_text", activation_sparsity_pattern=[0.95, 0.0])
+    plan = plan_for(model)
+    assert "model.layers.*.mlp.gate_proj" not in plan
+    assert "model.layers.0.mlp.gate_proj" not in plan
+    assert plan["model.layers.1.mlp.gate_proj"] == model._tp_plan["model.layers.*.mlp.gate_proj"]
+    assert plan["model.layers.1.mlp.down_proj"] == "rowwise"
 
 
 def test_plan_for_keeps_a_key_that_names_something_even_if_wrong():

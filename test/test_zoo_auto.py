@@ -173,7 +173,7 @@ def test_zoo_auto_matches_status_file():
         except RankTimeout:
             results[model_type] = {"status": FAIL, "reason": f"hangs (over {TIMEOUT:.0f} s)"}
         except RankError as error:
-            results[model_type] = {"status": FAIL, "reason": test_zoo._first_line(error)}
+            results[model_type] = {"status": FAIL, "reason": test_zoo.rank_error_reason(error)}
     data = _load()
     recorded = data.get("models", {})
     if os.environ.get(UPDATE_ENV):

@@ -27,6 +27,7 @@ from torch_tp.style import (
     MLAKVAProjParallel,
     PackedColwiseParallel,
     ParallelStyle,
+    PartialSumParallel,
     ReplicateParallel,
     RowwiseParallel,
     TensorParallelExperts,
@@ -69,12 +70,14 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
          block that has an MLP child (Gemma's per-layer input gate), whose use forward
          alone knows.
        * a *mixture of experts* (a child holding ``gate_up_proj`` ``[E, 2I, H]`` and
-         ``down_proj`` ``[E, H, I]``, or both transposed): the experts get
-         ``TensorParallelExperts()``; its routers and gates stay whole (replicated, on the
-         replicated tokens); a shared expert inside it that is an MLP is planned as one
-         (rule 3). Other stacked parameters, or experts of other shapes, are refused. A child
-         whose Linear layers all write the expert count (a router beside the experts) stays
-         whole too.
+         ``down_proj`` ``[E, H, I]``, or both transposed, or ungated ``up_proj`` ``[E, I, H]``
+         and ``down_proj``): the experts get ``TensorParallelExperts()``; its routers and
+         gates stay whole (replicated, on the replicated tokens); a shared expert inside it
+         that is an MLP is planned as one (rule 3), one stacked as ``gate_proj``/``up_proj``
+         ``[n, I, H]`` and ``down_proj`` ``[n, H, I]`` gets ``PartialSumParallel`` with those
+         sharded on ``I``. Other stacked parameters, or experts of other shapes, are
+         refused. A child whose Linear layers all write the expert count (a router beside
+         the experts) stays whole too.
        * anything else is planned by its groups of Linear layers (rule 3), or refused.
     3. **Groups.** Inside a unit, the Linear-like layers are grouped by their parent module
        (the attention, the MLP). The hidden size is the input embedding's width when a group
@@ -339,7 +342,7 @@ def _plan_block(model: nn.Module, members: list[nn.Module], hidden: int, prefix:
     }
     result = _BlockPlan({}, [], [], [], prefix)
     counts = {
-        block.get_submodule(path).gate_up_proj.shape[0]
+        _expert_count(block.get_submodule(path))
         for name in moe
         for path in _stacked_experts_quiet(block, name)
     }
@@ -347,8 +350,10 @@ def _plan_block(model: nn.Module, members: list[nn.Module], hidden: int, prefix:
     for name, unit_groups in units.items():
         unit = block.get_submodule(name)
         if name in moe:
-            experts = _stacked_experts(unit, name, prefix)
+            experts, shared = _stacked_experts(unit, name, prefix, hidden)
             result.experts += experts
+            for path in shared:  # stacked shared experts: one partial sum
+                result.styles[path] = PartialSumParallel(_STACKED_SHARED)
             for group in unit_groups:
                 try:
                     _assign(group, hidden, block.get_submodule(group.parent))
@@ -457,53 +462,90 @@ def _is_mixer(unit: nn.Module) -> bool:
     return linear_attention or any(w.startswith(_MIXER_WORDS) for w in words)
 
 
+def _stacked(module: nn.Module, names: tuple[str, ...]) -> bool:
+    return all(
+        isinstance(getattr(module, p, None), torch.Tensor) and getattr(module, p).ndim == 3
+        for p in names
+    )
+
+
+# the stacked weights of experts: SwiGLU (gate and up fused), or ungated (Nemotron-H)
+_GATED, _UNGATED = ("gate_up_proj", "down_proj"), ("up_proj", "down_proj")
+# shared experts stacked beside the routed ones (Inkling): gate_proj and up_proj [n, I, H]
+# sharded on I, down_proj [n, H, I] too, computed in the module's own forward and summed once
+_SHARED = ("gate_proj", "up_proj", "down_proj")
+_STACKED_SHARED = {"gate_proj": Shard(1), "up_proj": Shard(1), "down_proj": Shard(2)}
+
+
+def _is_experts(module: nn.Module) -> bool:
+    return _stacked(module, _GATED) or (
+        _stacked(module, _UNGATED)
+        and getattr(module, "gate_up_proj", None) is None
+        and getattr(module, "gate_proj", None) is None
+    )
+
+
+def _expert_count(module: nn.Module) -> int:
+    return module.down_proj.shape[0]
+
+
 def _stacked_experts_quiet(block: nn.Module, name: str) -> list[str]:
     unit = block.get_submodule(name)
-    return [
-        _join(name, path)
-        for path, module in unit.named_modules()
-        if all(
-            isinstance(getattr(module, p, None), torch.Tensor) and getattr(module, p).ndim == 3
-            for p in ("gate_up_proj", "down_proj")
-        )
-    ]
+    return [_join(name, path) for path, module in unit.named_modules() if _is_experts(module)]
 
 
-def _stacked_experts(unit: nn.Module, name: str, prefix: str) -> list[str]:
-    """The paths (inside the block) of the stacked experts in ``unit``, checked: SwiGLU
-    experts ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` (or both
-    transposed) and no other parameter, or refuse."""
-    found = []
+def _stacked_experts(
+    unit: nn.Module, name: str, prefix: str, hidden: int
+) -> tuple[list[str], list[str]]:
+    """The paths (inside the block) of the stacked experts in ``unit`` and of its stacked
+    shared experts, checked: SwiGLU experts ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``
+    ``[E, H, I]`` (or both transposed), or ungated ones ``up_proj`` ``[E, I, H]`` and
+    ``down_proj`` ``[E, H, I]``, with no other parameter; shared experts ``gate_proj`` and
+    ``up_proj`` ``[n, I, H]`` and ``down_proj`` ``[n, H, I]``. Anything else stacked is
+    refused."""
+    found, shared = [], []
     for path, module in unit.named_modules():
-        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not all(isinstance(p, torch.Tensor) and p.ndim == 3 for p in (gate_up, down)):
+        if not _is_experts(module):
             continue
         key = _join(prefix, _join(name, path))
-        others = sorted(
-            n for n, _ in module.named_parameters() if n not in ("gate_up_proj", "down_proj")
-        )
-        (e, a, b), (e2, c, d) = gate_up.shape, down.shape
-        plain = a == 2 * d and b == c and e == e2
-        transposed = b == 2 * c and a == d and e == e2
-        if others or not (plain or transposed):
+        names = _GATED if _stacked(module, _GATED) else _UNGATED
+        others = sorted(n for n, _ in module.named_parameters() if n not in names)
+        first, down = getattr(module, names[0]), module.down_proj
+        (e, a, b), (e2, c, d) = first.shape, down.shape
+        if names == _UNGATED:
+            fits = e == e2 and a == d and b == c
+        else:
+            plain = a == 2 * d and b == c and e == e2
+            transposed = b == 2 * c and a == d and e == e2
+            fits = plain or transposed
+        if others or not fits:
             raise ValueError(
-                f"'{key}' ({type(module).__name__}: gate_up_proj {list(gate_up.shape)}, "
+                f"'{key}' ({type(module).__name__}: {names[0]} {list(first.shape)}, "
                 f"down_proj {list(down.shape)}{', ' + ', '.join(others) if others else ''}): "
-                "auto() shards stacked SwiGLU experts (gate_up_proj [E, 2I, H] and down_proj "
-                "[E, H, I], or both transposed) with no other parameter; write the plan by hand"
+                "auto() shards stacked experts (gate_up_proj [E, 2I, H] and down_proj "
+                "[E, H, I], or both transposed, or ungated up_proj [E, I, H] and down_proj "
+                "[E, H, I]) with no other parameter; write the plan by hand"
             )
         found.append(_join(name, path))
     for path, module in unit.named_modules():
         if _join(name, path) in found:
             continue
         stacked = [n for n, p in module.named_parameters(recurse=False) if p.ndim >= 3]
-        if stacked:
-            raise ValueError(
-                f"'{_join(prefix, _join(name, path))}' ({type(module).__name__}) holds stacked "
-                f"parameters {stacked} beside the experts: auto() knows only stacked SwiGLU "
-                "experts (gate_up_proj, down_proj); write the plan by hand"
-            )
-    return found
+        if not stacked:
+            continue
+        has_more = any(True for c in module.children() for _ in c.parameters())
+        if sorted(stacked) == sorted(_SHARED) and not has_more:
+            (n, i, h), (n2, i2, h2), (n3, h3, i3) = (getattr(module, p).shape for p in _SHARED)
+            if n == n2 == n3 and i == i2 == i3 and h == h2 == h3 == hidden:
+                shared.append(_join(name, path))
+                continue
+        raise ValueError(
+            f"'{_join(prefix, _join(name, path))}' ({type(module).__name__}) holds stacked "
+            f"parameters {stacked} beside the experts: auto() knows stacked experts "
+            "(gate_up_proj or up_proj, and down_proj) and stacked shared experts (gate_proj, "
+            "up_proj, down_proj); write the plan by hand"
+        )
+    return found, shared
 
 
 # ------------------------------------------------------------------------------------------
@@ -666,7 +708,11 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
             f"{hidden} but none writes it back: cannot find the row-parallel (output) "
             "projection of the group"
         )
-    row = writers[-1]
+    attention_like = _named_like_attention(group, module)
+    # an attention's output gate (AFMoE's gate_proj, Laguna's per-head g_proj) may come after
+    # its output projection: the row-parallel layer is the last writer that is no gate
+    gates = [x for x in group.layers if attention_like and _GATE_NAME.search(x.name)]
+    row = ([w for w in writers if w not in gates] or writers)[-1]
     columns = [layer for layer in group.layers if layer is not row]
     strangers = [layer for layer in columns if layer.in_features != hidden]
     if strangers and _assign_mla(group, hidden, row, columns, strangers):
@@ -681,6 +727,32 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
             f"{where} holds only {shapes([row])}: a row-parallel layer without a "
             "column-parallel layer feeding it"
         )
+    # a gate of the attention's output, per feature (as wide as the output projection reads)
+    # or per head (a width dividing it): column-parallel, each rank its heads' gates
+    gates = [x for x in gates if x in columns and row.in_features % x.out_features == 0]
+    if len(columns) == len(gates):
+        gates = []
+    _assign_columns(group, [x for x in columns if x not in gates], row, attention_like, shapes)
+    if gates and group.kind != "attention":
+        raise ValueError(
+            f"{where}: {shapes(gates)} look like gates of an attention's output, but the "
+            "other layers are no attention"
+        )
+    for layer in gates:
+        layer.style = ColwiseParallel()
+    group.columns = [*group.columns, *gates]
+
+
+# the name of an attention's output gate: gate_proj, g_proj, gate, o_gate, ...
+_GATE_NAME = re.compile(r"(^|[._])(g|gate|o_gate|g_proj|gate_proj|output_gate)$")
+
+
+def _assign_columns(
+    group: _Group, columns: list[_Layer], row: _Layer, named: bool, shapes: Callable
+) -> None:
+    """Find what the column-parallel ``columns`` feeding ``row`` are (an attention, by its
+    shapes, or by its name as well, ``named``; or an MLP), and give each its style."""
+    where = _where(group)
     square = row.in_features == row.out_features
     wide = row.in_features
     for layer in columns:
@@ -694,7 +766,7 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
         and columns[0].out_features == 2 * wide
         and columns[1].out_features == columns[2].out_features
         and wide % columns[1].out_features == 0
-        and _named_like_attention(group, module)
+        and named
     ):
         # a gated query (Qwen3-Next): q_proj writes [q | gate] per head, beside k and v
         for layer in columns:
@@ -712,7 +784,7 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
         )
     if columns[0].gated or parts == 3 and _kv_like(narrow, exact, wide):
         group.kind = "attention"
-    elif parts in (1, 2) and not narrow and not _named_like_attention(group, module):
+    elif parts in (1, 2) and not narrow and not named:
         group.kind = "mlp"
     else:
         raise ValueError(
@@ -1012,6 +1084,8 @@ def _check_heads(group: _Group, where: str, heads: int, kv_heads: int) -> None:
         for layer in group.columns:
             if layer.gated and layer.out_features == 2 * wide:
                 continue
+            if _GATE_NAME.search(layer.name) and layer.out_features == heads:
+                continue  # an output gate per head
             if layer.parts == 1 and layer.out_features not in (wide, kv_heads * head_dim):
                 problem = (
                     f"{layer.name} writes {layer.out_features} features, neither {heads} nor "
@@ -1346,8 +1420,11 @@ def _check_degree(block_plan: _BlockPlan, block: nn.Module, n: int) -> None:
             )
     for path in block_plan.experts:
         experts = block.get_submodule(path)
-        gate_up, down = experts.gate_up_proj.shape, experts.down_proj.shape
-        width = down[2] if gate_up[1] == 2 * down[2] else down[1]
+        down = experts.down_proj.shape
+        gate_up = getattr(experts, "gate_up_proj", None)
+        # [E, H, I], or transposed [E, I, H] beside a gate_up_proj [E, H, 2I]
+        transposed = gate_up is not None and gate_up.shape[1] != 2 * down[2]
+        width = down[1] if transposed else down[2]
         if width % n:
             raise ValueError(
                 f"'{_join(block_plan.prefix, path)}': the experts' hidden size {width} does not "

@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp.core.plan import names_something
 from torch_tp.style import (
@@ -219,10 +219,14 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     Any other transformers model gets its own plan, ``model._tp_plan`` (its config's
     ``base_model_tp_plan`` under the base model's prefix, plus the head's entries), as plan
     names, less the keys that name nothing in this model (see :func:`transformers_plan`).
-    A parameter that plan leaves out but that computes on a sharded activation would get a
-    silently wrong gradient: the dry-run report finds it (on a meta-device copy); one that is
-    a single broadcast value (apertus' ``act_fn.alpha_p``) gets its module replicated with
-    its gradient summed (``replicated_with_grad_allreduce``), any other one is refused.
+    Two plans transformers ships compute something else than one device, and are corrected:
+    Doge's (each rank gets its own heads' part of the dynamic attention mask, instead of
+    every head's) and Gemma 3n's (its MLPs with activation sparsity stay whole: the cut
+    reads all of the gate's features). A parameter that plan leaves out but that computes
+    on a sharded activation would get a silently wrong gradient: the dry-run report finds it
+    (on a meta-device copy); one that is a single broadcast value (apertus'
+    ``act_fn.alpha_p``) gets its module replicated with its gradient summed
+    (``replicated_with_grad_allreduce``), any other one is refused.
 
     Args:
         model: a transformers model: one of the families in :data:`PLANS`, or one whose
@@ -257,7 +261,11 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     make_plan = PLANS.get(model_type)
     if make_plan is None:
         if getattr(model, "_tp_plan", None):
-            return _with_unplanned_parameters(model, _packed_experts(transformers_plan(model)))
+            plan = _packed_experts(transformers_plan(model))
+            correct = _CORRECTIONS.get(model_type)
+            if correct is not None:
+                plan = correct(model, plan)
+            return _with_unplanned_parameters(model, plan)
         raise ValueError(
             f"no tensor-parallel plan for model_type {model_type!r} "
             f"({type(model).__qualname__}): it declares no _tp_plan of its own, and torch_tp's "
@@ -284,6 +292,56 @@ def _packed_experts(plan: dict[str, str]) -> dict[str, str]:
         )
         for key, name in plan.items()
     }
+
+
+def _doge(model: nn.Module, plan: dict[str, str]) -> dict[str, str | ParallelStyle]:
+    """Doge's attention masks its scores with a dynamic mask: ``dt_proj`` mixes the values of
+    every key/value head into one value per key/value head, scaled by ``A`` (one per head).
+    Its own plan makes ``dt_proj`` row-parallel with a replicated output, a mask for every
+    head on each rank's heads. Here each rank gets its own heads' part of it (the row-parallel
+    sum reduce-scattered over the heads), ``A`` is sharded with the heads (the attention
+    computing on its shard, ``local_params``), and the per-head q/k norms sum their
+    gradients over the ranks."""
+    result: dict[str, str | ParallelStyle] = dict(plan)
+    for key in plan:
+        attention, _, name = key.rpartition(".")
+        if name != "dt_proj":
+            continue
+        result[key] = RowwiseParallel(output_layouts=Shard(-1))
+        result[attention] = "local_params"
+        result[f"{attention}.A"] = "colwise"
+        result[f"{attention}.q_norm"] = "replicated_with_grad_allreduce"
+        result[f"{attention}.k_norm"] = "replicated_with_grad_allreduce"
+    return result
+
+
+def _gemma3n(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Gemma 3n's MLPs with activation sparsity cut their gate at the mean plus a multiple of
+    the standard deviation over all of its features, which a column-parallel gate would
+    take over its shard only: those MLPs stay whole (replicated, computing on the replicated
+    activations), the others are sharded as its plan says."""
+    pattern = getattr(model.config, "activation_sparsity_pattern", None) or []
+    sparse = {i for i, p in enumerate(pattern) if p}
+    if not sparse:
+        return plan
+    result = {}
+    for key, name in plan.items():
+        head, star, tail = key.partition(".layers.*.")
+        if star and tail.startswith("mlp."):
+            for i in range(len(pattern)):
+                if i not in sparse:
+                    result[f"{head}.layers.{i}.{tail}"] = name
+        else:
+            result[key] = name
+    return result
+
+
+#: Corrections of models' own plans, by ``model_type``: where a plan transformers ships
+#: would compute something else than one device, what makes it right.
+_CORRECTIONS: dict[str, Callable[[nn.Module, dict], dict]] = {
+    "doge": _doge,
+    "gemma3n_text": _gemma3n,
+}
 
 
 def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
