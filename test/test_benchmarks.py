@@ -200,6 +200,7 @@ def _bench_as_torchrun_rank(argv: list[str]) -> tuple[int, str]:
     return status, out.getvalue()
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_script_runs_every_section_at_a_minimal_size() -> None:
     argv = ["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--memory-size", "tiny"]
     argv += ["--parallelize-layers", "1", "--parallelize-repeats", "1", "--by-module"]
@@ -216,6 +217,7 @@ def test_script_runs_every_section_at_a_minimal_size() -> None:
     assert "torch_tp ok, upstream ok" in output  # both parallelized the meta model
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_script_markdown_and_filter() -> None:
     argv = ["--sizes", "tiny", "--steps", "1", "--warmup", "0", "--memory-size", "none"]
     argv += ["--skip-parallelize-timing", "--markdown", "--only", "megatron*,torch_tp+sp"]

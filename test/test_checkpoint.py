@@ -242,6 +242,7 @@ def test_save_on_2d_load_on_other_layouts(tmp_path):
         run_distributed(_resume, 4, ckpt, 1, 4, 0.0, True)
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_resume_restores_rng_streams(tmp_path):
     # sequence-parallel dropout draws from the default stream: the resumed run must draw
     # the masks the uninterrupted one drew
@@ -364,6 +365,7 @@ def _load_peak_memory(path: str) -> dict[str, float]:
     return {"shard": shard, "largest": largest, "load": load_peak, "gather": gather_peak}
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 @pytest.mark.skipif(
     not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable VmHWM"
 )
@@ -388,6 +390,7 @@ def test_peak_memory_of_loading_and_gathering(tmp_path):
             assert r["gather"] < 3 * r["largest"], r
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_single_device_names_without_compile_wrapper():
     linear = torch.nn.Linear(3, 2)
     compiled = torch.compile(linear)  # nothing is compiled before the first call

@@ -76,6 +76,7 @@ def cli_run() -> subprocess.CompletedProcess[str]:
     return run_demo_cli()
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_cli_spawns_ranks_and_losses_match(cli_run: subprocess.CompletedProcess[str]) -> None:
     proc = cli_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -88,6 +89,7 @@ def test_cli_spawns_ranks_and_losses_match(cli_run: subprocess.CompletedProcess[
     assert "OK: tensor-parallel training matches single-device training" in proc.stdout
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_cli_prints_no_warnings(cli_run: subprocess.CompletedProcess[str]) -> None:
     # The first thing a new user runs: a warning there (NumPy missing, a deprecated call in a
     # rank) reads as a broken install. Python's warnings name their category (UserWarning,

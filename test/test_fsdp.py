@@ -118,6 +118,7 @@ def test_fsdp2_tp_activation_checkpointing():
     run_distributed(_train_2d_parity, 4, True, True, None, 3)
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_fsdp2_tp_gradient_clipping_clipped(sequence_parallel):
     # without sequence parallelism the norms' parameters are DTensors on mesh["dp"] only,
@@ -126,6 +127,7 @@ def test_fsdp2_tp_gradient_clipping_clipped(sequence_parallel):
     assert min(norms) > 0.5, norms  # the norm is ~1.8: every step was clipped
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_fsdp2_tp_gradient_clipping_unclipped():
     norms = run_distributed(_train_2d_parity, 4, False, True, 100.0, 2)[0]
     assert max(norms) < 100.0, norms  # nothing was clipped

@@ -276,6 +276,7 @@ def test_deep_nesting_is_refused():
         from_dict({"a": {"style": "AttentionHeads", "num_heads": 4, "divide": nested}})
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_error_messages_show_a_bounded_prefix_of_user_values():
     cases = [
         {"a": {"style": "AttentionHeads", "num_heads": 4, "divide": list(range(300_000))}},

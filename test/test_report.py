@@ -721,6 +721,7 @@ def test_cli_errors(capsys):
     assert "--plan is required" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_docs_example_is_the_cli_output():
     """docs/plans.md shows the report of Llama-3-8B at TP=8; it must be what the CLI prints."""
     docs = (ROOT / "docs" / "plans.md").read_text(encoding="utf-8")

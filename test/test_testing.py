@@ -217,6 +217,7 @@ def test_rank_error_carries_the_traceback() -> None:
     assert run_distributed(_pid, 2) == pids
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_rank_error_while_other_ranks_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_harness, "_FAILURE_GRACE", 1.0)
     pids = run_distributed(_pid, 2)
@@ -243,6 +244,7 @@ def test_hang_times_out_and_the_pool_is_replaced() -> None:
     assert set(new_pids).isdisjoint(pids)
 
 
+@pytest.mark.slow  # the quick run stays under 2 minutes
 def test_dead_worker_fails_the_call_and_the_pool_is_replaced() -> None:
     pids = run_distributed(_pid, 2)
     with pytest.raises(RankError, match="exited with code 3") as info:
