@@ -501,10 +501,10 @@ class _ShardLinearEmbedding(ParallelStyle):
                 f"{type(self).__name__}: {type(module).__qualname__} is named Conv1D but is "
                 "not transformers' Conv1D (a 2-D weight of shape (nx, nf))"
             )
-        _check_not_distributed(module)
-        if not _uses_stock_forward(module):
-            for sub in _unstyled_submodules(module):
-                _check_not_distributed(sub)
+        if _uses_stock_forward(module):
+            _check_not_distributed(module)
+        else:
+            _check_whole_not_distributed(module)
         _check_parameter_placements(module, self._parameter_placements(module))
         if isinstance(module, nn.Embedding):
             if module.sparse:
@@ -1279,18 +1279,11 @@ class ReplicateParallel(_ReplicatedParameters):
                 "are replicated with the module), or give the module's own parameters a "
                 "style that leaves its submodules alone"
             )
-        _check_not_distributed(module)
-        for sub in _unstyled_submodules(module):
-            _check_not_distributed(sub)
+        _check_whole_not_distributed(module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
-        rt = _layouts.runtime(device_mesh)
-        inner = _unstyled_submodules(module)
-        _replicate_parameters(inner, rt, self.src_data_rank)
-        return _distribute_and_wrap(
-            self, module, device_mesh, self._parameter_placements(module), inner
-        )
+        return _distribute_whole(self, module, device_mesh, self._parameter_placements(module))
 
     def _forward(
         self,
@@ -1868,6 +1861,41 @@ class MLAKVAProjParallel(ParallelStyle):
         return torch.cat([latent, rotary], dim=-1)
 
 
+def _placements_argument(placements: Mapping[str, Placement] | None) -> dict | None:
+    """A ``placements`` argument checked (parameter names to Placements) and copied."""
+    if placements is None:
+        return None
+    if not isinstance(placements, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Placement) for k, v in placements.items()
+    ):
+        raise TypeError(
+            f"placements must map parameter names to Placements, found {short_repr(placements)}"
+        )
+    return dict(placements)
+
+
+def _check_direct_placements(
+    module: nn.Module, placements: Mapping[str, Placement], device_mesh: DeviceMesh
+) -> None:
+    """Refuse placements naming no direct parameter of ``module``, or splitting one unevenly
+    (a strided shard: into ``split_factor`` parts per rank)."""
+    params = dict(module.named_parameters(recurse=False))
+    missing = sorted(set(placements) - set(params))
+    if missing:
+        raise ValueError(f"{type(module).__name__} has no direct parameters {missing}")
+    n = device_mesh.size()
+    for name, placement in placements.items():
+        param = params[name]
+        if isinstance(placement, Shard):
+            dim = _layouts.normalize(placement, param.ndim).dim
+            split = placement.split_factor if isinstance(placement, StridedShard) else 1
+            if not 0 <= dim < param.ndim or param.shape[dim] % (n * split):
+                raise ValueError(
+                    f"parameter {name!r} {tuple(param.shape)} cannot be split evenly on "
+                    f"dim {placement.dim} over {n} ranks"
+                )
+
+
 class LocalParamsParallel(ParallelStyle):
     """A module's own parameters sharded as the plan's parameter entries say, and its
     forward run on this rank's shards as local tensors.
@@ -1911,16 +1939,7 @@ class LocalParamsParallel(ParallelStyle):
 
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
         super().__init__()
-        if placements is not None:
-            if not isinstance(placements, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, Placement) for k, v in placements.items()
-            ):
-                raise TypeError(
-                    "placements must map parameter names to Placements, found "
-                    f"{short_repr(placements)}"
-                )
-            placements = dict(placements)
-        self.placements = placements
+        self.placements = _placements_argument(placements)
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
@@ -1933,19 +1952,7 @@ class LocalParamsParallel(ParallelStyle):
                 f"and no placement is given for {unplaced}: add a plan entry for each (e.g. "
                 f"'<module>.{unplaced[0]}': 'colwise' to shard it with the heads)"
             )
-        missing = sorted(set(placements) - set(params))
-        if missing:
-            raise ValueError(f"{type(module).__name__} has no direct parameters {missing}")
-        n = device_mesh.size()
-        for name, placement in placements.items():
-            param = params[name]
-            if isinstance(placement, Shard):
-                dim = _layouts.normalize(placement, param.ndim).dim
-                if not 0 <= dim < param.ndim or param.shape[dim] % n:
-                    raise ValueError(
-                        f"parameter {name!r} {tuple(param.shape)} cannot be split evenly on "
-                        f"dim {placement.dim} over {n} ranks"
-                    )
+        _check_direct_placements(module, placements, device_mesh)
         _check_not_distributed(module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -2134,16 +2141,8 @@ class PartialSumParallel(ParallelStyle):
 
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
         super().__init__()
-        if placements is not None:
-            if not isinstance(placements, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, Placement) for k, v in placements.items()
-            ):
-                raise TypeError(
-                    "placements must map parameter names to Placements, found "
-                    f"{short_repr(placements)}"
-                )
-            placements = dict(placements) or None  # no entries: the default
-        self.placements = placements
+        # no entries: the default
+        self.placements = _placements_argument(placements) or None
 
     def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
         """Each direct parameter's placement: its entry's, else replicated."""
@@ -2173,34 +2172,14 @@ class PartialSumParallel(ParallelStyle):
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
-        params = dict(module.named_parameters(recurse=False))
-        missing = sorted(set(self.placements or {}) - set(params))
-        if missing:
-            raise ValueError(f"{type(module).__name__} has no direct parameters {missing}")
-        n = device_mesh.size()
-        for name, placement in (self.placements or {}).items():
-            param = params[name]
-            if isinstance(placement, Shard):
-                dim = _layouts.normalize(placement, param.ndim).dim
-                split = placement.split_factor if isinstance(placement, StridedShard) else 1
-                if not 0 <= dim < param.ndim or param.shape[dim] % (n * split):
-                    raise ValueError(
-                        f"parameter {name!r} {tuple(param.shape)} cannot be split evenly on "
-                        f"dim {placement.dim} over {n} ranks"
-                    )
-        _check_not_distributed(module)
-        for sub in _unstyled_submodules(module):
-            _check_not_distributed(sub)
+        _check_direct_placements(module, self.placements or {}, device_mesh)
+        _check_whole_not_distributed(module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
-        rt = _layouts.runtime(device_mesh)
-        inner = _unstyled_submodules(module)
-        _replicate_parameters(inner, rt, self.src_data_rank)
-        keep = rt.mesh.get_local_rank() == 0
-        return _distribute_and_wrap(
-            self, module, device_mesh, self._parameter_placements(module), inner, keep
-        )
+        keep = device_mesh.get_local_rank() == 0  # the rank keeping the other outputs' grads
+        placements = self._parameter_placements(module)
+        return _distribute_whole(self, module, device_mesh, placements, keep)
 
     def _forward(
         self,
@@ -2469,6 +2448,29 @@ def _replicate_parameters(
     for sub in modules:
         placements = {name: Replicate() for name, _ in sub.named_parameters(recurse=False)}
         _distribute_parameters(sub, rt, placements, src_data_rank)
+
+
+def _check_whole_not_distributed(module: nn.Module) -> None:
+    """Refuse ``module`` or a submodule without a style in the plan that was parallelized
+    before."""
+    for sub in (module, *_unstyled_submodules(module)):
+        _check_not_distributed(sub)
+
+
+def _distribute_whole(
+    style: ParallelStyle,
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    placements: Mapping[str, Placement],
+    *bound: Any,
+) -> nn.Module:
+    """:func:`_distribute_and_wrap` for a style that computes with its whole module: the
+    parameters of the submodules without a style become replicated DTensors too, and the
+    style's ``_forward`` gets those submodules before ``bound``."""
+    rt = _layouts.runtime(device_mesh)
+    inner = _unstyled_submodules(module)
+    _replicate_parameters(inner, rt, style.src_data_rank)
+    return _distribute_and_wrap(style, module, device_mesh, placements, inner, *bound)
 
 
 def _swap_in_local_parameters(
