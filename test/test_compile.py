@@ -39,6 +39,7 @@ def _compiled_matches_eager(sequence_parallel: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_compiled_matches_eager(sequence_parallel):
-    run_distributed(_compiled_matches_eager, 2, sequence_parallel, timeout=600)
+def test_compiled_matches_eager():
+    # with sequence parallelism (all-gathers and reduce-scatters in the graph); a minute of
+    # compiling per variant, so the variant without it (all-reduces) is left out
+    run_distributed(_compiled_matches_eager, 2, True, timeout=600)

@@ -25,6 +25,7 @@ and render it as a markdown table (for the docs) with::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -312,6 +313,44 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    """What one device computes for an architecture: logits, loss, every gradient (by
+    name), the greedy and the sampled tokens, and how many keys its own plan has."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    generated: torch.Tensor
+    sampled: torch.Tensor
+    plan_keys: int
+
+
+# the single-device results, per worker process and architecture
+_REFERENCES: dict[str, _Reference] = {}
+
+
+def _reference(
+    model_type: str, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor
+) -> _Reference:
+    """Run a copy of ``model`` on one device, and keep what it computes."""
+    reference = copy.deepcopy(model)
+    out = reference(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    generated = reference.generate(ids[:, :PROMPT], do_sample=False, max_new_tokens=NEW_TOKENS)
+    torch.manual_seed(SAMPLE_SEED)
+    sampled = reference.generate(ids[:, :PROMPT], **SAMPLING)
+    result = _REFERENCES[model_type] = _Reference(
+        out.logits.detach(),
+        out.loss.detach(),
+        {name: p.grad for name, p in reference.named_parameters()},
+        generated,
+        sampled,
+        len(getattr(reference, "_tp_plan", None) or {}),
+    )
+    return result
+
+
 def _check(model_type: str, make_plan: Any = None) -> dict[str, Any]:
     """One architecture on every rank: its status and, when it passes, the logits difference.
 
@@ -326,19 +365,13 @@ def _check(model_type: str, make_plan: Any = None) -> dict[str, Any]:
     torch.manual_seed(0)
     ids = torch.randint(2, VOCAB, (2, SEQ))
     labels = torch.randint(2, VOCAB, (2, SEQ))
-    # transformers itself, on one device
+    # transformers itself, on one device (once per worker: test_zoo_auto checks the same
+    # models with another plan)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = build(model_type)
-            reference = copy.deepcopy(model)
-            ref_out = reference(input_ids=ids, labels=labels, use_cache=False)
-            ref_out.loss.backward()
-            expected = reference.generate(
-                ids[:, :PROMPT], do_sample=False, max_new_tokens=NEW_TOKENS
-            )
-            torch.manual_seed(SAMPLE_SEED)
-            expected_sampled = reference.generate(ids[:, :PROMPT], **SAMPLING)
+            ref = _REFERENCES.get(model_type) or _reference(model_type, model, ids, labels)
     except Exception as error:
         return {"status": DOES_NOT_BUILD, "reason": _first_line(error)}
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -362,9 +395,9 @@ def _check(model_type: str, make_plan: Any = None) -> dict[str, Any]:
     except Exception as error:
         result["reason"] = _first_line(error)
         return result
-    result["max_logits_diff"] = float(f"{_max_diff(logits, ref_out.logits):.2e}")
+    result["max_logits_diff"] = float(f"{_max_diff(logits, ref.logits):.2e}")
     # the keys of transformers' plan that name nothing in this config (see transformers_plan)
-    unmatched = len(getattr(reference, "_tp_plan", None) or {}) - len(plan)
+    unmatched = ref.plan_keys - len(plan)
     if unmatched > 0 and model.config.model_type not in PLANS and make_plan is None:
         result["unmatched_plan_keys"] = unmatched
     problems = []
@@ -374,15 +407,15 @@ def _check(model_type: str, make_plan: Any = None) -> dict[str, Any]:
     if not sharded:
         problems.append("no parameter is sharded")
     try:
-        torch.testing.assert_close(logits, ref_out.logits, **TOLERANCE)
+        torch.testing.assert_close(logits, ref.logits, **TOLERANCE)
     except AssertionError:
         problems.append(f"logits differ by {result['max_logits_diff']:.1e}")
     try:
-        torch.testing.assert_close(loss, ref_out.loss, **TOLERANCE)
+        torch.testing.assert_close(loss, ref.loss, **TOLERANCE)
     except AssertionError:
-        problems.append(f"loss differs by {_max_diff(loss, ref_out.loss):.1e}")
-    for name, param in reference.named_parameters():
-        grad, ref_grad = grads.get(name), param.grad
+        problems.append(f"loss differs by {_max_diff(loss, ref.loss):.1e}")
+    for name, ref_grad in ref.grads.items():
+        grad = grads.get(name)
         if (grad is None) != (ref_grad is None):
             problems.append(f"gradient of {name} is None on {'TP' if grad is None else '1 device'}")
             break
@@ -392,10 +425,10 @@ def _check(model_type: str, make_plan: Any = None) -> dict[str, Any]:
             except AssertionError:
                 problems.append(f"gradient of {name} differs by {_max_diff(grad, ref_grad):.1e}")
                 break
-    if not torch.equal(generated, expected):
+    if not torch.equal(generated, ref.generated):
         problems.append("generate gives other tokens")
     # every rank compares with its own single-device run: equal here means equal everywhere
-    if not torch.equal(sampled, expected_sampled):
+    if not torch.equal(sampled, ref.sampled):
         problems.append("generate(do_sample=True, top_p=0.9) gives other tokens")
     if problems:
         result["reason"] = "; ".join(problems)
