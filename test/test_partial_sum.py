@@ -240,6 +240,23 @@ def test_refused_before_anything_changes():
     run_distributed(_refusals, 2)
 
 
+class _ReturnsADict(MLP):
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"out": super().forward(x)}
+
+
+def _no_partial_sum_returned() -> None:
+    model = nn.ModuleDict({"mlp": _ReturnsADict()})
+    plan = {"mlp": "gather", "mlp.gate_proj": "local_colwise", "mlp.up_proj": "local_colwise"}
+    parallelize_module(model, tp_mesh(), {**plan, "mlp.down_proj": "local_rowwise"})
+    with pytest.raises(TypeError, match=r"on 'mlp' \(_ReturnsADict\): expected the module to "):
+        model["mlp"](torch.randn(3, DIM))
+
+
+def test_a_region_must_return_its_partial_sum():
+    run_distributed(_no_partial_sum_returned, 2)
+
+
 def _llama4_under_4x_plan(model_type: str) -> dict:
     import test_zoo
 

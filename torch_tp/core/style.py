@@ -438,8 +438,8 @@ def _project(
     return y.view(*x.shape[:-1], weight.shape[-1])
 
 
-def _own_forward_caveat(module: nn.Module) -> str | None:
-    if _uses_stock_forward(module) or isinstance(module, nn.Embedding):
+def _own_forward_caveat(style: ParallelStyle, module: nn.Module) -> str | None:
+    if _uses_stock_forward(module) or _own_lookups(style, module):
         return None  # an embedding's own forward computes on local tensors (_OwnLookups)
     return (
         f"{type(module).__name__} overrides forward, which then runs on DTensors: the "
@@ -447,12 +447,26 @@ def _own_forward_caveat(module: nn.Module) -> str | None:
     )
 
 
+def _own_lookups(style: ParallelStyle, module: nn.Module) -> bool:
+    """Whether ``module``, an ``nn.Embedding`` subclass with its own forward, runs it on local
+    tensors with its lookups done by ``style`` (:class:`_OwnLookups`): when the lookup's
+    output is a local tensor whole in its features (replicated, or a sequence shard), which
+    whatever the forward does next (a norm) may read as on one device. Otherwise it runs on
+    DTensors."""
+    if not isinstance(module, nn.Embedding) or _uses_stock_forward(module):
+        return False
+    layout = style.output_layouts[0]
+    whole = isinstance(layout, Replicate) or type(layout) is Shard and layout.dim in (0, 1)
+    return whole and style.use_local_output
+
+
 def _uses_stock_forward(module: nn.Module) -> bool:
     """True when ``module`` runs the forward of torch's Linear/Embedding, unchanged.
 
     Only then may a style replace the forward by an equivalent computation on local shards;
-    a Linear subclass with its own forward keeps it and runs on DTensors instead, and an
-    Embedding subclass keeps it with its lookups done by the style (:class:`_OwnLookups`).
+    a subclass with its own forward keeps it and runs on DTensors instead, or, for an
+    Embedding subclass whose lookup gives whole features, with its lookups done by the style
+    (:func:`_own_lookups`).
     """
     for base in (nn.Linear, nn.Embedding, _conv1d_base(module)):
         if base is not None and isinstance(module, base):
@@ -472,7 +486,7 @@ _LINEAR_EMBEDDING_CONTRACT: dict[str, Any] = {
     "modules": (nn.Linear, nn.Embedding, "Conv1D"),
     "parameters": lambda s, m: s._parameter_placements(m),
     "local_forward": lambda s, m: True,
-    "caveat": lambda s, m: _own_forward_caveat(m),
+    "caveat": lambda s, m: _own_forward_caveat(s, m),
 }
 
 
@@ -535,7 +549,7 @@ class _ShardLinearEmbedding(ParallelStyle):
         if _uses_stock_forward(module):
             forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
             module.forward = functools.partial(forward, module, rt)
-        elif isinstance(module, nn.Embedding):
+        elif _own_lookups(self, module):
             # its own forward on local tensors, with the lookups of its weight done by the
             # style; the submodules it calls (a norm after the lookup: transformers' normed
             # embeddings) are replicated
@@ -2221,16 +2235,18 @@ class PartialSumParallel(ParallelStyle):
                 compat.swap_direct_parameters(module, params)
         finally:
             _swap_back(swapped)
-        return self._leave(rt, output, keep)
+        return self._leave(module, rt, output, keep)
 
-    def _leave(self, rt: _layouts.DTensorRuntime, output: Any, keep: bool) -> Any:
+    def _leave(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, output: Any, keep: bool
+    ) -> Any:
         """The first output summed; the others' gradients kept on one rank."""
         if isinstance(output, torch.Tensor):
             return rt.reduce_partial(output, Replicate(), True)
-        if not isinstance(output, tuple) or not output:
+        if not isinstance(output, tuple) or not output or not isinstance(output[0], torch.Tensor):
             raise TypeError(
-                f"expected the module to return a tensor or a tuple whose first element is "
-                f"one, found {type(output).__name__}"
+                f"{_where(self, module)}: expected the module to return a tensor, or a tuple "
+                f"whose first element is one (the partial sum), found {short_repr(output)}"
             )
         first, *rest = output
         rest = [
@@ -2239,7 +2255,8 @@ class PartialSumParallel(ParallelStyle):
             else t
             for t in rest
         ]
-        return type(output)((rt.reduce_partial(first, Replicate(), True), *rest))
+        items = (rt.reduce_partial(first, Replicate(), True), *rest)
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
 
 
 class AttentionHeads(ParallelStyle):
