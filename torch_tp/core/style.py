@@ -2193,7 +2193,9 @@ class PartialSumParallel(ParallelStyle):
         self._validate(module, device_mesh)
         keep = device_mesh.get_local_rank() == 0  # the rank keeping the other outputs' grads
         placements = self._parameter_placements(module)
-        return _distribute_whole(self, module, device_mesh, placements, keep)
+        # its own replicated parameters: partial gradients, like those of the inner modules
+        replicated = frozenset(n for n, p in placements.items() if isinstance(p, Replicate))
+        return _distribute_whole(self, module, device_mesh, placements, keep, replicated)
 
     def _forward(
         self,
@@ -2202,6 +2204,7 @@ class PartialSumParallel(ParallelStyle):
         own_forward,
         inner: list[nn.Module],
         keep: bool,
+        replicated: frozenset[str],
         *args: Any,
         **kwargs: Any,
     ) -> Any:
@@ -2220,12 +2223,9 @@ class PartialSumParallel(ParallelStyle):
         # the replicated parameters inside, as local tensors with partial gradients
         swapped = _swap_in_local_parameters(inner, rt, True)
         try:
-            placements = self._parameter_placements(module)
             params = compat.direct_parameters(module)
             local = {
-                name: rt.local_parameter(
-                    module, name, partial=isinstance(placements.get(name), Replicate)
-                )
+                name: rt.local_parameter(module, name, partial=name in replicated)
                 for name in params
             }
             compat.swap_direct_parameters(module, local)
