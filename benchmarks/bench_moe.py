@@ -211,12 +211,16 @@ def expected_moe(minimum: str, n_layers: int) -> tuple[dict[str, int], dict[str,
 
 
 _COUNTS = "all_to_all(counts)"
+# an all-reduce of one or two integers: a check of the routing agreed over the ranks before
+# the tokens move (expert ids out of range on any rank), not data of the layer
+_FLAGS = "all_reduce(check)"
 
 
 class MoECounter(CollectiveCounter):
     """``bench_tp.CollectiveCounter`` (c10d and functional collectives, by module and pass),
     with all-to-alls of integer tensors (the per-expert token counts exchanged before a
-    dispatch) recorded under their own kind, ``all_to_all(counts)``."""
+    dispatch) recorded under their own kind, ``all_to_all(counts)``, and all-reduces of one
+    or two integers (checks agreed over the ranks) under ``all_reduce(check)``."""
 
     def __torch_dispatch__(
         self,
@@ -231,6 +235,16 @@ class MoECounter(CollectiveCounter):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             if tensors and not tensors[0].dtype.is_floating_point:
                 self.records[-1] = dataclasses.replace(self.records[-1], kind=_COUNTS)
+        elif len(self.records) > before and self.records[-1].kind == "all_reduce":
+            # c10d's allreduce_ takes a list of tensors
+            tensors = [
+                t
+                for a in args
+                for t in (a if isinstance(a, (list, tuple)) else [a])
+                if isinstance(t, torch.Tensor)
+            ]
+            if tensors and not tensors[0].dtype.is_floating_point and tensors[0].numel() <= 2:
+                self.records[-1] = dataclasses.replace(self.records[-1], kind=_FLAGS)
         return out
 
 
@@ -574,14 +588,16 @@ def _fmt(counts: dict[str, tuple[int, int]]) -> str:
 
 
 def split_records(records: Sequence[Record]) -> dict[str, dict[str, tuple[int, int]]]:
-    """The MoE layers' collectives forward and backward (the counts all-to-alls apart), and
-    every other collective of the step."""
-    moe = [r for r in records if _in_moe_layer(r) and r.kind != _COUNTS]
+    """The MoE layers' collectives forward and backward (the counts all-to-alls and the
+    agreed checks apart), and every other collective of the step."""
+    apart = (_COUNTS, _FLAGS)
+    moe = [r for r in records if _in_moe_layer(r) and r.kind not in apart]
     return {
         "fwd": summarize([r for r in moe if not r.backward]),
         "bwd": summarize([r for r in moe if r.backward]),
         "counts": summarize([r for r in records if r.kind == _COUNTS]),
-        "other": summarize([r for r in records if not _in_moe_layer(r) and r.kind != _COUNTS]),
+        "checks": summarize([r for r in records if r.kind == _FLAGS]),
+        "other": summarize([r for r in records if not _in_moe_layer(r) and r.kind not in apart]),
     }
 
 

@@ -18,8 +18,10 @@ CPU ranks use gloo and GPUs NCCL; the script is the same.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,49 @@ import torch_tp
 from torch_tp import checkpoint
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.plans.llama import llama_plan
+
+# FSDP2 warns when a module it wraps returns a view ("... returned a view tensor ... wrong
+# gradients"): an in-place op on that output (``logits += bias``) would skip FSDP2's
+# pre-backward hook. The logits are a view because a tensor-parallel output leaves its DTensor
+# through ``to_local()``, which returns a view of the local tensor (as with upstream's styles).
+# Nothing here changes the logits in place, so the warning does not apply.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+
+
+class _QuietGatherWarning(logging.Filter):
+    """Drops DTensor's "2 sequential all_gather operations will be performed ... non-ascending"
+    warning. ``full_state_dict`` gathers each weight whole, and a weight sharded by FSDP2 over
+    TP (``(_StridedShard(0), Shard(0))``) is gathered over ``tp`` first, then over ``dp``:
+    two all-gathers in that order, which DTensor cannot merge into one and says so. All-gathers
+    only copy, so the order changes no value; an export is not on the training step's path."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("sequential all_gather" in message and "non-ascending" in message)
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_QuietGatherWarning())
+
+
+def init_weights(model: Llama, device: str) -> None:
+    """``model.init_weights()`` after ``to_empty``, with shards of their own on CPU.
+
+    On a GPU, a random op on a DTensor fills each shard from its own part of one random
+    stream that all ranks share (DTensor's offset-based RNG tracker). On CPU, DTensor has no
+    such generator (and warns "DTensor random operators may not have complete support on
+    cpu device mesh"): each rank fills its shard from its own default generator, which
+    ``torch_tp.random.manual_seed`` seeded alike on every rank, so the shards would repeat
+    each other. There the weights are drawn with a seed of the rank's own (every randomly
+    initialized Llama weight is sharded over every mesh dimension here), and the shared
+    generator state is restored afterwards.
+    """
+    if device != "cpu":
+        model.init_weights(buffer_device=torch.device(device))
+        return
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have")
+        torch.manual_seed(1 + dist.get_rank())
+        model.init_weights(buffer_device=torch.device(device))
 
 
 def build(config: LlamaConfig, mesh, device: str) -> Llama:
@@ -50,7 +95,7 @@ def build(config: LlamaConfig, mesh, device: str) -> Llama:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     model.to_empty(device=device)
-    model.init_weights(buffer_device=torch.device(device))
+    init_weights(model, device)
     return model
 
 

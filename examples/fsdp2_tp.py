@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,34 @@ from torch.distributed.fsdp import fully_shard
 import torch_tp
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.plans.llama import llama_plan
+
+# FSDP2 warns when a module it wraps returns a view ("... returned a view tensor ... wrong
+# gradients"): an in-place op on that output (``logits += bias``) would skip FSDP2's
+# pre-backward hook. The logits are a view because a tensor-parallel output leaves its DTensor
+# through ``to_local()``, which returns a view of the local tensor (as with upstream's styles).
+# Nothing here changes the logits in place, so the warning does not apply.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+
+
+def init_weights(model: Llama, device: str) -> None:
+    """``model.init_weights()`` after ``to_empty``, with shards of their own on CPU.
+
+    On a GPU, a random op on a DTensor fills each shard from its own part of one random
+    stream that all ranks share (DTensor's offset-based RNG tracker). On CPU, DTensor has no
+    such generator (and warns "DTensor random operators may not have complete support on
+    cpu device mesh"): each rank fills its shard from its own default generator, which
+    ``torch_tp.random.manual_seed`` seeded alike on every rank, so the shards would repeat
+    each other. There the weights are drawn with a seed of the rank's own (every randomly
+    initialized Llama weight is sharded over every mesh dimension here), and the shared
+    generator state is restored afterwards.
+    """
+    if device != "cpu":
+        model.init_weights(buffer_device=torch.device(device))
+        return
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have")
+        torch.manual_seed(1 + dist.get_rank())
+        model.init_weights(buffer_device=torch.device(device))
 
 
 def main() -> None:
@@ -57,7 +86,7 @@ def main() -> None:
     mesh = init_device_mesh(device, (world_size // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
 
-    # the same seed on every rank: replicated regions (and initialization) agree
+    # the same seed on every rank: replicated regions agree
     torch_tp.random.manual_seed(0, mesh)
     config = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
     with torch.device("meta"):
@@ -69,7 +98,7 @@ def main() -> None:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     model.to_empty(device=device)
-    model.init_weights(buffer_device=torch.device(device))
+    init_weights(model, device)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # different data per dp rank, the same within a TP group

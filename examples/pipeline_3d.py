@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,13 @@ from torch_tp.checkpoint import save
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.pipeline import build_schedule, pipeline_stages
 from torch_tp.plans.llama import llama_plan
+
+# FSDP2 warns when a module it wraps returns a view ("... returned a view tensor ... wrong
+# gradients"): an in-place op on that output would skip FSDP2's pre-backward hook. The last
+# stage's logits are a view because a tensor-parallel output leaves its DTensor through
+# ``to_local()``, which returns a view of the local tensor (as with upstream's styles). The
+# schedule and the loss use the logits out of place only, so the warning does not apply.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 

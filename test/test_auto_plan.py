@@ -36,6 +36,10 @@ from torch_tp.plans.auto import ReplicatedModulesWarning, auto
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import check_parity, run_distributed
 
+# the _Stack test models hold blocks but no forward: auto() says it cannot shape-check their
+# plans (UncheckedPlanWarning), which is right and not what these tests are about
+pytestmark = pytest.mark.filterwarnings("ignore::torch_tp.plans.auto.UncheckedPlanWarning")
+
 try:
     import transformers
 except ImportError:  # the transformers tests are skipped, the others run

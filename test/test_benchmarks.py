@@ -35,6 +35,7 @@ from torch_tp.testing import run_distributed
 # import this module too, so they get the same path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_meta_init  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_pipeline  # noqa: E402
 import bench_tp  # noqa: E402
@@ -398,3 +399,18 @@ def test_transformers_script_quick_mode() -> None:
     reduces = rows["llama", "torch_tp"].collectives
     assert "allreduce_ 10" in reduces, reduces  # 2 layers: 2 forward + 2 backward each, + 2
     assert "| llama | torch_tp |" in bench_transformers.table(list(rows.values()), args, True)
+
+
+@pytest.mark.slow  # processes of its own: one per model
+def test_meta_init_script_quick_mode() -> None:
+    """Both models go meta -> parallelize -> materialize -> load_pretrained at a tiny size,
+    each rank holding half the shards; the table prints a row each."""
+    pytest.importorskip("transformers")
+    args = bench_meta_init.parse(["--quick"])
+    rows = {row.model: row for row in bench_meta_init.bench(args)}
+    assert list(rows) == ["llama", "hf-llama"]
+    for row in rows.values():
+        assert 0 < row.shard_mib < 0.6 * row.checkpoint_mib and row.largest_mib > 0, row
+        assert row.peak_mib == row.peak_mib or not os.access("/proc/self/clear_refs", os.W_OK)
+    text = bench_meta_init.table(list(rows.values()), args, markdown=True)
+    assert text.count("\n| ") == 3  # the header and two rows

@@ -130,7 +130,7 @@ def _save_and_die(ckpt_dir: str, out_dir: str, point: str) -> None:
 
         def agree_or_die(*args, **kwargs):
             calls.append(1)
-            if len(calls) == 2:  # after dcp.save, before the final agreement
+            if len(calls) == 3:  # after dcp.save, before the final agreement
                 _die()
             return agree(*args, **kwargs)
 
@@ -392,3 +392,214 @@ def test_load_dcp_from_damaged_checkpoints(tmp_path):
     torch.save(model.state_dict(), expected)
     paths = (good, truncated, corrupt, deeper, expected)
     run_distributed(_load_damaged_dcp, 4, *map(str, paths))
+
+
+# ---------------------------------------------- Hugging Face saves killed at each point
+
+
+def _hf_llama(seed: int):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _save_pretrained_and_die(path: str, out_dir: str, point: str) -> None:
+    """Save a checkpoint to ``path``, change the model, then save it again to ``path``
+    with one rank killed at ``point``."""
+    import safetensors.torch
+    from helpers import tp_mesh
+
+    from torch_tp import parallelize_module
+    from torch_tp.features import hf_checkpoint
+    from torch_tp.plans.hf import plan_for
+
+    model = _hf_llama(seed=0)
+    parallelize_module(model, tp_mesh(), plan_for(model))
+    hf_checkpoint.save_pretrained(model, path, max_shard_size="20KB")
+    before = {k: v.clone() for k, v in checkpoint.full_state_dict(model).items()}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(-2)
+    after = {k: v.clone() for k, v in checkpoint.full_state_dict(model).items()}
+    rank = dist.get_rank()
+    if rank == 0:
+        torch.save({"before": before, "after": after}, os.path.join(out_dir, "states.pt"))
+    dist.barrier()
+
+    patches = []
+    if point == "write" and rank == 0:  # the second of several files is being written
+        save_file, calls = safetensors.torch.save_file, []
+
+        def write_and_die(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                _die()
+            return save_file(*args, **kwargs)
+
+        patches.append(mock.patch.object(safetensors.torch, "save_file", write_and_die))
+    elif point == "gather" and rank == 1:  # mid-gather: rank 0 is left in a collective
+        full_tensor, calls = DTensor.full_tensor, []
+
+        def gather_or_die(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                _die()
+            return full_tensor(self, *args, **kwargs)
+
+        patches.append(mock.patch.object(DTensor, "full_tensor", gather_or_die))
+    elif point in ("rename", "renamed") and rank == 0:
+        rename = os.rename
+
+        def rename_and_die(src, dst):
+            if point == "rename" and str(src).endswith(".partial"):
+                _die()  # the old checkpoint is already moved aside to <path>.old
+            rename(src, dst)
+            if point == "renamed" and str(src).endswith(".partial"):
+                _die()  # the new one is published, <path>.old still there
+
+        patches.append(mock.patch.object(os, "rename", rename_and_die))
+    elif point == "agree" and rank == 1:
+        agree, calls = hf_checkpoint._agree, []
+
+        def agree_or_die(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:  # after rank 0 published, before the final agreement
+                _die()
+            return agree(*args, **kwargs)
+
+        patches.append(mock.patch.object(hf_checkpoint, "_agree", agree_or_die))
+    try:
+        for patch in patches:
+            patch.start()
+        hf_checkpoint.save_pretrained(model, path, max_shard_size="20KB")
+    except CheckpointError as exc:
+        Path(out_dir, f"rank{rank}.txt").write_text(str(exc))
+        raise
+    finally:
+        for patch in patches:
+            patch.stop()
+
+
+@pytest.mark.slow  # each kill replaces the pool of 2 ranks
+@pytest.mark.parametrize(
+    "point, victim, kept",
+    [
+        ("write", 0, "before"),
+        ("gather", 1, "before"),
+        ("rename", 0, "before"),
+        ("renamed", 0, "after"),
+        ("agree", 1, "after"),
+    ],
+)
+def test_killed_save_pretrained_keeps_a_checkpoint(tmp_path, point, victim, kept):
+    pytest.importorskip("transformers")
+    from torch_tp.features.hf_checkpoint import load_pretrained, save_pretrained
+
+    path, out = tmp_path / "hf", tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RankError) as info:
+        run_distributed(_save_pretrained_and_die, 2, str(path), str(out), point)
+    assert f"the worker process of rank {victim} exited with code 17" in str(info.value)
+
+    # the survivor raised a torch_tp error saying the previous checkpoint is intact
+    survivor = 1 - victim
+    assert (out / f"rank{survivor}.txt").exists(), f"no CheckpointError in time:\n{info.value}"
+    message = (out / f"rank{survivor}.txt").read_text()
+    assert message.startswith(f"saving {str(path)!r} failed"), message
+    assert "probably died" in message and "Nothing was lost" in message, message
+    if point == "rename":
+        assert f"the previous checkpoint is intact at {str(path) + '.old'!r}" in message
+    else:
+        assert f"the checkpoint at {str(path)!r} is intact" in message, message
+
+    # the previous or the new checkpoint loads, never neither (mid-replacement: from .old)
+    assert path.exists() != (point == "rename")
+    expected = torch.load(out / "states.pt")[kept]
+    model = _hf_llama(seed=1)
+    load_pretrained(model, path)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+    # the next save finishes what the crash left: no leftover beside the one directory
+    save_pretrained(model, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+
+
+# ------------------------------------------- one rank's bad input: every rank, same error
+
+
+def _one_bad_rank(root: str) -> list[str]:
+    """Each check that guards a collective of a save or load, failing on rank 1 only,
+    raises the same error on every rank (no rank is left in a collective)."""
+    from torch_tp.features import hf_checkpoint
+
+    bad = dist.get_rank() == 1
+    model = meta_llama(1, 2)
+    checkpoint.load_full_state_dict(model, checkpoint_llama().state_dict())
+    messages = []
+
+    def same_everywhere(error_type, call, match):
+        with pytest.raises(error_type, match=match) as info:
+            call()
+        messages.append(str(info.value))
+
+    ckpt, hf = os.path.join(root, "ckpt"), os.path.join(root, "hf")
+    # save: a step that is not one on rank 1, or another step there
+    same_everywhere(
+        ValueError,
+        lambda: checkpoint.save(ckpt, model, step=-1 if bad else 1),
+        "step must be a non-negative int, found -1",
+    )
+    with pytest.raises(CheckpointError) as info:  # each rank names the step it was given
+        checkpoint.save(ckpt, model, step=2 if bad else 1)
+    assert "failed: the ranks do not agree on the step (rank 0: '1', rank 1: '2')" in str(
+        info.value
+    )
+    assert not os.path.exists(ckpt)  # nothing written
+    checkpoint.save(ckpt, model, step=1)
+    # load: rank 1 cannot see the directory, or asks for another step
+    missing = os.path.join(root, "elsewhere")
+    same_everywhere(
+        FileNotFoundError, lambda: checkpoint.load(missing if bad else ckpt, model), "elsewhere"
+    )
+    same_everywhere(
+        FileNotFoundError, lambda: checkpoint.load(ckpt, model, step=7 if bad else 1), "step 7"
+    )
+    # save_pretrained: a shard size that is not one on rank 1: nothing written
+    same_everywhere(
+        ValueError,
+        lambda: hf_checkpoint.save_pretrained(model, hf, max_shard_size="5XB" if bad else "5GB"),
+        "max_shard_size",
+    )
+    assert not os.path.exists(hf) and not os.path.exists(hf + ".partial")
+    # load_pretrained: rank 1 finds no checkpoint
+    same_everywhere(
+        FileNotFoundError,
+        lambda: hf_checkpoint.load_pretrained(model, missing if bad else root),
+        "no model.safetensors",
+    )
+    # load_full_state_dict from rank 0: rank 1's model is another one
+    other = meta_llama(1, 2, n_layers=3) if bad else model
+    path = os.path.join(root, "llama.safetensors")
+    same_everywhere(
+        CheckpointError,
+        lambda: checkpoint.load_full_state_dict(
+            other, path if not bad else None, broadcast_from_rank0=True
+        ),
+        r"on rank\(s\) \[1\] differ from rank 0's",
+    )
+    return messages
+
+
+@pytest.mark.slow  # the quick run stays under 2 minutes
+def test_one_bad_rank_fails_every_rank_alike(tmp_path):
+    save_file(checkpoint_llama().state_dict(), str(tmp_path / "llama.safetensors"))
+    save_file(checkpoint_llama().state_dict(), str(tmp_path / "model.safetensors"))  # HF dir
+    first, second = run_distributed(_one_bad_rank, 2, str(tmp_path), timeout=120)
+    assert first == second

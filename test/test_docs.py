@@ -1,8 +1,11 @@
 """The documentation keeps its promises: commands, examples and references still work.
 
-These tests read README.md, CONTRIBUTING.md, .ci/run and docs/ as text. The examples that
-can run on CPU are run (on 2 ranks, through ``torch_tp.testing``); the plan in the README,
-written for a GPU job, is at least resolved against the reference Llama.
+These tests read README.md, CONTRIBUTING.md, .ci/run and docs/ as text. Every fenced python
+block of README.md and docs/ runs as pasted, on CPU where there is no GPU (the slow test runs
+them all under ``torchrun --nproc-per-node 2``), unless the line above it is
+``<!-- fragment -->``; the guide's and CONTRIBUTING's test examples also run as tests (on 2
+ranks, through ``torch_tp.testing``), and the README's plan is resolved against the
+reference Llama.
 """
 
 from __future__ import annotations
@@ -178,6 +181,117 @@ def test_guide_testing_example_passes(tmp_path, monkeypatch):
 def test_contributing_harness_example_passes(tmp_path, monkeypatch):
     module = _load_example(CONTRIBUTING, "def test_mlp_parity", tmp_path, monkeypatch)
     module.test_mlp_parity()
+
+
+# --------------------------------------------------------------------------- every code block
+
+FRAGMENT = "<!-- fragment -->"
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK_RANKS = 2  # the ranks the blocks run on (torchrun --nproc-per-node 2)
+
+
+def _python_blocks() -> list[tuple[str, str, bool]]:
+    """Every fenced python block of README.md and docs/: ``(where, code, is_fragment)``,
+    ``where`` as ``docs/guide.md:33`` (the line of the opening fence). A block is a fragment
+    when the line right above its fence is ``<!-- fragment -->``."""
+    blocks = []
+    for page in DOC_PAGES:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        start = None
+        for number, line in enumerate(lines):
+            if start is None and line.strip() == "```python":
+                start = number
+            elif start is not None and line.strip() == "```":
+                where = f"{page.relative_to(ROOT)}:{start + 1}"
+                fragment = start > 0 and lines[start - 1].strip() == FRAGMENT
+                blocks.append((where, "\n".join(lines[start + 1 : number]) + "\n", fragment))
+                start = None
+    return blocks
+
+
+def test_every_python_block_runs_as_pasted_or_is_marked_a_fragment():
+    """The cheap half of the promise: a block that claims to run parses, chooses its device by
+    what is available rather than naming "cuda", and fragments stay a minority. (The slow
+    test below runs them.)"""
+    blocks = _python_blocks()
+    assert blocks, "no python blocks found"
+    problems = []
+    for where, code, fragment in blocks:
+        if fragment:
+            continue
+        try:
+            ast.parse(code, filename=where)
+        except SyntaxError as err:
+            problems.append(f"{where}: does not parse ({err.msg}, line {err.lineno})")
+            continue
+        if re.search(r"[\"']cuda[\"']", code) and "is_available()" not in code:
+            problems.append(f'{where}: names "cuda" without checking torch.cuda.is_available()')
+    assert not problems, (
+        "mark a block that cannot run as pasted with " + FRAGMENT + ":\n" + ("\n".join(problems))
+    )
+    fragments = [where for where, _, fragment in blocks if fragment]
+    assert len(fragments) < len(blocks) / 2, f"most blocks are fragments: {fragments}"
+
+
+# Runs every non-fragment block, one after the other, as `python block.py` would under
+# `torchrun --nproc-per-node 2` (one torchrun for all: starting ranks costs more than the
+# blocks do). The process group is made once, with a timeout, so a block that leaves one
+# rank waiting fails instead of hanging; destroy_process_group is a no-op until the end.
+_BLOCK_DRIVER = """
+import datetime, os, runpy, sys, traceback
+import torch.distributed as dist
+
+dist.init_process_group(timeout=datetime.timedelta(seconds=120))
+destroy = dist.destroy_process_group
+dist.destroy_process_group = lambda *args, **kwargs: None
+initialized = dist.init_process_group
+dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else initialized(*a, **k)
+failed = []
+for where, path in {blocks!r}:
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except BaseException:
+        failed.append(where)
+        print(f"BLOCK FAILED {{where}} on rank {{dist.get_rank()}}:", file=sys.stderr)
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dist.barrier()
+print(f"rank {{dist.get_rank()}} failed: {{failed}}", flush=True)
+destroy()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow  # a torchrun of its own, running some 30 blocks
+def test_every_python_block_that_is_not_a_fragment_runs(tmp_path):
+    import os
+    import subprocess
+
+    runnable = [(where, code) for where, code, fragment in _python_blocks() if not fragment]
+    paths = []
+    for index, (where, code) in enumerate(runnable):
+        path = tmp_path / f"block_{index:02d}.py"
+        path.write_text(code, encoding="utf-8")
+        paths.append((where, str(path)))
+    driver = tmp_path / "driver.py"
+    driver.write_text(_BLOCK_DRIVER.format(blocks=paths), encoding="utf-8")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    work = tmp_path / "cwd"  # what the blocks write (checkpoints, exports) goes here
+    work.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={BLOCK_RANKS}", str(driver)]
+    proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    summary = [line for line in proc.stdout.splitlines() if " failed: " in line]
+    assert proc.returncode == 0 and len(summary) == BLOCK_RANKS, output[-8000:]
+    assert all(line.endswith("failed: []") for line in summary), "\n".join(
+        [*summary, output[-12000:]]
+    )
 
 
 # --------------------------------------------------------------------------- docs tooling

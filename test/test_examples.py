@@ -14,6 +14,7 @@ and runs in a torchrun of its own, through the same driver.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -44,9 +45,26 @@ os._exit(0)
 """
 
 
+# A line of a warning: Python's (``UserWarning: ...``, ``FutureWarning: ...``) or the logging
+# module's as torch and torchrun print it (``[rank0]:W1125 23:00:03.629000 ...``).
+_WARNING_LINE = re.compile(r"\w*Warning: |^(\[rank\d+\]:)?W\d{4} ", re.M)
+
+
+def _warnings(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that are warnings, each once, with how often they came."""
+    lines = [line for line in stderr.splitlines() if _WARNING_LINE.search(line)]
+    # the same warning from every rank: tell it once, without the rank and the time
+    counts: dict[str, int] = {}
+    for line in lines:
+        key = re.sub(r"^(\[rank\d+\]:)?W\d{4} [\d:.]+ \d+ ", "", line)
+        counts[key] = counts.get(key, 0) + 1
+    return [f"{n} x {line}" for line, n in counts.items()]
+
+
 def _torchrun(tmp_path, runs: list[list[str]], nproc: int) -> subprocess.CompletedProcess:
     """Run ``runs`` (each ``[script, *args]``) one after the other in one ``torchrun
-    --standalone`` of ``nproc`` ranks, through DRIVER."""
+    --standalone`` of ``nproc`` ranks, through DRIVER. The examples print no warning: a
+    newcomer reads one as a bug (stderr is checked for warning lines)."""
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(DRIVER.format(runs=runs)), encoding="utf-8")
     env = dict(os.environ)
@@ -60,8 +78,7 @@ def _torchrun(tmp_path, runs: list[list[str]], nproc: int) -> subprocess.Complet
         command,
         cwd=ROOT,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        capture_output=True,
         text=True,
         timeout=TIMEOUT,
     )
@@ -75,7 +92,7 @@ def test_examples_run_under_torchrun(tmp_path):
         [str(EXAMPLES / "checkpoint_round_trip.py"), "--dir", str(tmp_path), "--steps", "1"],
     ]
     proc = _torchrun(tmp_path, runs, 4)
-    output = proc.stdout
+    output = proc.stdout + proc.stderr
     expected = [
         "finished " + runs[0][0],
         "finished " + runs[1][0],
@@ -91,6 +108,7 @@ def test_examples_run_under_torchrun(tmp_path):
     assert output.count("step 1: loss") >= 2, output  # tp_1d and fsdp2_tp trained
     assert (tmp_path / "dcp" / "step-1" / ".metadata").is_file()
     assert (tmp_path / "model.safetensors").is_file()
+    assert not _warnings(proc.stderr), "\n".join(["the examples warned:", *_warnings(proc.stderr)])
 
 
 def test_examples_have_a_docstring_with_the_command():
@@ -117,7 +135,8 @@ def test_pipeline_3d_example_trains_like_one_device(tmp_path):
     args += ["--steps=2", "--microbatches=2", f"--checkpoint-dir={tmp_path / 'dcp'}"]
     proc = _torchrun(tmp_path, [[str(script), *args]], 8)
     output = proc.stdout
-    assert proc.returncode == 0, output[-5000:]
+    assert proc.returncode == 0, (output + proc.stderr)[-5000:]
+    assert not _warnings(proc.stderr), "\n".join(["the example warned:", *_warnings(proc.stderr)])
     printed = [
         float(line.split("loss ")[1].split(",")[0])
         for line in output.splitlines()

@@ -169,3 +169,42 @@ def test_save_pretrained_loads_with_from_pretrained(family, world_size, tmp_path
         torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
     ids = torch.randint(0, 64, (2, 8))
     torch.testing.assert_close(loaded(ids).logits, expected(ids).logits, rtol=0, atol=0)
+
+
+def test_max_shard_size_reads_transformers_sizes_and_refuses_others(tmp_path):
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from torch_tp.features.hf_checkpoint import _shard_bytes
+
+    for size in ("5GB", "100KB", "5GiB", "500MB", "3MiB", "7KiB", "8Mb", "2gb", 12345):
+        assert _shard_bytes(size) == convert_file_size_to_int(size), size
+    model = _model("llama")
+    for bad in ("5 gigabytes", "1.5GB", "GB", -1, 0, True, 5.0, None):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            save_pretrained(model, tmp_path / "out", max_shard_size=bad)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    save_pretrained(model, tmp_path / "out", max_shard_size="40KB")  # several files
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
+
+
+def test_a_pickle_only_directory_is_refused_naming_the_file(tmp_path):
+    model = _model("llama")  # as transformers 4 wrote it with safe_serialization=False
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    found = ["pytorch_model.bin"]
+    with pytest.raises(CheckpointError) as info:
+        load_pretrained(_model("llama", seed=1), tmp_path)
+    message = str(info.value)
+    assert repr(str(tmp_path / found[0])) in message, message
+    assert "save_pretrained(" in message and "safe_serialization=True" in message, message
+
+
+def test_save_pretrained_replaces_a_checkpoint_and_leaves_nothing_beside(tmp_path):
+    out = tmp_path / "out"
+    save_pretrained(_model("llama"), out)
+    save_pretrained(_model("llama", seed=1), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    model = _model("llama")
+    load_pretrained(model, out)
+    for name, value in _model("llama", seed=1).state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)

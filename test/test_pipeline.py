@@ -284,6 +284,14 @@ def _bad_pipeline_inputs() -> None:
         build_schedule(stages, "ScheduleGPipe", n_microbatches=1, batch_size=4, loss_fn=_loss)
     with pytest.raises(ValueError, match="unknown schedule 'OneFOneB'"):
         build_schedule(stages, "OneFOneB", n_microbatches=2, batch_size=4, loss_fn=_loss)
+    with pytest.raises(ValueError, match=r"step_group must hold every rank of the stages' pipe"):
+        build_schedule(
+            stages,
+            "Schedule1F1B",
+            n_microbatches=2,
+            batch_size=4,
+            step_group=mesh["tp"].get_group(),
+        )
     schedule = build_schedule(stages, "Schedule1F1B", n_microbatches=2, batch_size=4, loss_fn=_loss)
     tokens = torch.randint(0, CONFIG.vocab_size, (4, SEQ))
     # the first stage's rank gets a batch of 6: every rank raises, none starts the schedule
@@ -291,6 +299,9 @@ def _bad_pipeline_inputs() -> None:
     first = stages[0].is_first
     with pytest.raises(ValueError, match=r"rank \d: the first stage's input has shape \(6, 8\)"):
         schedule.step(wrong if first else tokens, target=tokens)
+    # global rank 0 alone: its tensor-parallel peer and the other stage's ranks raise too
+    with pytest.raises(ValueError, match=r"of the step started it: rank 0: [^;]* \(6, 8\)[^;]*$"):
+        schedule.step(wrong if dist.get_rank() == 0 else tokens, target=tokens)
     with pytest.raises(ValueError, match="the last stage's rank got no target"):
         schedule.step(tokens)
     schedule.step(tokens, target=tokens)  # the pipeline still works after both
@@ -317,6 +328,57 @@ def _bad_pipeline_inputs() -> None:
 
 def test_bad_pipeline_inputs_raise_on_every_rank():
     run_distributed(_bad_pipeline_inputs, 4)
+
+
+def _one_bad_rank(dims: tuple[int, ...]) -> None:
+    """Global rank 0 alone gets a batch one sample short: every rank of the pp x (dp x) tp
+    world raises the same ValueError naming rank 0, its tensor- and data-parallel peers too
+    (they would otherwise start the schedule and wait for rank 0); no gradient is touched.
+    The next, good step gives the single-device gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = Llama(CONFIG).double()
+    model = copy.deepcopy(reference)
+    names = ("pp", "dp", "tp") if len(dims) == 3 else ("pp", "tp")
+    mesh = init_device_mesh(device_type(), dims, mesh_dim_names=names)
+    stages = pipeline_stages(model, mesh["pp"], tp_mesh=mesh["tp"], plan=llama_plan())
+    dp, dp_rank = (dims[1], mesh["dp"].get_local_rank()) if "dp" in names else (1, 0)
+    for stage in stages if dp > 1 else ():
+        for block in stage.submod.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(stage.submod, mesh=mesh["dp"])
+    batch = BATCH // dp
+    schedule = build_schedule(
+        stages, "Schedule1F1B", n_microbatches=2, batch_size=batch, loss_fn=_loss
+    )
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+    targets = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
+    mine = slice(dp_rank * batch, (dp_rank + 1) * batch)
+    bad = tokens[mine][1:] if dist.get_rank() == 0 else tokens[mine]
+    with pytest.raises(ValueError) as raised:
+        schedule.step(bad, target=targets[mine])
+    message = str(raised.value)
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    assert messages == [message] * len(messages)  # the same error on every rank
+    assert f"rank 0: the first stage's input has shape ({batch - 1}, {SEQ})" in message
+    assert f"none of the {dist.get_world_size()} ranks of the step started it" in message
+    params = [p for stage in stages for p in stage.submod.parameters()]
+    assert all(p.grad is None for p in params)  # no rank started the schedule
+    schedule.step(tokens[mine], target=targets[mine])
+    _loss(reference(tokens), targets).backward()
+    names_of = {id(p): n for stage in stages for n, p in stage.submod.named_parameters()}
+    for p in params:
+        ref = reference.get_parameter(names_of[id(p)])
+        torch.testing.assert_close(full_tensor(p.grad), ref.grad, msg=names_of[id(p)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dims", [(2, 2), (2, 2, 2)], ids=["pp2_tp2", "pp2_dp2_tp2"])
+def test_one_rank_bad_batch_raises_on_every_rank_then_a_good_step_matches(dims):
+    run_distributed(_one_bad_rank, 2 ** len(dims), dims)
 
 
 def _train_3d(schedule_name: str, stages_per_rank: int = 1) -> None:

@@ -245,8 +245,9 @@ def test_collectives_are_megatron_minimum(family):
     # under CommDebugMode each module call sees a fresh alias of its input, so only the
     # replicated DTensor handed out by the norms lets q/k/v (gate/up) share one reduction
     forward, backward = run_distributed(_collectives_per_step, 2, family)[0]
-    # embedding: 1 all-reduce; per layer: attention and MLP 1 each; lm_head: 1 all-gather
-    assert forward == {"all_reduce": 1 + 2 * LAYERS, "all_gather": 1}, forward
+    # embedding: 1 all-reduce, and 1 of two numbers (the ids agreed in range on every rank);
+    # per layer: attention and MLP 1 each; lm_head: 1 all-gather
+    assert forward == {"all_reduce": 2 + 2 * LAYERS, "all_gather": 1}, forward
     # per layer: one for the attention input's gradient, one for the MLP's; lm_head's input: 1
     assert backward == {"all_reduce": 2 * LAYERS + 1}, backward
 

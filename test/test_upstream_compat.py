@@ -414,3 +414,62 @@ def test_loss_parallel_in_local_tensor_mode(fake_mesh):
             local, _on_every_rank(mode, labels.flatten()), fake_mesh
         )
     _assert_on_every_rank(found, F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "loss")
+
+
+# --------------------------------------------------------------------------- inference_mode
+#
+# Upstream's ``test_mlp_inference`` (``test/distributed/tensor/parallel/test_tp_examples.py``):
+# the mesh is built outside ``torch.inference_mode()``, the model parallelized and run inside
+# it; PyTorch runs that test on real ranks and under LocalTensorMode, where the mesh is built
+# in the mode.
+
+
+class _MLP(nn.Module):
+    """Upstream's test ``MLPModule``: two Linear layers around a ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(10, 16)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+def _mlp_inference(lib, mesh, model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    """Inside ``torch.inference_mode()``: a copy of ``model`` parallelized with ``lib`` on
+    ``mesh`` (built outside it), run on ``inp``."""
+    with torch.inference_mode():
+        model_tp = copy.deepcopy(model)
+        plan = {"net1": lib.ColwiseParallel(), "net2": lib.RowwiseParallel()}
+        model_tp = lib.parallelize_module(model_tp, mesh, plan)
+        return model_tp(inp)
+
+
+def _mlp_inference_on_ranks() -> None:
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model, inp = _MLP(), torch.rand(8, 10)
+    out = _mlp_inference(torch_tp, mesh, model, inp)
+    assert out.is_inference()
+    assert_close(out, model(inp))
+
+
+def test_mlp_inference():
+    run_distributed(_mlp_inference_on_ranks, 2)
+
+
+def test_mlp_inference_in_local_tensor_mode(fake_mesh):
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    torch.manual_seed(0)
+    model, inp = _MLP(), torch.rand(8, 10)
+    expected = model(inp)
+    with LocalTensorMode(LOCAL_WORLD) as mode:
+        # as upstream's test builds it: in the mode, outside inference_mode
+        mesh = init_device_mesh("cpu", (LOCAL_WORLD,))
+        out = _mlp_inference(torch_tp, mesh, model, _on_every_rank(mode, inp))
+        theirs = _mlp_inference(upstream, mesh, model, _on_every_rank(mode, inp))
+    _assert_on_every_rank(out, expected, "output")
+    _assert_on_every_rank(theirs, expected, "upstream's output")

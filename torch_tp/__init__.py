@@ -18,6 +18,7 @@ from torch_tp.core.contract import StyleContract
 from torch_tp.core.style import *  # noqa: F403 - ParallelStyle and every built-in style
 from torch_tp.features.clip import clip_grad_norm_
 from torch_tp.features.loss import loss_parallel, vocab_parallel_cross_entropy
+from torch_tp.features.meta import materialize
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "contract",
     "loss",
     "loss_parallel",
+    "materialize",
     "parallelize_module",
     "pipeline",
     "plan",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -80,7 +81,26 @@ def _build_parser(command: str | None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit status."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit status.
+
+    A reader that stops reading early (``python -m torch_tp plan ... | head``) ends the
+    command quietly, as Python's documentation recommends for ``SIGPIPE``: no traceback, the
+    rest of the output discarded, and the command's own exit status if it had finished (1,
+    Python's status for a broken pipe, if it had not).
+    """
+    status = 1
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here rather than at interpreter exit
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at devnull so that it cannot fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return status
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     if command in _SCRIPTS:  # the script parses its own options, --help included

@@ -31,9 +31,11 @@ torch_tp name                               torch's (2.13.0 and 2.15.0)
 ``IncompatibleKeys``                        ``torch.nn.modules.module._IncompatibleKeys``
 ``direct_parameters``,                      ``nn.Module._parameters``
 ``swap_direct_parameters``
+``non_persistent_buffers``                  ``nn.Module._non_persistent_buffers_set``
 ``COMPILED_MODULE_NAME``                    ``OptimizedModule._orig_mod`` (``torch.compile``)
 ``log_api_usage_once``                      ``torch._C._log_api_usage_once``
 ``tree_leaves``                             ``torch.utils._pytree.tree_leaves``
+``nested_tensor_from_mask_left_aligned``    ``torch._nested_tensor_from_mask_left_aligned``
 ``functional_collectives``                  ``torch.distributed._functional_collectives``
 ``legacy_reduction``                        ``torch.nn._reduction.legacy_get_string``
 ``foreach_mul_``                            ``torch._foreach_mul_``
@@ -83,6 +85,8 @@ __all__ = [
     "legacy_reduction",
     "local_tensor",
     "log_api_usage_once",
+    "nested_tensor_from_mask_left_aligned",
+    "non_persistent_buffers",
     "per_rank_ints",
     "per_rank_rng_states",
     "queue_callback",
@@ -258,6 +262,12 @@ def direct_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
     return module._parameters
 
 
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers registered with ``persistent=False`` (outside its
+    ``state_dict``; torch keeps the set privately)."""
+    return set(module._non_persistent_buffers_set)
+
+
 def swap_direct_parameters(
     module: nn.Module, values: dict[str, Any]
 ) -> dict[str, nn.Parameter | None]:
@@ -285,6 +295,10 @@ def log_api_usage_once(event: str) -> None:
     """torch's API usage logging, as its own entry points do (it has no public one)."""
     torch._C._log_api_usage_once(event)
 
+
+#: ``torch._nested_tensor_from_mask_left_aligned``: ``nn.TransformerEncoder``'s test of its
+#: padding mask before its inference fast path, which the shape check answers on meta.
+nested_tensor_from_mask_left_aligned = _first(("torch", "_nested_tensor_from_mask_left_aligned"))
 
 #: ``torch.utils._pytree.tree_leaves``: the tensors in nested outputs (no public pytree).
 tree_leaves = _first(("torch.utils._pytree", "tree_leaves"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,6 +13,7 @@ from torch_tp import _torch_compat as compat
 from torch_tp.core import _layouts
 from torch_tp.core.plan import is_style, mark_applied, resolve_plan, validate_plan
 from torch_tp.core.random import _ensure_tracker
+from torch_tp.core.shapes import check_shapes
 from torch_tp.core.style import ParallelStyle, planning
 
 __all__ = ["parallelize_module"]
@@ -24,6 +26,7 @@ def parallelize_module(
     *,
     src_data_rank: int | None = 0,
     strict: bool = True,
+    example_inputs: Any = None,
 ) -> nn.Module:
     """Apply tensor parallelism to ``module`` and its submodules according to a plan.
 
@@ -56,6 +59,14 @@ def parallelize_module(
             unties such weights (for code that parallelizes tied modules in separate calls
             and ties them again afterwards; a later call that lays the other module's weight
             out alike on the same mesh shares the same parameter again). Default: ``True``.
+        example_inputs (optional): inputs of ``module``'s forward (a tensor, a tuple of
+            positional inputs or a dict of keyword inputs; only their shapes and dtypes are
+            used). When given, the plan is shape-checked before anything changes
+            (:func:`torch_tp.core.shapes.check_shapes`: the forward traced on the meta device
+            as one device and as one rank of the plan): a rank's shape other than one
+            device's with the planned dimension divided, or a rank's forward that raises, is
+            refused. For a new model or a hand-written plan; finish with
+            :func:`torch_tp.testing.check_parity`. Default: ``None`` (no shape check).
 
     The environment variable ``TORCH_TP_RUNTIME``, read once per call, selects how the
     parallelized modules change layouts at run time: ``fast`` (the default: Megatron-style
@@ -72,7 +83,10 @@ def parallelize_module(
         ValueError: a key matches no submodule or a tied weight would come apart (when
             ``strict``), two keys match one module, a module was parallelized before, a
             style name is unknown, the mesh is not 1-D, or ``TORCH_TP_RUNTIME`` names no
-            runtime.
+            runtime, or (with ``example_inputs``) the shape check finds a problem (the
+            message names each module, source line, op and both shapes).
+        ShapeCheckError: (with ``example_inputs``) the forward cannot be traced on the meta
+            device; the message says where and why.
         NotImplementedError: a style does not support the type of the module it names, or a
             style name has no torch_tp style yet.
 
@@ -103,6 +117,8 @@ def parallelize_module(
     with planning(module, styled):
         validate_plan(entries, device_mesh, module, strict=strict)
     _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
+    if example_inputs is not None:
+        _check_shapes(module, parallelize_plan, device_mesh.size(), example_inputs)
     # dropout in a fork() region works out of the box; this never reseeds the default stream
     _ensure_tracker(device_mesh)
 
@@ -116,6 +132,16 @@ def parallelize_module(
             if is_style(parallelize_plan):
                 result = applied
     return result
+
+
+def _check_shapes(module: nn.Module, plan: Any, degree: int, example_inputs: Any) -> None:
+    """Refuse a plan under which a rank computes a shape one device would not."""
+    problems = check_shapes(module, plan, degree, example_inputs=example_inputs)
+    if problems:
+        listed = "\n".join(f"  {problem}" for problem in problems)
+        raise ValueError(
+            f"the plan's shape check failed at {degree} ranks (nothing was changed):\n{listed}"
+        )
 
 
 def _resolve_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:

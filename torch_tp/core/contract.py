@@ -137,10 +137,15 @@ class StyleContract:
             checks the rest (sizes, flags).
         parameters (callable): ``(style, module) -> {name: Placement}``, the placement of
             each of the module's own parameters the style distributes (``None`` or ``{}``:
-            it distributes none).
+            it distributes none); a style that distributes its submodules' parameters too
+            names them dotted (``"w1.weight"``: ``ReplicateParallel`` replicates the whole
+            module).
         partial_gradients (callable): ``(style, module) -> names`` of parameters whose
             gradient each rank computes only a part of (a replicated parameter used on a
-            shard of the data), summed over the ranks at the end of backward.
+            shard of the data), summed over the ranks at the end of backward. A replicated
+            parameter not listed here must see the same, whole data on every rank:
+            :func:`torch_tp.plan.validate_plan` refuses a plan that shows otherwise, and
+            the dry-run report flags one its trace finds computing on a shard.
         inputs (callable): ``(style, module) -> Boundary`` for the module's inputs.
         outputs (callable): ``(style, module) -> Boundary`` for its outputs.
         local_forward (callable): ``(style, module) -> bool``, whether the module's forward
@@ -170,6 +175,11 @@ class StyleContract:
             module returns, as meta tensors of the right shapes, for a module whose forward
             cannot run on the meta device (it reads its inputs' values: routing counts); the
             report calls it instead of the forward. Default: ``None``, run the forward.
+        attributes (callable): ``(style, module, degree) -> {name: value}``, the attributes
+            of the module that ``_apply`` sets on a mesh of ``degree`` ranks (the per-rank
+            sizes :class:`~torch_tp.AttentionHeads` divides), for the shape check
+            (:func:`torch_tp.core.shapes.check_shapes`), which runs the module as one rank
+            sees it. Default: none.
         partial_sum (callable): ``style -> str | None``, the style's part in a partial-sum
             region (a module whose forward, run on this rank's shards as local tensors,
             gives each rank a part of its output, summed as it leaves: transformers'
@@ -197,6 +207,9 @@ class StyleContract:
     with_parameter_entries: Callable[[Any, Mapping[str, Placement]], Any] | None = None
     meta_output: Callable[[Any, nn.Module, tuple, dict], Any] | None = None
     partial_sum: Callable[[Any], str | None] = lambda style: None
+    attributes: Callable[[Any, nn.Module, int], Mapping[str, Any] | None] = (
+        lambda style, module, degree: None
+    )
 
     def accepts(self, module: nn.Module) -> bool:
         """Whether ``module`` is of a kind this contract lists (any, if it lists none)."""

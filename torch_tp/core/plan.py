@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from torch_tp._torch_compat import StridedShard
 from torch_tp.core import _layouts, _names
@@ -402,7 +402,9 @@ def validate_plan(
     module that already carries a style from an earlier :func:`parallelize_module` call is
     refused, and so is a built-in style that would replace a parameter other modules share
     (tied weights would silently come apart): with ``strict=False`` that one only warns, and
-    the weights come apart as with ``torch.distributed.tensor.parallel``.
+    the weights come apart as with ``torch.distributed.tensor.parallel``. A module whose
+    replicated parameters would get a different, partial gradient on each rank (see
+    :func:`unsummed_gradients`) is refused too (``strict=False``: a warning).
     """
     owners = parameter_owners(root) if entries else {}
     by_path = {entry.path: entry for entry in entries}
@@ -424,8 +426,200 @@ def validate_plan(
                 validate(entry.module, device_mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
             raise type(err)(f"cannot apply {where}: {err}") from err
+    for _, _, message in unsummed_gradients(entries):
+        if strict:
+            raise ValueError(message)
+        untying.append(f"{message.removeprefix('cannot apply ')}; strict=False: applied as planned")
     for message in untying:
         warnings.warn(message, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------
+# Gradient agreement: a replicated parameter must end every backward with the same gradient on
+# every rank
+# ------------------------------------------------------------------------------------------
+
+
+def unsummed_gradients(entries: list[PlanEntry]) -> list[tuple[PlanEntry, tuple[str, ...], str]]:
+    """The modules whose replicated parameters the plan leaves with a partial gradient on each
+    rank: ``(entry, parameter names, why)`` for each, read from the styles' contracts alone.
+
+    The rule. A style that replicates some of its module's own parameters, does not list them
+    among its partial gradients (it does not sum them over the ranks), and declares no input
+    layout (the module computes on its inputs as they come: ``ReplicateParallel()``) gets the
+    same gradient on every rank only if the module is handed the same, whole activation on
+    every rank. What its parent hands it is read off the modules planned beside it (the
+    parent's other children with a style): when one of their styles declares that it is given
+    an input as a local shard (``given`` a ``Shard``) that none of the others declares it
+    produces, that shard comes from the parent's caller, and the parent computes on a shard
+    of the data (dispatch expert parallelism, ``ExpertParallel()`` with its ``Shard(0)``
+    tokens, under sequence parallelism: the router sees this rank's tokens only). A shard
+    that a planned sibling produces (a column-parallel output taken by a row-parallel layer)
+    says nothing about the parent's input, so a module next to such a pair is not refused.
+    Where no sibling says, the parent's own siblings are asked, up to an ancestor whose own
+    style declares the layout of its inputs (which then fixes what arrives below it).
+
+    Each rank's gradient of such a parameter would cover its own shard of the data only, and
+    nothing would sum them: the ranks would train on different, partial gradients. The fix
+    named is the first registered style that replicates the same parameters, takes its
+    inputs as they come and sums their gradients (``ReplicateParallel(sum_gradients=True)``,
+    ``"replicated_with_grad_allreduce"``). This is a plan-level check: the dry-run report
+    (:func:`torch_tp.report.plan_report`) follows the tensors themselves and also finds a
+    replicated parameter computing on a shard that no sibling reveals.
+
+    Example::
+        >>> from torch_tp import ReplicateParallel
+        >>> from torch_tp.models import MoEConfig, MoELlama
+        >>> from torch_tp.plans.moe import moe_llama_plan
+        >>> plan = moe_llama_plan(experts="ep", sequence_parallel=True)
+        >>> plan["layers.*.feed_forward.router"] = ReplicateParallel()  # not summed
+        >>> model = MoELlama(MoEConfig(n_layers=1))
+        >>> [(e.path, names) for e, names, _ in unsummed_gradients(resolve_plan(model, plan))]
+        [('layers.0.feed_forward.router', ('weight',))]
+    """
+    found = []
+    for entry in entries:
+        names = replicated_unsummed(entry)
+        if not names:
+            continue
+        evidence = _sharded_arrival(entries, entry)
+        if evidence is None:
+            continue
+        found.append((entry, names, _unsummed_message(entry, names, evidence)))
+    return found
+
+
+def _try(call: Any, *args: Any) -> Any:
+    """A contract's answer, or ``None`` for a module it does not describe (the style's own
+    validation says why)."""
+    try:
+        return call(*args)
+    except (AttributeError, NotImplementedError, ValueError, TypeError):
+        return None
+
+
+def _input_layouts(entry: PlanEntry) -> list[tuple[str, Any]]:
+    """``(what, Layout)`` for each input layout ``entry``'s style declares."""
+    contract = getattr(entry.style, "contract", None)
+    boundary = None if contract is None else _try(contract.inputs, entry.style, entry.module)
+    if boundary is None:
+        return []
+    layouts = [(f"input {i}", layout) for i, layout in enumerate(boundary.args)]
+    layouts += [(f"keyword input {name!r}", layout) for name, layout in boundary.kwargs.items()]
+    return [(what, layout) for what, layout in layouts if layout is not None]
+
+
+def _output_placements(entry: PlanEntry) -> list[Placement]:
+    """Where ``entry``'s style leaves each output it declares."""
+    contract = getattr(entry.style, "contract", None)
+    boundary = None if contract is None else _try(contract.outputs, entry.style, entry.module)
+    if boundary is None:
+        return []
+    layouts = [*boundary.args, *boundary.kwargs.values()]
+    return [
+        layout.given if layout.to is None else layout.to
+        for layout in layouts
+        if layout is not None and (layout.given is not None or layout.to is not None)
+    ]
+
+
+def replicated_unsummed(entry: PlanEntry) -> tuple[str, ...]:
+    """The parameters ``entry``'s style replicates without summing their gradients (as its
+    contract names them: a submodule's dotted), on a module that computes on its inputs as
+    they come (its style declares none); a style in a partial-sum region is accounted for
+    by the region."""
+    contract = getattr(entry.style, "contract", None)
+    if contract is None or _input_layouts(entry) or contract.partial_sum(entry.style) is not None:
+        return ()
+    placements = _try(contract.parameters, entry.style, entry.module) or {}
+    partial = set(_try(contract.partial_gradients, entry.style, entry.module) or ())
+    trained = {name for name, p in entry.module.named_parameters() if p.requires_grad}
+    return tuple(
+        name
+        for name, placement in placements.items()
+        if isinstance(placement, Replicate) and name not in partial and name in trained
+    )
+
+
+def _is_shard(placement: Placement | None) -> bool:
+    return isinstance(placement, (Shard, StridedShard))
+
+
+def _may_be(made: Placement, taken: Placement) -> bool:
+    """Whether a tensor left ``made`` may be the one taken as ``taken`` (``Shard(-1)`` and
+    ``Shard(2)`` may be the same dim: the rank of the tensor is not known here)."""
+    if type(made) is not type(taken):
+        return False
+    return made.dim == taken.dim or (made.dim < 0) != (taken.dim < 0)
+
+
+def _sharded_arrival(
+    entries: list[PlanEntry], entry: PlanEntry
+) -> tuple[PlanEntry, str, Placement, str] | None:
+    """``(sibling, which input, its layout, parent path)``: a module planned beside
+    ``entry``'s (or beside an ancestor's without an input layout of its own) whose style takes
+    an input as a local shard that no other module planned there produces."""
+    by_path = {e.path: e for e in entries}
+    path = entry.path
+    while path:
+        parent = path.rpartition(".")[0]
+        siblings = [
+            e for e in entries if e.path and e.path != path and e.path.rpartition(".")[0] == parent
+        ]
+        for sibling in siblings:
+            made = [
+                m for other in siblings if other is not sibling for m in _output_placements(other)
+            ]
+            for what, layout in _input_layouts(sibling):
+                taken = layout.given
+                if _is_shard(taken) and not any(_may_be(m, taken) for m in made if _is_shard(m)):
+                    return sibling, what, taken, parent
+        owner = by_path.get(parent)
+        if owner is not None and _input_layouts(owner):
+            return None  # the parent's style lays out what arrives below it
+        path = parent
+    return None
+
+
+def summing_style(entry: PlanEntry, names: tuple[str, ...]) -> str:
+    """The first registered style that replicates ``names`` alike, takes its inputs as they
+    come and sums their gradients, as plans write it."""
+    for plan_name in STYLE_REGISTRY.names():
+        style = _try(STYLE_REGISTRY.style, plan_name)
+        contract = getattr(style, "contract", None)
+        if contract is None or not contract.accepts(entry.module):
+            continue
+        candidate = PlanEntry(entry.key, entry.path, entry.module, style)
+        if _input_layouts(candidate):
+            continue
+        placements = _try(contract.parameters, style, entry.module) or {}
+        partial = set(_try(contract.partial_gradients, style, entry.module) or ())
+        if all(isinstance(placements.get(n), Replicate) and n in partial for n in names):
+            return f"{_style(style)} ({plan_name!r})"
+    return "a style that sums these gradients over the ranks"
+
+
+def _unsummed_message(
+    entry: PlanEntry,
+    names: tuple[str, ...],
+    evidence: tuple[PlanEntry, str, Placement, str],
+) -> str:
+    sibling, what, taken, parent = evidence
+    where = f"{_style(entry.style)} on {_describe(entry.path)} ({type(entry.module).__name__})"
+    params = ", ".join(repr(_join(entry.path, n)) for n in names)
+    plural = len(names) > 1
+    return (
+        f"cannot apply {where}: it replicates {'parameters' if plural else 'parameter'} "
+        f"{params} without summing {'their gradients' if plural else 'its gradient'} over the "
+        f"ranks, and the module computes on what {_describe(parent)} hands it, which arrives "
+        f"sharded: {_style(sibling.style)} on {_describe(sibling.path)} (plan key "
+        f"{short_repr(sibling.key)}) takes its {what} as a local {_placement(taken)} that no "
+        "module planned beside it produces. Each rank's gradient would cover its own shard of "
+        "the data only, and the ranks would train on different, partial gradients. Plan it "
+        f"{summing_style(entry, names)} instead, which sums them at the end of backward (if "
+        "the module computes on whole, replicated activations only, strict=False applies the "
+        "plan with a warning)"
+    )
 
 
 def _refuse_untying(entry: PlanEntry, where: str, untied: _Untied, strict: bool) -> str:

@@ -123,7 +123,7 @@ class TensorParallelRNGTracker:
                 for rank, tp_rank in _by_simulated_rank(self.tp_rank, mode.ranks).items()
             }
         # which TP group this stream belongs to, to tell a stale tracker from a fitting one
-        self._group = (self.device_type, tuple(tp_mesh.mesh.flatten().tolist()))
+        self._group = _group_of(tp_mesh)
         self._depth = 0  # fork() nesting: only the outermost fork swaps states
         self._installed_by_user = False
 
@@ -271,8 +271,7 @@ class TensorParallelRNGTracker:
             self.generator.set_state(state)
 
     def _fits(self, tp_mesh: DeviceMesh, seed: int) -> bool:
-        group = (tp_mesh.device_type, tuple(tp_mesh.mesh.flatten().tolist()))
-        return self._group == group and self.seed == seed
+        return self._group == _group_of(tp_mesh) and self.seed == seed
 
     def _check_not_forked(self, what: str) -> None:
         if self._depth:
@@ -628,6 +627,18 @@ def _tp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     if device_mesh.get_coordinate() is None:
         raise ValueError(f"this rank ({dist.get_rank()}) is not in the mesh {device_mesh}")
     return device_mesh
+
+
+def _group_of(tp_mesh: DeviceMesh) -> tuple[str, tuple[int, ...]]:
+    """The device type and global ranks of a tensor-parallel group, to tell one from another.
+
+    Read with inference mode off: inside ``torch.inference_mode()`` (a model parallelized for
+    inference, as upstream's ``test_mlp_inference`` does) the mesh tensor of a mesh built
+    outside it is recomputed as a view, which a LocalTensor (a mesh built under
+    ``LocalTensorMode``) cannot be inside inference mode. The result is plain ints either way.
+    """
+    with torch.inference_mode(False):
+        return tp_mesh.device_type, tuple(tp_mesh.mesh.flatten().tolist())
 
 
 def _default_generator(device_type: str) -> torch.Generator:

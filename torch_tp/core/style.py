@@ -773,6 +773,12 @@ class RowwiseParallel(_ShardLinearEmbedding):
         },
         **_LINEAR_EMBEDDING_CONTRACT,
         partial_gradients=lambda s, m: s._partial_gradients(m),
+        # an Embedding's replicated ids: their least and greatest, agreed (see _check_ids)
+        transfers=lambda s, m, inputs, degree: (
+            (Transfer("forward", "all_reduce", 2 * inputs[0].element_size()),)
+            if isinstance(m, nn.Embedding) and inputs and not isinstance(s.input_layouts[0], Shard)
+            else ()
+        ),
         # a Linear computes with its slice of the input features; an Embedding looks up
         # every id (ids carry no gradient)
         inputs=lambda s, m: Boundary(
@@ -846,16 +852,16 @@ class RowwiseParallel(_ShardLinearEmbedding):
             ids = rt.enter_replicated(input, self.input_layouts[0])
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
-        if ids.numel() and not ids.is_meta and not torch.compiler.is_compiling():
+        if not ids.is_meta and not torch.compiler.is_compiling():
             # Ids out of the vocabulary would be foreign to every rank: rows of zeros, where
-            # one device raises. Every rank holds all the ids (replicated), so every rank
-            # finds the same ones and raises alike, with no collective. Reading the min and
-            # max back is a host sync on a GPU (one: both are read as one flag). Under
-            # torch.compile the check is left out: a branch on data would break the graph
-            # (meta ids have no values to check).
-            low, high = torch.aminmax(ids)
-            if ((low < 0) | (high >= module.num_embeddings)).item():
-                raise self._ids_out_of_range(module, ids)
+            # one device raises. Ids gathered from sequence shards are the same on every
+            # rank; ids given as replicated are meant to be, but one rank's bad batch must
+            # not leave the others waiting in the reduction below: their least and greatest
+            # are agreed over the mesh first (one all-reduce of two numbers). Reading them
+            # back is a host sync on a GPU (one). Under torch.compile the check is left out:
+            # a branch on data would break the graph (meta ids have no values to check).
+            gathered = isinstance(self.input_layouts[0], Shard) and not isinstance(input, DTensor)
+            self._check_ids(module, rt, ids, gathered)
         start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)
         weight = rt.local_parameter(module, "weight")
         # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
@@ -872,6 +878,29 @@ class RowwiseParallel(_ShardLinearEmbedding):
             return self._reduce(y, rt, module)
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
+
+    def _check_ids(
+        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, ids: torch.Tensor, gathered: bool
+    ) -> None:
+        """Raise, on every rank, the error of one device's ``F.embedding`` if any rank's ids
+        are outside the vocabulary (agreed over the mesh unless ``gathered``)."""
+        size = module.num_embeddings
+        if ids.numel():
+            low, high = torch.aminmax(ids)
+            bounds = torch.stack([low.neg(), high])  # both reduced by one maximum
+        else:
+            bounds = torch.zeros(2, dtype=torch.long, device=ids.device)
+        if not gathered:
+            group = rt.mesh.get_group()
+            bounds = bounds.to(_regions._flag_device(group))
+            torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX, group=group)
+        if not ((bounds[0] > 0) | (bounds[1] >= size)).item():
+            return
+        mine = bool(ids.numel()) and bool(((ids < 0) | (ids >= size)).any())
+        error = self._ids_out_of_range(module, ids) if mine else None
+        if gathered:
+            raise error
+        _regions.raise_agreed(error, [group])
 
     def _ids_out_of_range(self, module: nn.Embedding, ids: torch.Tensor) -> IndexError:
         """The error of one device's ``F.embedding``, naming the module and a few of the ids."""
@@ -1243,6 +1272,12 @@ class ReplicateParallel(_ReplicatedParameters):
     sees only this rank's share of it (per-head ``q_norm``/``k_norm`` after a column-parallel
     projection) gets a partial gradient on each rank: ``sum_gradients=True`` sums them over
     the ranks (in the one all-reduce at the end of backward that sums all partial gradients).
+    So does a router under dispatch expert parallelism (``ExpertParallel()`` with sequence
+    parallelism: each rank routes its own tokens). Without ``sum_gradients``,
+    :func:`parallelize_module` refuses the module where the plan shows that it computes on a
+    shard (a module planned beside it takes its input as a shard that nothing planned there
+    produces: :func:`torch_tp.core.plan.unsummed_gradients`), and the dry-run report flags it
+    wherever its trace finds it computing on one.
 
     Keyword Args:
         sum_gradients (bool, optional): sum the parameters' gradients over the ranks.
@@ -1264,10 +1299,9 @@ class ReplicateParallel(_ReplicatedParameters):
             "ep_router": {},
         },
         arguments=lambda s: {"sum_gradients": s.sum_gradients},
-        parameters=lambda s, m: s._parameter_placements(m),
-        partial_gradients=lambda s, m: (
-            tuple(n for n, _ in m.named_parameters(recurse=False)) if s.sum_gradients else ()
-        ),
+        # the whole module: its own parameters and its unstyled submodules' (dotted names)
+        parameters=lambda s, m: s._whole_placements(m),
+        partial_gradients=lambda s, m: tuple(s._whole_placements(m)) if s.sum_gradients else (),
         # no boundary of its own: the report follows its ops, whose outputs are laid out
         # like the inputs it was given
         # no collective: inside a partial-sum region its gradients are partial sums
@@ -1294,6 +1328,18 @@ class ReplicateParallel(_ReplicatedParameters):
                 "style that leaves its submodules alone"
             )
         _check_whole_not_distributed(module)
+
+    def _whole_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """Every parameter the style replicates: the module's own, and those of its
+        submodules without a style of their own (``"w1.weight"``), which ``_apply``
+        replicates with it."""
+        placements = self._parameter_placements(module)
+        inner = {id(sub) for sub in _unstyled_submodules(module)}
+        for path, sub in module.named_modules():
+            if path and id(sub) in inner:
+                for name, _ in sub.named_parameters(recurse=False):
+                    placements[f"{path}.{name}"] = Replicate()
+        return placements
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
@@ -1364,6 +1410,10 @@ class TensorParallelExperts(ParallelStyle):
         ),
         outputs=lambda s, m: Boundary((Layout(Partial(), Replicate()),)),
         local_forward=lambda s, m: True,
+        # whether any rank's expert ids are out of range, agreed (see _check_expert_ids)
+        transfers=lambda s, m, inputs, degree: (
+            (Transfer("forward", "all_reduce", 4),) if len(inputs) >= 2 else ()
+        ),
         meta_output=lambda s, m, args, kwargs: _tokens_like(args),
     )
 
@@ -1467,7 +1517,7 @@ class TensorParallelExperts(ParallelStyle):
         if routing:  # (top_k_index, top_k_weights): the weights' gradient is partial too
             top_k_index, top_k_weights = routing
             stacked = module.up_proj if self._ungated(module) else module.gate_up_proj
-            _check_expert_ids(self, module, top_k_index, stacked.shape[0])
+            _check_expert_ids(self, module, rt, top_k_index, stacked.shape[0])
             hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
             routing = (top_k_index, top_k_weights)
         else:  # tokens routed and weighted already (Llama 4)
@@ -1503,8 +1553,10 @@ class ExpertParallel(ParallelStyle):
       gradients are summed in one all-reduce. This is transformers' ``ep_dispatch_experts``
       plan (``grouped_gemm`` parameters).
 
-    Expert ids outside ``[0, E)`` raise a ``ValueError`` naming the module on every rank
-    (with ``Shard(0)``, after the counts are exchanged: no rank is left waiting for another).
+    Expert ids outside ``[0, E)`` on any rank raise a ``ValueError`` naming the module on every
+    rank, before any token moves: with ``Shard(0)`` the count of such ids travels with the
+    exchanged counts; with ``Replicate()`` it is agreed in one all-reduce of one number. No
+    rank is left waiting for another.
 
     Keyword Args:
         input_layouts (Placement, optional): ``Shard(0)`` (each rank its own tokens) or
@@ -1565,7 +1617,10 @@ class ExpertParallel(ParallelStyle):
     def _transfers(self, module: nn.Module, inputs: tuple, degree: int) -> tuple[Transfer, ...]:
         """The all-to-alls of dispatched tokens (none for replicated ones), under balanced
         routing: each rank sends its tokens' routing slots out and receives as many back."""
-        if isinstance(self.input_layouts, Replicate) or len(inputs) < 2:
+        if isinstance(self.input_layouts, Replicate):
+            # the count of expert ids out of range, agreed (one int64)
+            return (Transfer("forward", "all_reduce", 8),) if len(inputs) >= 2 else ()
+        if len(inputs) < 2:
             return ()
         hidden, top_k_index = inputs[0], inputs[1]
         rows = hidden.shape[0] // degree * top_k_index.shape[-1]
@@ -1643,10 +1698,18 @@ class ExpertParallel(ParallelStyle):
         order = slots.argsort(stable=True)
         counts = torch.bincount(slots, minlength=n_experts + 1)
         if replicated:
-            # the same routing on every rank: each finds the same errors, and takes the slots
-            # of its own experts
-            sent = counts.tolist()
-            bad = "" if not sent[-1] else " (the same on every rank)"
+            # the same routing on every rank: each takes the slots of its own experts. The
+            # ids out of range are agreed over the mesh (one all-reduce of one number), so
+            # that one rank's bad routing is an error on all, not a wait in the reduction
+            group = mesh.get_group()
+            flag = counts[-1:].to(_regions._flag_device(group), copy=True)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            sent = torch.cat([counts, flag.to(counts.device)]).tolist()
+            if sent[-1]:
+                error = _bad_expert_ids(self, module, n_experts) if sent[-2] else None
+                _regions.raise_agreed(error, [group])
+            sent = sent[:-1]
+            bad = ""
             first = sum(sent[: rank * local_experts])
             mine = sent[rank * local_experts : (rank + 1) * local_experts]
         else:
@@ -2299,6 +2362,8 @@ class AttentionHeads(ParallelStyle):
             "num_kv_heads": s.num_kv_heads,
             "divide": s.divide,
         },
+        # what _apply sets: each rank sees its share of the divided sizes
+        attributes=lambda s, m, n: {name: getattr(m, name) // n for name in s.divide},
     )
 
     def __init__(
@@ -2374,8 +2439,9 @@ class AttentionHeads(ParallelStyle):
                 raise ValueError(f"attribute {name!r} = {value} does not divide by the {n} ranks")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name in self.divide:
-            setattr(module, name, getattr(module, name) // device_mesh.size())
+        # the divided sizes, as the contract states them (the shape check reads it too)
+        for name, value in self.contract.attributes(self, module, device_mesh.size()).items():
+            setattr(module, name, value)
         return module
 
 
@@ -2388,18 +2454,33 @@ def _is_attribute_path(text: str) -> bool:
 
 
 def _check_expert_ids(
-    style: ParallelStyle, module: nn.Module, top_k_index: torch.Tensor, n_experts: int
+    style: ParallelStyle,
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    top_k_index: torch.Tensor,
+    n_experts: int,
 ) -> None:
-    """Refuse expert ids outside ``[0, n_experts)``. The routing is the same on every rank
-    (replicated tokens), so every rank finds the same ids and raises alike, before any
-    collective. One flag is read back (a host sync on a GPU)."""
-    if not top_k_index.numel() or top_k_index.is_meta or torch.compiler.is_compiling():
+    """Refuse expert ids outside ``[0, n_experts)``, on every rank if any rank has one. The
+    routing is meant to be the same on every rank (replicated tokens); so that one rank's
+    bad routing does not leave the others waiting in the experts' reduction, the verdict is
+    agreed over the mesh first (one all-reduce of one number; one flag read back, a host
+    sync on a GPU)."""
+    if top_k_index.is_meta or torch.compiler.is_compiling():
         return
-    if bool(((top_k_index < 0) | (top_k_index >= n_experts)).any()):
-        raise ValueError(
-            f"{_where(style, module)}: the router gave expert ids outside [0, {n_experts}) "
-            "(the same on every rank); top_k_index must hold ids of the module's experts"
-        )
+    bad = ((top_k_index < 0) | (top_k_index >= n_experts)).any().reshape(1)
+    group = rt.mesh.get_group()
+    flag = bad.to(device=_regions._flag_device(group), dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    if flag.item():
+        error = _bad_expert_ids(style, module, n_experts) if bad.item() else None
+        _regions.raise_agreed(error, [group])
+
+
+def _bad_expert_ids(style: ParallelStyle, module: nn.Module, n_experts: int) -> ValueError:
+    return ValueError(
+        f"{_where(style, module)}: the router gave expert ids outside [0, {n_experts}); "
+        "top_k_index must hold ids of the module's experts"
+    )
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ Two kinds, for two jobs:
   layout: :func:`save`, :func:`load`, :func:`latest_step`.
 
 Failures: a save writes a new directory and publishes it with an atomic rename once every
-rank is done, so a crash at any point leaves the previous or the new checkpoint loadable.
+rank is done, so a crash at any point leaves the previous or the new checkpoint loadable
+(every writer, DCP and Hugging Face directories, publishes through one routine below).
 Every load checks the whole checkpoint against the model, reads into staging buffers and
 copies into the model (and optimizer) only once every rank has read everything, so a load
 completes or changes nothing. Errors are :class:`CheckpointError` (an ``Exception``, unlike
@@ -43,11 +44,11 @@ one slice per part, each over every expert this rank holds).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
 import pickle
 import re
-import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -70,6 +71,14 @@ from torch_tp._torch_compat import (
     compute_local_shape_and_global_offset,
 )
 from torch_tp.core import random as tp_random
+from torch_tp.features._publish import (
+    _OLD,
+    _publish,
+    _recover_one,
+    _staged_name,
+    _staging,
+    _visible,
+)
 
 __all__ = [
     "CheckpointError",
@@ -132,6 +141,13 @@ def full_state_dict(
     out: dict[str, Tensor] = {}
     state = model.state_dict()
     _refuse_nested_packed(state)
+    # agreed before any gather (it must be called on every rank): one rank's model on the
+    # meta device fails every rank alike
+    error = _meta_error(model, "full_state_dict")
+    if _distributed() and any(isinstance(t, DTensor) for t in state.values()):
+        _agree(error, lambda cause: f"full_state_dict failed: {cause}")
+    else:
+        _raise(error)
     for name, value in state.items():
         if isinstance(value, DTensor):
             value = value.full_tensor()  # a collective: every rank, in the same order
@@ -173,7 +189,10 @@ def load_full_state_dict(
     ``Raises``), and the model is left bit-identical. Values are
     converted to each parameter's dtype; a lossy conversion (e.g. integer to floating
     point, ``float64`` to ``float16``) warns once per call, naming the keys. The model may
-    have been built on the meta device and materialized with ``model.to_empty(...)``.
+    have been built on the meta device, parallelized, and given memory for its shards by
+    :func:`torch_tp.materialize` (which also computes non-persistent buffers such as rotary
+    tables again; ``model.to_empty`` leaves them uninitialised). A model with tensors still
+    on the meta device is refused before anything is read.
 
     With a process group, a model holding DTensors must be loaded on every rank (the
     agreement is a collective over every rank of the default group); a model without
@@ -206,13 +225,14 @@ def load_full_state_dict(
             tensor (e.g. ``Partial``), or a packed parameter whose packed dim FSDP2 shards
             too. Other packed parameters are loaded exactly: their shard is one block per
             part (one ``get_slice`` read each from a ``safetensors`` file).
+        ValueError: the model has tensors on the meta device (named; on every rank).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
         >>> with torch.device("meta"):
         ...     model = Llama(config)
         >>> parallelize_module(model, mesh["tp"], llama_plan())
-        >>> model.to_empty(device="cuda")
+        >>> torch_tp.materialize(model)
         >>> torch_tp.checkpoint.load_full_state_dict(model, "llama.safetensors")
     """
     targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
@@ -222,6 +242,7 @@ def load_full_state_dict(
     else:
         result, staged, error = None, {}, None
         try:
+            _raise(_meta_error(model, "load_full_state_dict"))  # before reading anything
             source = _Source(state_dict)
             result = _check_keys(model, targets, source, strict)
             staged = _stage_local(source, targets, result)
@@ -280,24 +301,30 @@ def _stage_broadcast(
     strict: bool,
 ) -> tuple[IncompatibleKeys, dict[str, Tensor]]:
     rank = _rank()
-    # rank 0 opens and checks; every rank then raises the same error, or none does
-    verdict: list[Any] = [None]
-    if rank == 0:
-        try:
-            source = _Source(state_dict)
-            verdict[0] = tuple(_check_keys(model, targets, source, strict))
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-            verdict[0] = exc
     what = "loading a full state dict broadcast from rank 0"
-    if _distributed():
-        if isinstance(verdict[0], Exception):
-            verdict[0] = _sendable(verdict[0])
-        _coordinate(
-            dist.broadcast_object_list, verdict, src=0, group=_group(), failed=_load_failed(what)
+    # rank 0 opens and checks the source; every rank checks its model; every rank then
+    # raises the same error, or none does (one small collective)
+    error, verdict = None, None
+    try:
+        _raise(_meta_error(model, "load_full_state_dict"))
+        if rank == 0:
+            source = _Source(state_dict)
+            verdict = tuple(_check_keys(model, targets, source, strict))
+    except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+        error = exc
+    # the broadcasts below follow each rank's own names: they must be the same everywhere
+    layout = hashlib.sha256(
+        repr([(k, tuple(v.shape), str(v.dtype)) for k, v in targets.items()]).encode()
+    ).hexdigest()
+    values = _agree(error, _load_failed(what), value=(layout, verdict))
+    differ = [r for r, (other, _) in enumerate(values) if other != values[0][0]]
+    if differ:
+        raise CheckpointError(
+            _load_failed(what)(
+                f"the model's names, shapes or dtypes on rank(s) {differ} differ from rank 0's"
+            )
         )
-    if isinstance(verdict[0], BaseException):
-        raise verdict[0]
-    result = IncompatibleKeys(*verdict[0])
+    result = IncompatibleKeys(*values[0][1])
     present = set(targets) - set(result.missing_keys)
     # Rank 0 reads and broadcasts one whole tensor at a time. A read that fails on rank 0
     # must not leave the others waiting in a broadcast: rank 0 keeps the protocol going
@@ -699,23 +726,68 @@ def _first_line(exc: BaseException) -> str:
     return line if len(line) <= 500 else line[:500] + "..."
 
 
-def _agree(error: Exception | None, failed: Callable[[str], str]) -> None:
+def _agree(
+    error: Exception | None,
+    failed: Callable[[str], str],
+    *,
+    value: Any = None,
+    same: str | None = None,
+) -> list[Any]:
     """Raise, on every rank, the first rank's error if any rank has one (one small
     collective). On the rank that failed the original exception is raised, elsewhere a copy
     of it (or a :class:`CheckpointError` with its message when it does not pickle).
-    ``failed(cause)`` words the error if the collective itself fails."""
+    ``failed(cause)`` words the error if the collective itself fails.
+
+    Each rank's ``value`` (picklable) travels with it; every rank's is returned. With
+    ``same`` (what the values are, for the message), values that differ between ranks are a
+    :class:`CheckpointError` on every rank: a check that guards a collective is agreed over
+    every rank that will enter it, so one rank's bad input is the same error everywhere."""
     if not _distributed():
         if error is not None:
             raise error
-        return
-    mine = None if error is None else _sendable(error)
-    errors: list[Any] = [None] * dist.get_world_size()
-    _coordinate(dist.all_gather_object, errors, mine, failed=failed, group=_group())
+        return [value]
+    mine = (None if error is None else _sendable(error), value)
+    every: list[Any] = [None] * dist.get_world_size()
+    _coordinate(dist.all_gather_object, every, mine, failed=failed, group=_group())
     if error is not None:
         raise error
-    for other in errors:
+    for other, _ in every:
         if other is not None:
             raise other
+    values = [v for _, v in every]
+    if same is not None and any(v != values[0] for v in values):
+        found = ", ".join(f"rank {rank}: {v!r}" for rank, v in enumerate(values))
+        raise CheckpointError(failed(f"the ranks do not agree on {same} ({found})"))
+    return values
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _meta_error(model: nn.Module, what: str) -> ValueError | None:
+    """The error for a model with tensors on the meta device (nothing to read into or
+    write from), naming the first few, or ``None``."""
+    seen: set[int] = set()
+    names = []
+    for name, value in itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers()
+    ):
+        if value.is_meta and id(value) not in seen:
+            seen.add(id(value))
+            names.append(_single_device_name(name))
+    if not names:
+        return None
+    shown = ", ".join(map(repr, names[:4])) + (
+        f" and {len(names) - 4} more" if len(names) > 4 else ""
+    )
+    return ValueError(
+        f"{what}: {len(names)} of the model's parameters and buffers are on the meta device "
+        f"({shown}), which holds no data. Give this rank's shards memory first, after "
+        "parallelize_module: torch_tp.materialize(model) (it also computes non-persistent "
+        "buffers such as rotary inv_freq again). Nothing was read or written."
+    )
 
 
 def _sendable(error: Exception) -> Exception:
@@ -805,8 +877,6 @@ def _rank() -> int:
 # ------------------------------------------------------------------------------------------
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_PARTIAL = ".partial"  # a save in progress, or one that failed: never read
-_OLD = ".old"  # the previous checkpoint of a step being saved again, until the new one is in
 
 
 def save(
@@ -861,7 +931,9 @@ def save(
     Raises:
         CheckpointError: the save failed on some rank (raised on every rank); the previous
             checkpoint is intact.
-        ValueError: ``step`` is not a non-negative int.
+        ValueError: ``step`` is not a non-negative int, or the model has tensors on the
+            meta device (on every rank: the ranks agree on their checks, and on ``step``,
+            before anything is written).
         NotImplementedError: a packed parameter whose packed dim FSDP2 shards too (nothing
             is written).
 
@@ -870,22 +942,29 @@ def save(
         >>> if step % 1000 == 0:
         ...     torch_tp.checkpoint.save("checkpoints", model, optimizer, step=step)
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, found {step!r}")
     root = Path(checkpoint_dir)
     final = root / f"step-{step}"
-    partial = root / f"step-{step}{_PARTIAL}"
-    _refuse_nested_packed(model.state_dict())  # before anything is written
     what = f"saving step {step} to {str(final)!r}"
+    # every rank's checks, agreed before anything is written or gathered
     error = None
+    try:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, found {step!r}")
+        _raise(_meta_error(model, "save"))
+        _refuse_nested_packed(model.state_dict())
+    except (ValueError, NotImplementedError) as exc:
+        error = exc
+    failed = lambda cause: _save_failed(what, root, cause)  # noqa: E731
+    _agree(error, failed, value=repr(step), same="the step")
+    partial = _staged_name(final)
     if _rank() == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _recover(root)
-            shutil.rmtree(partial, ignore_errors=True)  # the leftover of a failed save
+            _staging(final)
         except OSError as exc:
             error = CheckpointError(_save_failed(what, root, f"cannot prepare it: {exc}"))
-    _agree(error, lambda cause: _save_failed(what, root, cause))
+    _agree(error, failed)
     model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
@@ -906,7 +985,7 @@ def save(
         )
     if _rank() == 0:
         try:
-            _publish(partial, final, root / f"step-{step}{_OLD}")
+            _publish(partial, final)
         except OSError as exc:
             error = CheckpointError(_save_failed(what, root, f"publishing it: {exc}"))
     _agree(error, lambda cause: _save_failed(what, root, cause))
@@ -923,38 +1002,12 @@ def _save_failed(what: str, root: Path, cause: str) -> str:
     return f"{what} failed: {cause}. Nothing was lost: {kept}."
 
 
-def _publish(partial: Path, final: Path, old: Path) -> None:
-    """Make the complete checkpoint in ``partial`` visible as ``final`` (rank 0 only).
-
-    Every step is atomic and made durable before the next: a crash between two of them
-    leaves ``final``, or ``old`` with ``final`` missing, complete on disk.
-    """
-    _fsync_dir(partial)  # the entries of the files every rank wrote (and fsynced)
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        _fsync_dir(final.parent)
-    os.rename(partial, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _recover(root: Path) -> None:
-    """Finish what a save that crashed while publishing left (rank 0, before a save): an
-    old checkpoint whose replacement never arrived goes back in place; one whose
-    replacement did is deleted."""
+    """Finish what DCP saves that crashed while publishing left in ``root``."""
     for entry in root.iterdir():
-        if not entry.name.endswith(_OLD):
-            continue
-        match = _STEP_DIR.match(entry.name[: -len(_OLD)])
-        if match is None:
-            continue
-        final = root / match.group(0)
-        if _complete(final):
-            shutil.rmtree(entry)
-        elif not final.exists() and _complete(entry):
-            os.rename(entry, final)
-            _fsync_dir(root)
+        match = _STEP_DIR.match(entry.name.removesuffix(_OLD))
+        if entry.name.endswith(_OLD) and match is not None:
+            _recover_one(root / match.group(0), _complete)
 
 
 def _complete(path: Path) -> bool:
@@ -962,27 +1015,10 @@ def _complete(path: Path) -> bool:
     return (path / ".metadata").is_file()
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the entries of directory ``path`` durable (where the platform allows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def _step_dir(root: Path, step: int) -> Path | None:
     """The complete checkpoint of ``step``: ``step-<step>``, or, while a save of the same
     step is being published (or crashed while publishing), the ``.old`` one it replaces."""
-    for path in (root / f"step-{step}", root / f"step-{step}{_OLD}"):
-        if _complete(path):
-            return path
-    return None
+    return _visible(root / f"step-{step}", _complete)
 
 
 def load(
@@ -1037,9 +1073,14 @@ def load(
             there is no complete checkpoint for it.
         CheckpointError: the checkpoint does not match the model or optimizer, or cannot
             be read; the message names the files and every offending key.
-        ValueError: ``rng`` and the checkpoint has no RNG state for this layout.
+        ValueError: ``rng`` and the checkpoint has no RNG state for this layout, or the
+            model has tensors on the meta device (named).
         NotImplementedError: a packed parameter whose packed dim FSDP2 shards too (nothing
             is changed).
+
+    Every check above is agreed over every rank before any rank reads: a rank that cannot
+    see the directory, or sees another latest step than the others, makes every rank raise
+    the same error.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -1048,19 +1089,33 @@ def load(
         >>> for step in range(start, total_steps): ...
     """
     root = Path(checkpoint_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"no checkpoint directory {str(root)!r} (to start from scratch where there is "
-            "no checkpoint yet, create the directory first, or check latest_step())"
-        )
-    if step is None:
-        step = latest_step(root)
+    # every rank's own checks and its view of the directory, agreed before any collective:
+    # a rank that cannot see the checkpoint, or sees another step, fails every rank alike
+    error, path = None, None
+    try:
+        _raise(_meta_error(model, "load"))
+        _refuse_nested_packed(model.state_dict())
+        if not root.is_dir():
+            raise FileNotFoundError(
+                f"no checkpoint directory {str(root)!r} (to start from scratch where there is "
+                "no checkpoint yet, create the directory first, or check latest_step())"
+            )
         if step is None:
-            return None
-    path = _step_dir(root, step)
-    if path is None:
-        raise FileNotFoundError(f"no complete checkpoint for step {step} in {str(root)!r}")
-    _refuse_nested_packed(model.state_dict())
+            step = latest_step(root)
+        if step is not None:
+            path = _step_dir(root, step)
+            if path is None:
+                raise FileNotFoundError(f"no complete checkpoint for step {step} in {str(root)!r}")
+    except (ValueError, NotImplementedError, OSError) as exc:
+        error = exc
+    _agree(
+        error,
+        _load_failed(f"loading from {str(root)!r}"),
+        value=step,
+        same="the step to load (the latest complete checkpoint each rank sees)",
+    )
+    if step is None:
+        return None
     had_state = optimizer is not None and bool(optimizer.state)
     try:
         _load_dcp(path, model, optimizer, rng, strict)

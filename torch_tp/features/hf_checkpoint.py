@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,6 +22,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from torch_tp._torch_compat import IncompatibleKeys
+from torch_tp.features._publish import (
+    _old_name,
+    _publish,
+    _recover_one,
+    _staged_name,
+    _staging,
+    _visible,
+)
 from torch_tp.features.checkpoint import (
     _SAFETENSORS_DTYPES,
     CheckpointError,
@@ -32,7 +39,9 @@ from torch_tp.features.checkpoint import (
     _distributed,
     _first_line,
     _load_failed,
+    _meta_error,
     _Piece,
+    _raise,
     _rank,
     _refuse_nested_packed,
     _single_device_name,
@@ -43,6 +52,14 @@ __all__ = ["load_pretrained", "save_pretrained"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+_PICKLED = ("pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+def _complete(path: Path) -> bool:
+    """A directory ``save_pretrained`` published (it publishes only whole ones)."""
+    return (path / _SINGLE).is_file() or (path / _INDEX).is_file()
+
+
 # the stacked experts of transformers 5.x models, and the per-expert keys checkpoints hold
 _STACKED = re.compile(r"(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj|up_proj)")
 _PARTS = {
@@ -64,7 +81,9 @@ class _PretrainedSource:
     def __init__(self, directory: str | os.PathLike) -> None:
         from safetensors import safe_open
 
-        root = Path(directory)
+        # while a save_pretrained of this directory is published (or crashed doing so), the
+        # checkpoint it replaces is whole under <directory>.old
+        root = _visible(Path(directory), _complete) or Path(directory)
         self.description = f"the Hugging Face checkpoint {str(root)!r}"
         if (root / _INDEX).is_file():
             try:
@@ -77,6 +96,16 @@ class _PretrainedSource:
         elif (root / _SINGLE).is_file():
             self._file = {}
         else:
+            pickled = [root / name for name in _PICKLED if (root / name).is_file()]
+            if pickled:
+                raise CheckpointError(
+                    f"{str(root)!r} holds pickled weights only ({str(pickled[0])!r}), which "
+                    "torch_tp does not read: unpickling a file can run any code in it. "
+                    "Convert it once, on one device, from a source you trust: "
+                    f"AutoModelForCausalLM.from_pretrained({str(root)!r}).save_pretrained("
+                    "out_dir, safe_serialization=True) writes model.safetensors; then load "
+                    "that directory."
+                )
             raise FileNotFoundError(
                 f"no {_SINGLE} or {_INDEX} in {str(root)!r} (expected a save_pretrained directory)"
             )
@@ -205,15 +234,24 @@ def load_pretrained(
     Returns:
         ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``.
 
+    While :func:`save_pretrained` replaces ``directory`` (or after it crashed doing so),
+    the previous checkpoint, whole, is read from ``<directory>.old``.
+
     Raises:
         FileNotFoundError: the directory holds no checkpoint.
-        CheckpointError: missing or unexpected keys, shapes or dtypes that do not fit, or a
-            file that cannot be read; the message names every key at fault.
+        CheckpointError: missing or unexpected keys, shapes or dtypes that do not fit, a
+            file that cannot be read, or a directory holding only pickled weights
+            (``pytorch_model.bin``: named, with how to convert it); the message names every
+            key at fault.
+        ValueError: the model has tensors on the meta device (named): give it memory with
+            :func:`torch_tp.materialize` first.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
-        >>> model = AutoModelForCausalLM.from_config(config)  # or on the meta device
+        >>> with torch.device("meta"):  # or build it whole
+        ...     model = AutoModelForCausalLM.from_config(config)
         >>> parallelize_module(model, tp_mesh, plan_for(model))
+        >>> torch_tp.materialize(model)
         >>> torch_tp.checkpoint.load_pretrained(model, "path/to/checkpoint")
     """
     targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
@@ -221,6 +259,7 @@ def load_pretrained(
     error: Exception | None = None
     result, staged = IncompatibleKeys([], []), {}
     try:
+        _raise(_meta_error(model, "load_pretrained"))  # before reading anything
         source = _PretrainedSource(directory)
         source.stack_experts(targets)
         aliases = _tied_aliases(model)
@@ -241,8 +280,36 @@ def load_pretrained(
     return result
 
 
+_UNITS = {"K": 10**3, "M": 10**6, "G": 10**9, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+_SIZE = re.compile(r"(?P<count>[0-9]+)(?P<unit>[KMGkmg](?:[Ii])?)(?P<b>[Bb])")
+
+
+def _shard_bytes(max_shard_size: int | str) -> int:
+    """``max_shard_size`` in bytes: an int, or transformers' strings (``"5GB"``: 10**9
+    bytes; ``"5GiB"``: 2**30; ``K``/``M``/``G``; a lower-case final ``b`` after a decimal
+    unit counts bits, ``"8Mb"`` being 10**6 bytes, as transformers reads it)."""
+    if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
+        size = max_shard_size
+    elif isinstance(max_shard_size, str) and (match := _SIZE.fullmatch(max_shard_size.strip())):
+        unit = match["unit"].upper()
+        size = int(match["count"]) * _UNITS[unit]
+        if match["b"] == "b" and not unit.endswith("I"):
+            size //= 8
+    else:
+        raise ValueError(
+            "max_shard_size must be a number of bytes or a size such as '5GB', '500MB', "
+            f"'100KB' or '5GiB' (transformers' forms), found {max_shard_size!r}"
+        )
+    if size <= 0:
+        raise ValueError(f"max_shard_size must be positive, found {max_shard_size!r}")
+    return size
+
+
 def save_pretrained(
-    model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int = 5 * 2**30
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GiB",
 ) -> None:
     """Write a parallelized model as a Hugging Face directory ``from_pretrained`` loads.
 
@@ -251,34 +318,68 @@ def save_pretrained(
     and ``model.safetensors.index.json``, or one ``model.safetensors``), holding at most one
     gathered parameter and the shard being filled, then the model's ``config.json`` (and
     ``generation_config.json`` where it has one). Tied weights are written once, under the
-    first name. The directory appears whole or not at all: it is written beside and
-    renamed into place; a failure raises on every rank. Must be called on every rank.
+    first name. Must be called on every rank.
+
+    The previous checkpoint is never lost: the directory is written whole beside it
+    (``<directory>.partial``), its files fsynced, and published as the DCP
+    :func:`~torch_tp.checkpoint.save` publishes a step: an existing ``directory`` is moved
+    aside to ``<directory>.old`` and deleted only once the new one is in place. A crash at
+    any point leaves ``directory`` whole (the old or the new one), or the old one whole as
+    ``<directory>.old`` with ``directory`` missing, which :func:`load_pretrained` reads and
+    the next :func:`save_pretrained` puts back. A save that fails raises
+    :class:`~torch_tp.checkpoint.CheckpointError` on every rank, saying where the previous
+    checkpoint is, intact (a rank that died makes the others' collectives fail: they raise
+    it too, within moments).
 
     Args:
         model (:class:`nn.Module`): a transformers model, parallelized (and possibly
             FSDP2-sharded).
-        directory: where to write; an existing directory is replaced.
+        directory: where to write; an existing checkpoint there is replaced.
 
     Keyword Args:
-        max_shard_size (int, optional): bytes per file. Default: 5 GiB.
+        max_shard_size (int or str, optional): the most bytes per file, as an int or as
+            transformers writes it (``"5GB"``, ``"100MB"``, ``"5GiB"``). Default: ``"5GiB"``.
+
+    Raises:
+        ValueError: a ``max_shard_size`` that is not a size, or a model on the meta device
+            (before anything is written, on every rank).
+        CheckpointError: the save failed on some rank (raised on every rank); the previous
+            checkpoint is intact.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
-        >>> torch_tp.checkpoint.save_pretrained(model, "out")
+        >>> torch_tp.checkpoint.save_pretrained(model, "out", max_shard_size="2GB")
         >>> AutoModelForCausalLM.from_pretrained("out")  # on one device
     """
     from safetensors.torch import save_file
 
     final = Path(directory)
-    partial = final.with_name(final.name + ".partial")
+    partial = _staged_name(final)
     writer = _rank() == 0
+    what = f"saving {str(final)!r}"
+    state = model.state_dict()
+
+    def failed(cause: str) -> str:
+        return _save_failed(what, final, cause)
+
+    # every rank's checks, agreed before anything is written or gathered
     error: Exception | None = None
+    limit = 0
+    try:
+        limit = _shard_bytes(max_shard_size)
+        _raise(_meta_error(model, "save_pretrained"))
+        _refuse_nested_packed(state)
+    except (ValueError, NotImplementedError) as exc:
+        error = exc
+    _agree(error, failed)  # nothing is written unless every rank can go on
     if writer:
         try:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        except Exception as exc:  # noqa: BLE001 - agreed on below
-            error = exc
+            _recover_one(final, _complete)
+            _staging(final)
+        except OSError as exc:
+            error = CheckpointError(failed(f"cannot prepare {str(partial)!r}: {exc}"))
+    _agree(error, failed)
+
     aliases = _tied_aliases(model)
     shard: dict[str, Tensor] = {}
     shard_bytes, files, weight_map, total = 0, [], {}, 0
@@ -291,18 +392,24 @@ def save_pretrained(
             files.append((name, list(shard)))
         shard, shard_bytes = {}, 0
 
-    for name, value in model.state_dict().items():
+    for name, value in state.items():
         name = _single_device_name(name)
         if name in aliases:
             continue
         if isinstance(value, DTensor):
-            value = value.full_tensor()  # a collective: every rank, in the same order
+            try:
+                value = value.full_tensor()  # a collective: every rank, in the same order
+            except Exception as exc:  # noqa: BLE001 - a rank died, or the network failed
+                raise CheckpointError(
+                    failed(f"gathering {name!r} failed, a rank has probably died "
+                           f"({_first_line(exc)})")
+                ) from exc  # fmt: skip
         if not writer or error is not None:
             continue
         try:
             value = value.detach().cpu().contiguous()
             nbytes = value.numel() * value.element_size()
-            if shard and shard_bytes + nbytes > max_shard_size:
+            if shard and shard_bytes + nbytes > limit:
                 flush()
             shard[name] = value
             shard_bytes += nbytes
@@ -325,11 +432,26 @@ def save_pretrained(
                 config = getattr(model, attribute, None)
                 if config is not None and hasattr(config, "save_pretrained"):
                     config.save_pretrained(partial)
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
+            _publish(partial, final)
         except Exception as exc:  # noqa: BLE001 - agreed on below
-            error = exc
-    if _distributed():
-        _agree(error, lambda cause: f"saving {str(final)!r} failed: {cause}")
-    elif error is not None:
-        raise error
+            error = CheckpointError(failed(_first_line(exc)))
+    _agree(error, failed)
+
+
+def _save_failed(what: str, final: Path, cause: str) -> str:
+    """The message of a failed save_pretrained: what failed, and where the previous
+    checkpoint is, intact (as the disk shows it now)."""
+    old = _old_name(final)
+    if _complete(final):
+        kept = (
+            f"the checkpoint at {str(final)!r} is intact (the previous one, or this save's if it "
+            "was published before the failure)"
+        )
+    elif _complete(old):
+        kept = (
+            f"the previous checkpoint is intact at {str(old)!r} (load_pretrained "
+            f"({str(final)!r}) reads it there; the next save_pretrained puts it back)"
+        )
+    else:
+        kept = f"there was no checkpoint at {str(final)!r} before"
+    return f"{what} failed: {cause}. Nothing was lost: {kept}."

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from torch_tp import _torch_compat as compat
 from torch_tp.core._layouts import chunk_range, contiguous_stride
+from torch_tp.core._regions import raise_agreed
 
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
 
@@ -55,8 +56,12 @@ _Group = tuple[DeviceMesh, int]
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of ``(tokens, local classes)`` logits split across ``group``.
 
-    Forward: two all-reduces of size ``tokens`` (the max; then the sums of exponentials, the
-    target logits and, with label smoothing, the logits). Backward: none. The result is the
+    Forward: two all-reduces of size ``tokens`` (the max, with one number more: whether any
+    rank's inputs failed their checks; then the sums of exponentials, the target logits and,
+    with label smoothing, the logits). Backward: none. ``error`` is what this rank's checks
+    found: the first all-reduce agrees it over ``group`` (and one all-reduce of that number
+    over each of ``agree_groups``: the other dimensions of the logits' mesh), and every rank
+    raises the same error before the target is used. The result is the
     loss of every token (0 for ignored ones) in the compute dtype (float32 at least), the same
     on every rank of ``group``.
 
@@ -80,11 +85,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         weight: Tensor | None,
         ignore_index: int,
         label_smoothing: float,
+        error: Exception | None,
+        agree_groups: Sequence[_Group],
     ) -> Tensor:
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         x = logits.to(compute_dtype)
         num_tokens, num_local = x.shape
         eps = label_smoothing
+
+        # 1. The global max of each token's logits. It only shifts the exponentials, so no
+        # gradient flows through it. A rank with no classes (a vocabulary smaller than the
+        # mesh) contributes -inf. One number more carries this rank's verdict (1 if its checks
+        # failed): a rank that raised alone would leave the others waiting in the next
+        # all-reduce. Reading it back is free on CPU, one host sync on an accelerator.
+        if num_local > 0:
+            local_max = x.amax(dim=1)
+        else:
+            local_max = x.new_full((num_tokens,), -math.inf)
+        verdict = local_max.new_full((1,), 0.0 if error is None else 1.0)
+        reduced = compat.functional_collectives.all_reduce(
+            torch.cat([local_max, verdict]), "max", group
+        )
+        shift, flag = reduced[:-1], reduced[-1:]
+        if torch.compiler.is_compiling():
+            # a branch on data would break the graph: the checks found on the host raise
+            # when traced
+            if error is not None:
+                raise error
+        else:
+            for other in agree_groups:
+                flag = compat.functional_collectives.all_reduce(flag, "max", other)
+            if flag.item():
+                groups = [mesh.get_group(dim) for mesh, dim in (group, *agree_groups)]
+                raise_agreed(error, groups)
 
         valid = target != ignore_index
         local_target = target - vocab_start
@@ -97,15 +130,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             weight = weight.to(compute_dtype)
             target_weight = weight[torch.where(valid, target, 0)]
             local_weight = weight[vocab_start : vocab_start + num_local]
-
-        # 1. The global max of each token's logits. It only shifts the exponentials, so no
-        # gradient flows through it. A rank with no classes (a vocabulary smaller than the
-        # mesh) contributes -inf.
-        if num_local > 0:
-            local_max = x.amax(dim=1)
-        else:
-            local_max = x.new_full((num_tokens,), -math.inf)
-        shift = compat.functional_collectives.all_reduce(local_max, "max", group)
 
         # 2. One all-reduce of the per-token sums: exponentials, target logit, smoothing term.
         shifted = x - shift.unsqueeze(1)
@@ -169,7 +193,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad_logits.index_put_(
                 (rows, local_target), -torch.where(in_shard, target_coef, 0.0), accumulate=True
             )
-        return grad_logits.to(logits.dtype), None, None, None, None, None, None, None
+        return grad_logits.to(logits.dtype), None, None, None, None, None, None, None, None, None
 
 
 def _check_options(reduction: str, label_smoothing: float) -> None:
@@ -180,37 +204,39 @@ def _check_options(reduction: str, label_smoothing: float) -> None:
         raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
 
 
-def _check_class_indices(target: Tensor) -> None:
+def _check_class_indices(target: Tensor) -> Exception | None:
     if target.is_floating_point() or target.is_complex():
-        raise NotImplementedError(
+        return NotImplementedError(
             "vocabulary-parallel cross-entropy takes class indices as targets (an integer "
             f"tensor); found a {target.dtype} target (class probabilities are not supported)"
         )
 
 
-def _check_bounds(target: Tensor, vocab_size: int, ignore_index: int) -> None:
-    # On an accelerator this check would wait for the device in the middle of the step, so it
+def _check_bounds(target: Tensor, vocab_size: int, ignore_index: int) -> Exception | None:
+    # On an accelerator this check would wait for the device for the target's values, so it
     # is done where it is free (like the device-side assert of CUDA's nll_loss, it is a bug
     # check, not a feature).
     if target.device.type == "cpu":
         bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
         if bad.any():
-            raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
+            return IndexError(f"Target {int(target[bad][0])} is out of bounds.")
+    return None
 
 
-def _check_weight(weight: Tensor | None, vocab_size: int) -> None:
+def _check_weight(weight: Tensor | None, vocab_size: int) -> Exception | None:
     if weight is None:
-        return
+        return None
     if weight.shape != (vocab_size,):
-        raise RuntimeError(
+        return RuntimeError(
             f"weight tensor should be defined either for all {vocab_size} classes or no "
             f"classes but got weight tensor of shape: {list(weight.shape)}"
         )
     if weight.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError(
+        return NotImplementedError(
             "vocabulary-parallel cross-entropy does not compute a gradient for the class "
             "weights; pass weight.detach()"
         )
+    return None
 
 
 def _cross_entropy(
@@ -226,16 +252,30 @@ def _cross_entropy(
     label_smoothing: float,
     out_shape: Sequence[int],
     mean_groups: Sequence[_Group] = (),
+    error: Exception | None = None,
+    agree_groups: Sequence[_Group] = (),
 ) -> Tensor:
     """The loss of ``(tokens, local classes)`` logits, reduced.
 
     ``mean_groups`` are the mesh dimensions the tokens are split over (data parallel): the
     number of tokens a mean divides by is summed over them, so that the sum over those ranks
-    of the local results is the global mean.
+    of the local results is the global mean. ``error`` is what this rank's checks of its
+    inputs found (``target`` need not fit ``logits`` then); it is agreed over ``group`` and
+    ``agree_groups`` before the target is used, and raised on every rank if any has one.
     """
-    _check_bounds(target, vocab_size, ignore_index)
+    if error is None:
+        error = _check_bounds(target, vocab_size, ignore_index)
     loss = _VocabParallelCrossEntropy.apply(
-        logits, target, group, vocab_start, vocab_size, weight, ignore_index, label_smoothing
+        logits,
+        target,
+        group,
+        vocab_start,
+        vocab_size,
+        weight,
+        ignore_index,
+        label_smoothing,
+        error,
+        agree_groups,
     )
     if reduction == "none":
         return loss.reshape(out_shape).to(logits.dtype)
@@ -349,9 +389,13 @@ def vocab_parallel_cross_entropy(
             'e.g. mesh["tp"])'
         )
     _check_options(reduction, label_smoothing)
-    _check_class_indices(target)
-    if local_logits.ndim < 1 or target.shape != local_logits.shape[:-1]:
-        raise ValueError(
+    if local_logits.ndim < 1:
+        raise ValueError("expected local_logits with a class dimension, found a 0-d tensor")
+    # What this rank's own inputs show is not raised here: a rank that raised alone would
+    # leave the others waiting in the first all-reduce. It is agreed there (one number more).
+    error = _check_class_indices(target)
+    if error is None and target.shape != local_logits.shape[:-1]:
+        error = ValueError(
             "expected target of shape local_logits.shape[:-1] = "
             f"{tuple(local_logits.shape[:-1])}, found {tuple(target.shape)}"
         )
@@ -363,16 +407,17 @@ def vocab_parallel_cross_entropy(
         vocab_start, vocab_size = _sizes_before(sizes, rank), sum(sizes)
     else:
         vocab_start, vocab_stop = chunk_range(vocab_size, num_ranks, rank)
-        if vocab_stop - vocab_start != num_local:
-            raise ValueError(
+        if error is None and vocab_stop - vocab_start != num_local:
+            error = ValueError(
                 f"with vocab_size={vocab_size} over {num_ranks} ranks, rank {rank} should hold "
                 f"{vocab_stop - vocab_start} classes (torch.chunk's split), found local logits "
                 f"with {num_local} (shape {tuple(local_logits.shape)})"
             )
-    _check_weight(weight, vocab_size)
+    error = error or _check_weight(weight, vocab_size)
+    num_tokens = math.prod(local_logits.shape[:-1])
     return _cross_entropy(
-        local_logits.reshape(target.numel(), num_local),
-        target.reshape(-1),
+        local_logits.reshape(num_tokens, num_local),
+        target.reshape(-1) if error is None else target,
         (device_mesh, 0),
         vocab_start,
         vocab_size,
@@ -381,6 +426,7 @@ def vocab_parallel_cross_entropy(
         reduction=reduction,
         label_smoothing=label_smoothing,
         out_shape=target.shape,
+        error=error,
     )
 
 
@@ -469,24 +515,27 @@ def _dtensor_cross_entropy(
         )
     else:
         local_target = target
-    _check_class_indices(local_target)
     weight = _replicated_local(weight, mesh, "the class weights") if weight is not None else None
 
     vocab_size = input.shape[class_dim]
     local_input = input.to_local()  # differentiable: the gradient is the local shard's
     expected = local_input.shape[:class_dim] + local_input.shape[class_dim + 1 :]
-    if local_target.shape != expected:
-        raise ValueError(
+    # What this rank's local target and weight show is agreed over the whole mesh of the
+    # logits (every rank of the step calls this) before anything is raised: in the first
+    # all-reduce, and one all-reduce of one number over each other mesh dimension
+    error = _check_class_indices(local_target)
+    if error is None and local_target.shape != expected:
+        error = ValueError(
             f"loss_parallel(): expected a target of (local) shape {tuple(expected)} for logits "
             f"of shape {tuple(input.shape)} (local {tuple(local_input.shape)}), found "
             f"{tuple(local_target.shape)}"
         )
-    _check_weight(weight, vocab_size)
+    error = error or _check_weight(weight, vocab_size)
     vocab_start, _ = chunk_range(vocab_size, mesh.size(tp_dim), mesh.get_local_rank(tp_dim))
     num_local = local_input.shape[class_dim]
     loss = _cross_entropy(
-        local_input.movedim(class_dim, -1).reshape(local_target.numel(), num_local),
-        local_target.reshape(-1),
+        local_input.movedim(class_dim, -1).reshape(math.prod(expected), num_local),
+        local_target.reshape(-1) if error is None else local_target,
         (mesh, tp_dim),
         vocab_start,
         vocab_size,
@@ -496,6 +545,8 @@ def _dtensor_cross_entropy(
         label_smoothing=label_smoothing,
         out_shape=local_target.shape,
         mean_groups=[(mesh, i) for i in batch_dims],
+        error=error,
+        agree_groups=[(mesh, i) for i in range(mesh.ndim) if i != tp_dim],
     )
     if reduction == "none":
         out_placements: Sequence[Placement] = target_placements

@@ -499,7 +499,7 @@ _SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "Sched
 
 class CheckedSchedule:
     """A ``torch.distributed.pipelining`` schedule whose every step checks its inputs on every
-    pipeline rank before any rank starts it (see :func:`build_schedule`).
+    rank of the step (pp x dp x tp) before any rank starts it (see :func:`build_schedule`).
 
     Attributes:
         schedule: the ``torch.distributed.pipelining`` schedule it runs.
@@ -508,13 +508,20 @@ class CheckedSchedule:
     """
 
     def __init__(
-        self, schedule: Any, stages: Sequence[Any], batch_size: int, n_microbatches: int
+        self,
+        schedule: Any,
+        stages: Sequence[Any],
+        batch_size: int,
+        n_microbatches: int,
+        step_group: Any = None,
     ) -> None:
         self.schedule = schedule
         self.batch_size = batch_size
         self._first = any(stage.is_first for stage in stages)
         self._last = any(stage.is_last for stage in stages)
-        self._group = stages[0].group
+        self._group = stages[0].group  # the pipeline's: the first stage's input shape
+        # every rank that runs the step: the input check is agreed over all of them
+        self._step_group = dist.group.WORLD if step_group is None else step_group
         self._stages = [stage.submod for stage in stages]
         self._n_microbatches = n_microbatches
         dropouts = {id(d): d for st in stages if (d := _dropout_attr(st.submod)) is not None}
@@ -545,10 +552,12 @@ class CheckedSchedule:
             rank).
 
         Raises:
-            ValueError: on every pipeline rank, before any of them starts the schedule, when
-                the first stage's inputs or the target do not have ``batch_size`` samples in
-                dimension 0, or the first stage's rank has no input or the last stage's no
-                target.
+            ValueError: on every rank of the step (``step_group``: the pipeline, data- and
+                tensor-parallel ranks), before any of them starts the schedule, when on any
+                rank the first stage's inputs or the target do not have ``batch_size``
+                samples in dimension 0, or the first stage's rank has no input or the last
+                stage's no target. The message names each rank that found a problem and
+                what it found; it is the same on every rank.
         """
         problem = ""
         if self._first:
@@ -571,7 +580,7 @@ class CheckedSchedule:
                 )
         if self._dropout is not None and not problem:
             problem = self._dropout.refusal(self._stages)
-        _agree_on(problem, self._group)
+        _agree_on(problem, self._step_group)
         if self._dropout is not None:  # the first stage's input shape, on every rank
             shapes: list[Any] = [None] * dist.get_world_size(self._group)
             shape = tuple(args[0].shape) if self._first and args else None
@@ -589,8 +598,10 @@ class CheckedSchedule:
 
 
 def _agree_on(problem: str, group: Any) -> None:
-    """Raise on every rank of ``group`` if any has a problem (one small all-reduce; the
-    messages are gathered only when one is)."""
+    """Raise on every rank of ``group`` if any has a problem (one all-reduce of one number;
+    the messages are gathered only when one is). ``group`` is every rank of the step: a
+    tensor- or data-parallel peer of a rank that raised would otherwise start the schedule
+    and wait in its first collective for that rank."""
     backend = dist.get_backend(group)
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -605,7 +616,10 @@ def _agree_on(problem: str, group: Any) -> None:
     dist.all_gather_object(messages, problem, group=group)
     ranks = dist.get_process_group_ranks(group)
     found = "; ".join(f"rank {r}: {m}" for r, m in zip(ranks, messages, strict=True) if m)
-    raise ValueError(f"the pipeline step's inputs are wrong, so no rank started it: {found}")
+    raise ValueError(
+        f"the pipeline step's inputs are wrong, so none of the {len(ranks)} ranks of the step "
+        f"started it: {found}"
+    )
 
 
 def build_schedule(
@@ -615,6 +629,7 @@ def build_schedule(
     n_microbatches: int,
     batch_size: int,
     loss_fn: Any = None,
+    step_group: dist.ProcessGroup | None = None,
     **schedule_kwargs: Any,
 ) -> CheckedSchedule:
     """A ``torch.distributed.pipelining`` schedule over this rank's stages, its inputs checked.
@@ -623,7 +638,10 @@ def build_schedule(
     different sizes, which the stages' buffers (sized by the first micro-batch) do not fit:
     a rank fails in the middle of the schedule while the others wait in a receive. This
     builds the schedule after checking its sizes, and checks every step's inputs on every
-    pipeline rank before any of them starts it.
+    rank of the step before any of them starts it: the check is agreed over ``step_group``
+    (by default the whole world: every pipeline, data- and tensor-parallel rank), so that one
+    rank's bad batch is the same error on all of them, not a tensor-parallel peer waiting
+    in the schedule for a rank that raised.
 
     Args:
         stages: this rank's stages, as :func:`pipeline_stages` returns them.
@@ -636,6 +654,12 @@ def build_schedule(
         batch_size (int): samples per step (of this data-parallel replica); a multiple of
             ``n_microbatches``.
         loss_fn: ``loss_fn(output, target)`` of one micro-batch, for training.
+        step_group: the process group of every rank that runs each step together (pp x dp
+            x tp: all the ranks of the mesh the stages were built on); the step's input
+            check is agreed over it, in one all-reduce of one number per step. Default: the
+            default process group (the world), right whenever every process runs the
+            pipeline. Pass the group of the whole mesh when the pipeline runs on only some
+            of the world's ranks. It must hold the ranks of the stages' pipeline group.
         **schedule_kwargs: passed on to the schedule (e.g. ``scale_grads``).
 
     Returns:
@@ -644,8 +668,9 @@ def build_schedule(
     Raises:
         ValueError: ``batch_size`` not a positive multiple of ``n_microbatches``, fewer
             micro-batches than stages on a single-stage-per-rank schedule, several stages
-            for a schedule that takes one, or an unknown schedule name. Every rank raises
-            the same error: all of it depends on arguments every rank gets.
+            for a schedule that takes one, an unknown schedule name, or a ``step_group``
+            without the pipeline group's ranks. Every rank raises the same error: all of it
+            depends on arguments every rank gets.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -692,13 +717,23 @@ def build_schedule(
             f"{schedule_class.__name__} needs at least as many micro-batches as stages: "
             f"n_microbatches {n_microbatches} < {num_stages} stages"
         )
+    group = dist.group.WORLD if step_group is None else step_group
+    outside = set(dist.get_process_group_ranks(stages[0].group)) - set(
+        dist.get_process_group_ranks(group)
+    )
+    if outside:
+        raise ValueError(
+            f"step_group must hold every rank of the stages' pipeline group: ranks "
+            f"{sorted(outside)} are not in it (pass the group of the whole mesh the stages "
+            "were built on, or leave step_group out for the world)"
+        )
     built = schedule_class(
         stages[0] if single else stages,
         n_microbatches=n_microbatches,
         loss_fn=loss_fn,
         **schedule_kwargs,
     )
-    return CheckedSchedule(built, stages, batch_size, n_microbatches)
+    return CheckedSchedule(built, stages, batch_size, n_microbatches, group)
 
 
 # --------------------------------------------------------------------------- exact dropout

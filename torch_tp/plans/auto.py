@@ -11,10 +11,12 @@ Where the structure does not say clearly what to do, :func:`auto` refuses with a
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,27 +35,44 @@ from torch_tp.style import (
     TensorParallelExperts,
 )
 
-__all__ = ["ReplicatedModulesWarning", "auto"]
+__all__ = ["ReplicatedModulesWarning", "UncheckedPlanWarning", "auto"]
 
 # where head counts are looked up: the attention module's own attributes first, then the
 # model's config (the attention module's ``config``, then ``model.config``)
-_HEAD_NAMES = ("num_heads", "n_heads", "num_attention_heads", "n_head")
-_KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
+# (Meta's Llama and llama2.c name theirs ``n_local_heads`` / ``n_local_kv_heads``: the heads of
+# one model-parallel rank, all of them at model_parallel_size 1)
+_HEAD_NAMES = ("num_heads", "n_heads", "num_attention_heads", "n_head", "n_local_heads")
+_KV_HEAD_NAMES = (
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "kv_heads",
+    "n_local_kv_heads",
+)
 
 _SELF_ATTRIBUTE = re.compile(r"\bself\.([A-Za-z_]\w*)")
 
 
-def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, ParallelStyle]:
+def auto(
+    model: nn.Module,
+    *,
+    tp_degree: int | None = None,
+    example_inputs: Any = None,
+    example_kwargs: dict[str, Any] | None = None,
+) -> dict[str, ParallelStyle]:
     """Infer a Megatron-style tensor-parallel plan for a transformer, from its structure.
 
     The model must be built from ``nn.Linear`` (or transformers' ``Conv1D``), ``nn.Embedding``
-    and norm modules, with mixtures of experts stacked in 3-D parameters. Nothing is run and
-    nothing is changed: a model on the meta device works, and no process group is needed.
-    The rules, in order:
+    and norm modules, with mixtures of experts stacked in 3-D parameters. Nothing is changed
+    and nothing is computed: the plan is read from the module tree and the sources, then
+    shape-checked on the meta device (below); a model on the meta device works, and no
+    process group is needed. The rules, in order:
 
-    1. **Blocks.** The repeated blocks are the ``nn.ModuleList`` holding the most parameters;
-       no other ``nn.ModuleList`` outside it may hold Linear layers (an encoder and a decoder,
-       a vision tower): else refuse. Blocks of the same structure (module paths, types and
+    1. **Blocks.** The repeated blocks are the ``nn.ModuleList`` holding the most parameters
+       (or an ``nn.Sequential`` or ``nn.ModuleDict`` of two or more blocks of one class, as
+       timm, torchvision, mistral-inference and torchtitan keep them); no other such stack
+       outside it may hold Linear layers (an encoder and a decoder, a vision tower): else
+       refuse. Blocks of the same structure (module paths, types and
        parameter shapes) are one *kind*, planned once. A key uses ``*`` for the block index
        when every block holding that path gets the same style (a dense MLP's keys in a model
        whose first layer only is dense: ``*`` names just it), else one key per block
@@ -102,10 +121,14 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
        ``MLAKVAProjParallel(rope_dim)``, the up-projections (or a plain ``q_proj``) are
        column-parallel. Anything else is refused (a group without a layer writing the hidden
        size, layers reading another width, shapes that do not chain, a nested
-       ``nn.ModuleList`` of Linear layers).
+       ``nn.ModuleList`` of alike modules holding Linear layers, experts run in a loop;
+       an attention or MLP whose layers are spread over several children of its own, as
+       transformers' BERT's ``attention.self`` and ``attention.output``). A list of
+       sublayers of different classes (T5's ``block.layer``) is planned as other children.
     4. **Heads.** An attention group's parent gets ``AttentionHeads(...)`` when the head
        counts can be found: attributes of the attention module (``num_heads``, ``n_heads``,
-       ``num_key_value_heads``, ...), of its ``config``, or of ``model.config``
+       ``n_local_heads`` as Meta's Llama and llama2.c name them, ``num_key_value_heads``,
+       ``n_local_kv_heads``, ...), of its ``config``, or of ``model.config``
        (``num_attention_heads``/``n_head``, ``num_key_value_heads``), named by attribute
        where the module has one and as numbers otherwise. They must fit the shapes (q writes
        heads x head size, k and v kv-heads x head size), else refuse. The integer attributes
@@ -124,11 +147,20 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
        ``q_norm`` of the whole query width) needs every head on every rank: q, k and v
        become ``ColwiseParallel(output_layouts=Replicate())`` and the output projection
        ``RowwiseParallel(input_layouts=Replicate())`` (weights sharded, attention computed
-       whole, as transformers plans OLMo-2), and the attention gets no style.
+       whole, as transformers plans OLMo-2), and the attention gets no style. **Heads that
+       no attribute can make per-rank** are computed whole the same way (a fused q/k/v
+       gathered whole too), and the :class:`ReplicatedModulesWarning` says why: when forward
+       reads the width of an input and computes with it (nanoGPT's and minGPT's
+       ``B, T, C = x.size()`` then ``view(B, T, self.n_head, C // self.n_head)``, timm's
+       ``B, N, C = x.shape``, fairseq's ``assert embed_dim == self.embed_dim``), or when the
+       attention holds tensors with a dimension of the head count that forward reads (Meta's
+       KV cache ``cache_k``).
     5. **Fused projections.** A fused q/k/v needs head counts, as many key/value heads as
        query heads, and a ``forward`` that splits it into ``[q | k | v]`` blocks: by an
        attribute equal to one part's width (GPT-2's ``.split(self.split_size, dim=2)``,
-       that attribute is divided) or by ``self.<fused>(x).chunk(3, ...)``; a reshape per
+       that attribute is divided), by a list starting with it (gpt-fast's
+       ``.split([self.dim, kv_size, kv_size], dim=-1)``) or by
+       ``self.<fused>(x).chunk(3, ...)``; a reshape per
        head first (GPT-NeoX, Bloom) is refused. A fused gate/up needs a ``forward`` that
        calls ``.chunk(2, ...)`` and reads no attribute equal to one half's width.
     6. **Embedding and head.** The input embedding (``model.get_input_embeddings()``, else
@@ -146,8 +178,17 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
        whose parameters are 1-D of the head size (per-head ``q_norm``/``k_norm``, as in
        Qwen3) and an element-wise module with single-value parameters (Apertus's learned
        activation). The latent norms of multi-head latent attention see whole latents and
-       stay replicated. Any other parameter in a block is refused (a bias of per-head
-       values on a module of its own, ...).
+       stay replicated, as does a norm of the hidden size inside an MLP (its input or output,
+       both whole). Any other parameter in a block is refused (a bias of per-head values on
+       a module of its own, such as T5's relative-position bias, ...).
+
+    **The shape check.** The plan is then traced on the meta device as one device and as one
+    rank (:func:`torch_tp.core.shapes.check_shapes`, at ``tp_degree``, or 2 without one) with
+    ``example_inputs`` (token ids of shape ``(2, 8)`` by default). An attention or MLP in
+    which a rank's shapes are not one device's with the planned dimension divided is
+    computed whole instead (weights sharded, as above; the warning gives the problem), and
+    the plan checked again; a problem anywhere else is refused. Where the model does not run
+    on the meta device with those inputs, an :class:`UncheckedPlanWarning` says so.
 
     With ``tp_degree``, the plan is refused when a head count, a column-parallel layer's
     output (per part), a row-parallel layer's input, the experts' hidden size or a divided
@@ -156,16 +197,22 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
 
     The plan is communication-optimal in normal runs: column-parallel layers reading the same
     tensor (q, k and v; gate and up) share one backward all-reduce at run time, so no
-    ``PrepareModuleInput`` is needed. It checks structure, not what ``forward`` computes:
-    verify a new model with :func:`torch_tp.testing.check_parity` (``test/test_zoo_auto.py``
-    does so for every transformers causal LM with a tensor-parallel plan).
+    ``PrepareModuleInput`` is needed. The shape check finds a rank computing other shapes
+    than one device, not other values of the same shapes: verify a new model with
+    :func:`torch_tp.testing.check_parity` (``test/test_zoo_auto.py`` does so for every
+    transformers causal LM with a tensor-parallel plan, ``test/test_foreign_models.py`` for
+    models written as nanoGPT, Meta's Llama, timm and others write them).
 
     Args:
         model: the model to plan for (on any device, including meta).
 
     Keyword Args:
         tp_degree (int, optional): the tensor-parallel degree to check sizes against.
-            Default: ``None`` (no check).
+            Default: ``None`` (no check of the sizes; the shapes are checked at degree 2).
+        example_inputs (optional): the model's inputs for the shape check: a tensor, a tuple
+            of positional inputs or a dict of keyword inputs (only shapes and dtypes are
+            used). Default: token ids of shape ``(2, 8)``.
+        example_kwargs (dict, optional): keyword inputs beside positional ones.
 
     Returns:
         A dict from module paths (``*`` over the blocks, or block indices where kinds of
@@ -174,12 +221,15 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
         the head.
 
     Raises:
-        ValueError: the structure is ambiguous or unsupported, or a size does not divide by
-            ``tp_degree``; the message names the module path and what was found.
+        ValueError: the structure is ambiguous or unsupported, a size does not divide by
+            ``tp_degree``, or the plan fails the shape check outside an attention or MLP it
+            can compute whole; the message names the module path and what was found.
 
     Warns:
-        ReplicatedModulesWarning: some mixers are left replicated (rule 2); the warning's
-            ``modules`` lists their plan-key paths.
+        ReplicatedModulesWarning: some modules are left whole (mixers, rule 2; attentions
+            whose heads cannot be split, rule 4, or that failed the shape check); the
+            warning's ``modules`` lists their plan-key paths, its message the reasons.
+        UncheckedPlanWarning: the shape check could not run.
 
     Example::
         >>> import torch
@@ -195,53 +245,170 @@ def auto(model: nn.Module, *, tp_degree: int | None = None) -> dict[str, Paralle
         not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1
     ):
         raise ValueError(f"tp_degree must be a positive int, found {tp_degree!r}")
-    blocks_path, blocks = _find_blocks(model)
-    embedding = _input_embedding(model, blocks_path)
-    head = _output_head(model, blocks_path, embedding)
-    if head is not None:
-        embedding = embedding or head[2]
-    kinds = _block_kinds(blocks)
-    first_prefix = _kind_prefix(blocks_path, kinds, 0)
-    hidden = _hidden_size(
-        _linear_groups(blocks[kinds[0][0]], first_prefix), embedding, first_prefix
-    )
-
-    planned: list[_BlockPlan] = []
-    for k, indices in enumerate(kinds):
-        prefix = _kind_prefix(blocks_path, kinds, k)
-        members = [blocks[i] for i in indices]
-        block_plan = _plan_block(model, members, hidden, prefix)
-        block_plan.indices = indices
-        if tp_degree is not None:
-            _check_degree(block_plan, members[0], tp_degree)
-        planned.append(block_plan)
-
-    plan: dict[str, ParallelStyle] = {}
-    if embedding is not None:
-        plan[embedding[0]] = RowwiseParallel(input_layouts=Replicate())
-    plan.update(_merge(blocks_path, blocks, planned))
-    if head is not None:
-        plan[head[0]] = ColwiseParallel(output_layouts=Replicate())
-    replicated = list(
-        dict.fromkeys(key for _, key in _merged_paths(blocks_path, blocks, planned, "replicated"))
-    )
-    if replicated:
+    degree = tp_degree or 2
+    whole: dict[str, str] = {}  # groups the shape check sends back, computed whole -> why
+    while True:
+        plan, reasons, groups = _infer(model, tp_degree, whole)
+        problems = _shape_problems(
+            model, plan, degree, tp_degree is None, example_inputs, example_kwargs
+        )
+        if not problems:
+            break
+        more = _fallbacks(model, problems, groups)
+        if more is None or set(more) <= set(whole):
+            raise ValueError(
+                f"auto()'s plan fails the shape check at TP degree {degree} (a rank's shapes are "
+                "not one device's with the planned dimension divided): "
+                + "; ".join(str(problem) for problem in problems[:3])
+                + "; write the plan by hand"
+            )
+        whole.update(more)
+    if reasons:
         warnings.warn(
             ReplicatedModulesWarning(
-                f"auto() leaves {', '.join(repr(k) for k in replicated)} replicated: mixers it "
-                "cannot split (state-space, linear-attention or convolution mixers, attention "
-                "with parameters of its own) or Linear layers right in a block beside its MLP; "
-                "every rank computes them whole, correct but not sharded",
-                replicated,
+                "auto() leaves modules whole on every rank (correct, but their work is not "
+                "split): " + "; ".join(f"{key!r}: {reason}" for key, reason in reasons.items()),
+                list(reasons),
             ),
             stacklevel=2,
         )
     return plan
 
 
+def _infer(
+    model: nn.Module, tp_degree: int | None, whole: dict[str, str]
+) -> tuple[dict[str, ParallelStyle], dict[str, str], dict[str, str]]:
+    """``(plan, why each module left whole is, by its plan key, concrete module path -> plan
+    key of each planned group's parent)``; the groups named in ``whole`` (plan keys of
+    their parents) are computed whole, their weights sharded."""
+    blocks_path, names, blocks = _find_blocks(model)
+    embedding = _input_embedding(model, blocks_path)
+    head = _output_head(model, blocks_path, embedding)
+    if head is not None:
+        embedding = embedding or head[2]
+    kinds = _block_kinds(blocks)
+    first_prefix = _kind_prefix(blocks_path, names, kinds, 0)
+    hidden = _hidden_size(
+        _linear_groups(blocks[kinds[0][0]], first_prefix), embedding, first_prefix
+    )
+
+    planned: list[_BlockPlan] = []
+    groups: dict[str, str] = {}
+    for k, indices in enumerate(kinds):
+        prefix = _kind_prefix(blocks_path, names, kinds, k)
+        members = [blocks[i] for i in indices]
+        block_plan = _plan_block(model, members, hidden, prefix, whole)
+        block_plan.indices = indices
+        if tp_degree is not None:
+            _check_degree(block_plan, members[0], tp_degree)
+        planned.append(block_plan)
+        for group in block_plan.groups:
+            if group.kind in ("attention", "mlp", "gathered"):
+                for i in indices:
+                    groups[_join(_join(blocks_path, names[i]), group.parent)] = group.key
+
+    plan: dict[str, ParallelStyle] = {}
+    if embedding is not None:
+        plan[embedding[0]] = RowwiseParallel(input_layouts=Replicate())
+    plan.update(_merge(blocks_path, names, blocks, planned))
+    if head is not None:
+        plan[head[0]] = ColwiseParallel(output_layouts=Replicate())
+    reasons: dict[str, str] = {}
+    for what in ("replicated", "whole"):
+        for path, key in _merged_paths(blocks_path, names, blocks, planned, what):
+            owner = next(bp for bp in planned if path in getattr(bp, what))
+            reasons.setdefault(key, getattr(owner, what)[path])
+    return plan, reasons, groups
+
+
+def _defined_in(kind: type, source: str | None) -> bool:
+    """Whether ``source`` (``file:line``) is a line of the class ``kind``'s own code."""
+    if not source or kind.__module__.startswith("torch."):
+        return False
+    file, _, line = source.rpartition(":")
+    try:
+        lines, start = inspect.getsourcelines(kind)
+        own = os.path.abspath(inspect.getsourcefile(kind) or "")
+    except (OSError, TypeError):
+        return False
+    return (
+        own == os.path.abspath(file) and line.isdigit() and start <= int(line) < start + len(lines)
+    )
+
+
+class UncheckedPlanWarning(UserWarning):
+    """:func:`auto` could not run the shape check on the plan it returns (the model does not
+    run on the meta device with the example inputs): check it with
+    :func:`torch_tp.testing.check_parity`."""
+
+
+def _shape_problems(
+    model: nn.Module,
+    plan: dict[str, ParallelStyle],
+    degree: int,
+    default_degree: bool,
+    example_inputs: Any,
+    example_kwargs: dict[str, Any] | None,
+) -> list:
+    """The shape check's problems with ``plan`` at ``degree`` (a warning and ``[]`` where it
+    cannot run)."""
+    from torch_tp.core.shapes import ShapeCheckError, check_shapes
+
+    try:
+        return check_shapes(
+            model, plan, degree, example_inputs=example_inputs, example_kwargs=example_kwargs
+        )
+    except ValueError as err:
+        if not default_degree:
+            raise
+        # no tp_degree given, and the plan does not apply at 2 (3 heads, say)
+        warnings.warn(
+            UncheckedPlanWarning(
+                f"auto() could not check the shapes of its plan at degree {degree}: {err}; "
+                "pass tp_degree"
+            ),
+            stacklevel=3,
+        )
+        return []
+    except ShapeCheckError as err:
+        given = example_inputs is not None or example_kwargs
+        hint = "" if given else " (token ids of shape (2, 8) by default: pass example_inputs)"
+        warnings.warn(
+            UncheckedPlanWarning(
+                f"auto() could not check the shapes of its plan: the model does not run on the "
+                f"meta device with the example inputs{hint}: {err}"
+            ),
+            stacklevel=3,
+        )
+        return []
+
+
+def _fallbacks(model: nn.Module, problems: list, groups: dict[str, str]) -> dict[str, str] | None:
+    """The planned groups (plan keys of their parents) that the shape check's problems lie in,
+    each with the first problem as the reason; ``None`` if a problem lies in no such group.
+
+    A problem lies in a group when it is found in the group's parent module (or a module
+    inside it), or on a source line of the parent's class (llama2.c calls
+    ``self.attention.forward(...)``, which runs no module hooks: the check finds the
+    problem in the block)."""
+    found: dict[str, str] = {}
+    for problem in problems:
+        inside = [p for p in groups if problem.module == p or problem.module.startswith(f"{p}.")]
+        inside = inside or [
+            p for p in groups if _defined_in(type(model.get_submodule(p)), problem.source)
+        ]
+        if not inside:
+            return None
+        key = groups[max(inside, key=len)]
+        found.setdefault(key, f"the shape check found {problem}")
+    return found
+
+
 class ReplicatedModulesWarning(UserWarning):
-    """:func:`auto` left these modules (plan-key paths, in :attr:`modules`) replicated: every
-    rank keeps and computes them whole."""
+    """:func:`auto` left these modules (plan-key paths, in :attr:`modules`) whole: every rank
+    computes them whole (mixers it cannot split are kept whole too; an attention whose heads
+    cannot be made per-rank has its projections' weights sharded and gathered). The message
+    gives each module's reason."""
 
     def __init__(self, message: str, modules: list[str]) -> None:
         super().__init__(message)
@@ -256,14 +423,17 @@ class ReplicatedModulesWarning(UserWarning):
 @dataclass
 class _BlockPlan:
     styles: dict[str, ParallelStyle]  # path inside the block -> style, in plan order
-    replicated: list[str]  # paths inside the block of mixers left replicated
+    replicated: dict[str, str]  # paths inside the block of mixers left replicated -> why
     groups: list[_Group]  # the planned groups (for the TP degree check)
     experts: list[str]  # paths of stacked experts
     prefix: str = ""  # how errors name this kind of block
     indices: list[int] = field(default_factory=list)
+    # attentions computed whole (weights sharded, outputs gathered) -> why their heads are not
+    # split (for the warning)
+    whole: dict[str, str] = field(default_factory=dict)
 
 
-def _block_kinds(blocks: nn.ModuleList) -> list[list[int]]:
+def _block_kinds(blocks: list[nn.Module]) -> list[list[int]]:
     """The indices of the blocks, grouped by structure (types, paths, parameter shapes)."""
     kinds: dict[tuple, list[int]] = {}
     for i, block in enumerate(blocks):
@@ -272,9 +442,10 @@ def _block_kinds(blocks: nn.ModuleList) -> list[list[int]]:
     return list(kinds.values())
 
 
-def _kind_prefix(blocks_path: str, kinds: list[list[int]], k: int) -> str:
-    """How errors name a kind of block: ``layers.*`` when all are alike, else its first index."""
-    return _join(blocks_path, "*" if len(kinds) == 1 else str(kinds[k][0]))
+def _kind_prefix(blocks_path: str, names: list[str], kinds: list[list[int]], k: int) -> str:
+    """How errors name a kind of block: ``layers.*`` when all are alike, else its first
+    block's name."""
+    return _join(blocks_path, "*" if len(kinds) == 1 else names[kinds[k][0]])
 
 
 def _has_path(block: nn.Module, path: str) -> bool:
@@ -286,7 +457,11 @@ def _has_path(block: nn.Module, path: str) -> bool:
 
 
 def _merged_paths(
-    blocks_path: str, blocks: nn.ModuleList, planned: list[_BlockPlan], what: str
+    blocks_path: str,
+    names: list[str],
+    blocks: list[nn.Module],
+    planned: list[_BlockPlan],
+    what: str,
 ) -> list[tuple[str, str]]:
     """``(path inside the block, plan key)`` of each entry of the kinds' ``what``: a ``*`` key
     where every block holding that path gives it the same entry, else one key per block."""
@@ -303,24 +478,32 @@ def _merged_paths(
         if all(v == values[0] for v in values) and covered == holding:
             merged.append((path, _join(_join(blocks_path, "*"), path)))
         else:
-            merged += [(path, _join(_join(blocks_path, str(i)), path)) for i in covered]
+            merged += [(path, _join(_join(blocks_path, names[i]), path)) for i in covered]
     return merged
 
 
 def _merge(
-    blocks_path: str, blocks: nn.ModuleList, planned: list[_BlockPlan]
+    blocks_path: str, names: list[str], blocks: list[nn.Module], planned: list[_BlockPlan]
 ) -> dict[str, ParallelStyle]:
     styles = {}
-    for path, key in _merged_paths(blocks_path, blocks, planned, "styles"):
-        index = key[len(blocks_path) :].lstrip(".").partition(".")[0]
+    for path, key in _merged_paths(blocks_path, names, blocks, planned, "styles"):
+        name = key[len(blocks_path) :].lstrip(".").partition(".")[0]
         owner = next(
-            bp for bp in planned if path in bp.styles and (index == "*" or int(index) in bp.indices)
+            bp
+            for bp in planned
+            if path in bp.styles and (name == "*" or names.index(name) in bp.indices)
         )
         styles[key] = owner.styles[path]
     return styles
 
 
-def _plan_block(model: nn.Module, members: list[nn.Module], hidden: int, prefix: str) -> _BlockPlan:
+def _plan_block(
+    model: nn.Module,
+    members: list[nn.Module],
+    hidden: int,
+    prefix: str,
+    whole: dict[str, str],
+) -> _BlockPlan:
     """The plan of one kind of block (``members``, alike), as paths inside the block.
 
     Each child of the block holding Linear layers is planned on its own: a mixer auto()
@@ -340,7 +523,7 @@ def _plan_block(model: nn.Module, members: list[nn.Module], hidden: int, prefix:
         for name, found in units.items()
         if found or name in moe or name and _has_conv(block.get_submodule(name))
     }
-    result = _BlockPlan({}, [], [], [], prefix)
+    result = _BlockPlan({}, {}, [], [], prefix)
     counts = {
         _expert_count(block.get_submodule(path))
         for name in moe
@@ -365,7 +548,7 @@ def _plan_block(model: nn.Module, members: list[nn.Module], hidden: int, prefix:
                         f"looks like an {group.kind}: auto() knows shared-expert MLPs there; "
                         "write the plan by hand"
                     )
-                _plan_group(model, members, group, result)
+                _plan_group(model, members, group, result, whole)
             for path in experts:
                 result.styles[path] = TensorParallelExperts()
             continue
@@ -376,17 +559,27 @@ def _plan_block(model: nn.Module, members: list[nn.Module], hidden: int, prefix:
         ):
             routers.add(name)  # a router beside experts (Gemma 4): whole, on whole tokens
             continue
-        if name and _is_mixer(unit):
-            result.replicated.append(name)
+        mixer = _is_mixer(unit) if name else None
+        if mixer:
+            result.replicated[name] = f"a mixer auto() cannot split ({mixer})"
             continue
         if not name and len(units) > 1 and any(_holds_mlp(block, n) for n in units if n):
             # Linear layers right in a block that has its own MLP (Gemma's per-layer input
             # gate): what forward combines them with is unknown; every rank computes them
-            result.replicated += [layer.name for group in unit_groups for layer in group.layers]
+            for group in unit_groups:
+                for layer in group.layers:
+                    result.replicated[layer.name] = (
+                        "a Linear layer right in a block beside its MLP, whose use only forward "
+                        "knows"
+                    )
             continue
         for group in unit_groups:
-            _assign(group, hidden, block.get_submodule(group.parent))
-            _plan_group(model, members, group, result)
+            try:
+                _assign(group, hidden, block.get_submodule(group.parent))
+            except ValueError:
+                _refuse_spread(unit_groups, name, _join(prefix, name))
+                raise
+            _plan_group(model, members, group, result, whole)
     skipped = set(result.replicated) | moe | routers
     result.styles.update(_other_parameters(block, result.groups, hidden, prefix, skipped))
     return result
@@ -403,12 +596,31 @@ def _holds_mlp(block: nn.Module, name: str) -> bool:
 
 
 def _plan_group(
-    model: nn.Module, members: list[nn.Module], group: _Group, result: _BlockPlan
+    model: nn.Module,
+    members: list[nn.Module],
+    group: _Group,
+    result: _BlockPlan,
+    whole: dict[str, str],
 ) -> None:
-    if group.kind in ("attention", "mla"):
+    if group.key in whole and group.kind in ("attention", "mlp"):
+        # the shape check found that its sizes cannot be made per-rank: computed whole
+        _gather_attention(group)
+        result.whole[group.parent] = f"computed whole, its weights sharded: {whole[group.key]}"
+    elif group.kind in ("attention", "mla"):
         attention = members[0].get_submodule(group.parent)
-        if group.kind == "attention" and _full_width_norms(model, attention, group):
+        full_width = group.kind == "attention" and _full_width_norms(model, attention, group)
+        unsplittable = None
+        if group.kind == "attention" and not full_width:
+            unsplittable = _unsplittable_heads(model, attention, group)
+        if full_width:
             _gather_attention(group)
+        elif unsplittable is not None:
+            # its heads cannot be made per-rank: computed whole on every rank, its projections'
+            # weights sharded (q, k and v gathered, the output projection split)
+            _gather_attention(group)
+            result.whole[group.parent] = (
+                f"an attention computed whole, its projections' weights sharded: {unsplittable}"
+            )
         else:
             heads = _attention_heads(model, members, group)
             sinks = _sinks(attention, group)
@@ -448,18 +660,38 @@ def _has_conv(module: nn.Module) -> bool:
     return any(isinstance(m, _CONVOLUTIONS) for m in module.modules())
 
 
-def _is_mixer(unit: nn.Module) -> bool:
-    """A child of a block that auto() leaves replicated: a convolution inside, parameters of
-    its own (a state space's ``A_log``, ``D``, ``dt_bias``; not attention sinks), or a class
-    named for a mixer other than softmax attention."""
+def _is_mixer(unit: nn.Module) -> str | None:
+    """Why auto() leaves this child of a block replicated, or ``None``: a convolution inside,
+    parameters of its own (a state space's ``A_log``, ``D``, ``dt_bias``; not attention
+    sinks), or a class named for a mixer other than softmax attention."""
     if _has_conv(unit):
-        return True
+        return "a convolution inside"
     own = [name for name, _ in unit.named_parameters(recurse=False)]
     if own and own != ["sinks"]:
-        return True
+        return f"parameters of its own: {', '.join(own)}"
     words = [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+", type(unit).__name__)]
     linear_attention = "linear attention" in " ".join(words)
-    return linear_attention or any(w.startswith(_MIXER_WORDS) for w in words)
+    if linear_attention or any(w.startswith(_MIXER_WORDS) for w in words):
+        return f"{type(unit).__name__}, by its name a mixer other than softmax attention"
+    return None
+
+
+def _refuse_spread(groups: list[_Group], name: str, key: str) -> None:
+    """Refuse the child ``name`` of a block whose Linear layers all sit in several children of
+    its own (transformers' BERT: q/k/v in ``attention.self``, the output projection in
+    ``attention.output``), when they do not make a plan group by group: the real reason."""
+    parents = list(dict.fromkeys(g.parent for g in groups))
+    if len(parents) < 2 or name in parents:
+        return
+    spread = " and ".join(
+        f"'{g.parent}' ({', '.join(x.name.rpartition('.')[2] for x in g.layers)})" for g in groups
+    )
+    raise ValueError(
+        f"'{key}' spreads its Linear layers over its children {spread}: auto() plans the "
+        "column-parallel layers of an attention or MLP and the row-parallel layer they feed "
+        "under one parent module (what flows between the children only forward knows); write "
+        "the plan by hand"
+    )
 
 
 def _stacked(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -553,16 +785,14 @@ def _stacked_experts(
 # ------------------------------------------------------------------------------------------
 
 
-def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    lists = [
-        (path, module)
-        for path, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) > 0
-    ]
+def _find_blocks(model: nn.Module) -> tuple[str, list[str], list[nn.Module]]:
+    """``(path, names, blocks)`` of the repeated blocks: the largest container of them."""
+    lists = [(path, module) for path, module in model.named_modules() if _is_stack(module)]
     if not lists:
         raise ValueError(
             f"no repeated blocks in {type(model).__qualname__}: auto() plans the layers of the "
-            "largest nn.ModuleList, and the model has none; write the plan by hand"
+            "largest nn.ModuleList (or nn.Sequential or nn.ModuleDict of blocks of one class), "
+            "and the model has none; write the plan by hand"
         )
     path, blocks = max(lists, key=lambda item: _numel(item[1]))
     where = f"'{path}'" if path else "the root module"
@@ -572,11 +802,32 @@ def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
             continue
         raise ValueError(
             f"two stacks of blocks: '{other_path}' ({len(other)} x "
-            f"{type(other[0]).__name__}) beside {where} ({len(blocks)} x "
-            f"{type(blocks[0]).__name__}); auto() plans one stack: call it on the submodule "
+            f"{type(_first(other)).__name__}) beside {where} ({len(blocks)} x "
+            f"{type(_first(blocks)).__name__}); auto() plans one stack: call it on the submodule "
             "holding each and prefix the keys, or write the plan by hand"
         )
-    return path, blocks
+    names = [name for name, _ in blocks.named_children()]
+    return path, names, [module for _, module in blocks.named_children()]
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A container of repeated blocks: a non-empty ``nn.ModuleList``, or an ``nn.Sequential``
+    or ``nn.ModuleDict`` of two or more blocks of one class (timm's and torchvision's ViT,
+    mistral-inference and torchtitan), blocks being modules with children of their own."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) > 0
+    if not isinstance(module, (nn.Sequential, nn.ModuleDict)):
+        return False
+    children = list(module.children())
+    return (
+        len(children) > 1
+        and len({type(child) for child in children}) == 1
+        and all(any(True for _ in child.children()) for child in children)
+    )
+
+
+def _first(stack: nn.Module) -> nn.Module:
+    return next(iter(stack.children()))
 
 
 def _numel(module: nn.Module) -> int:
@@ -646,7 +897,14 @@ class _Group:
 def _linear_groups(block: nn.Module, prefix: str) -> list[_Group]:
     groups: dict[str, _Group] = {}
     for path, module in block.named_modules():
-        if path and isinstance(module, nn.ModuleList) and _has_linear(module):
+        if (
+            path
+            and isinstance(module, nn.ModuleList)
+            and _has_linear(module)
+            and len({type(child) for child in module}) == 1
+        ):
+            # (sublayers of different classes in a list, as T5's block.layer, are planned as
+            # any other children)
             raise ValueError(
                 f"'{_join(prefix, path)}' is a nn.ModuleList of Linear layers inside the "
                 "repeated blocks (experts, or several attentions): auto() plans experts "
@@ -687,9 +945,17 @@ def _hidden_size(groups: list[_Group], embedding: tuple | None, prefix: str) -> 
         for g in groups
     )
     what = "no width" if not candidates else f"several widths {sorted(candidates)}"
+    own = ""
+    if not candidates and all(
+        {x.in_features for x in g.layers} & {x.out_features for x in g.layers} for g in groups
+    ):
+        own = (
+            "; each group reads and writes a width of its own (an MLP over another axis, as "
+            "MLP-Mixer's token mixing), and auto() plans blocks around one residual width"
+        )
     raise ValueError(
         f"cannot tell the hidden size of the blocks '{prefix}': {what} both read and written "
-        f"by every group of Linear layers ({found})"
+        f"by every group of Linear layers ({found}){own}"
     )
 
 
@@ -1015,14 +1281,9 @@ def _full_width_norms(model: nn.Module, attention: nn.Module, group: _Group) -> 
 
 def _gather_attention(group: _Group) -> None:
     """Attention computed whole on every rank, its projections' weights sharded (as
-    transformers plans OLMo-2): q, k and v gather their outputs, o splits its input."""
-    fused = [layer for layer in group.columns if layer.parts > 1 or layer.gated]
-    if fused:
-        raise ValueError(
-            f"{_where(group)} normalizes all its heads at once (a norm over the whole query "
-            f"width), which needs every head on every rank, and its '{fused[0].key}' is fused: "
-            "auto() gathers only separate q, k and v projections; write the plan by hand"
-        )
+    transformers plans OLMo-2): q, k and v gather their outputs, o splits its input. A fused
+    q/k/v is gathered whole too: its output on every rank is the single-device one, whatever
+    its layout."""
     group.kind = "gathered"
     for layer in group.columns:
         layer.style = ColwiseParallel(output_layouts=Replicate())
@@ -1044,6 +1305,74 @@ def _sinks(attention: nn.Module, group: _Group) -> bool:
             "count found); write the plan by hand"
         )
     return True
+
+
+def _unsplittable_heads(model: nn.Module, attention: nn.Module, group: _Group) -> str | None:
+    """Why the heads of this attention cannot be split over the ranks by a per-rank attribute
+    (:class:`AttentionHeads` ``divide``), or ``None``.
+
+    * forward reads the width of an input and uses it (nanoGPT's ``B, T, C = x.size()``, then
+      ``view(B, T, self.n_head, C // self.n_head)`` and ``view(B, T, C)``; fairseq's
+      ``assert embed_dim == self.embed_dim``): that width is the full one on every rank, and
+      no attribute can make it per-rank;
+    * the attention holds tensors (buffers, or plain tensor attributes that forward reads)
+      with a dimension of the head count (Meta's KV cache ``cache_k [B, S, kv_heads, D]``):
+      no style reshapes them.
+    """
+    where = _where(group)
+    source = _source(type(attention), where, "attention")
+    width = _input_width(type(attention), source)
+    if width is not None:
+        return (
+            f"its forward reads the width of its input ({width}) and computes with it, which "
+            "stays the full width on every rank"
+        )
+    heads = _count(model, attention, _HEAD_NAMES)
+    kv_heads = _count(model, attention, _KV_HEAD_NAMES)
+    counts = {c[1] for c in (heads, kv_heads) if c is not None and c[1] > 1}
+    read = set(_SELF_ATTRIBUTE.findall(source))
+    tensors = [
+        *((n, v) for n, v in vars(attention).items() if isinstance(v, torch.Tensor)),
+        *attention.named_buffers(recurse=False),
+    ]
+    sized = [
+        name
+        for name, value in tensors
+        if name in read and value.ndim > 1 and any(n in counts for n in value.shape[:-1])
+    ]
+    if sized:
+        return (
+            f"it holds tensors sized by the heads ({', '.join(sorted(set(sized)))}) that no style "
+            "makes per-rank"
+        )
+    return None
+
+
+# a use of a name, not as an attribute (self.dim) nor as a keyword argument (dim=-1)
+def _used(name: str, source: str) -> bool:
+    return bool(re.search(rf"(?<![\w.]){re.escape(name)}\b(?!\s*=(?!=))", source))
+
+
+def _input_width(kind: type, source: str) -> str | None:
+    """How ``kind.forward`` reads the width (last dimension) of one of its inputs and uses it
+    (``"C from x.size()"``), or ``None``."""
+    try:
+        inputs = set(list(inspect.signature(kind.forward).parameters)[1:])
+    except (TypeError, ValueError):
+        return None
+    unpack = re.compile(
+        r"^[ \t]*(?:\w+[ \t]*,[ \t]*)+(\w+)[ \t]*=[ \t]*(\w+)\.(size\(\)|shape)[ \t]*(?:#.*)?$",
+        re.M,
+    )
+    for match in unpack.finditer(source):
+        name, tensor, how = match.groups()
+        if tensor in inputs and name != "_" and _used(name, source):
+            return f"{name} from {tensor}.{how}"
+    direct = re.compile(r"\b(\w+)\.(size\(\s*-1\s*\)|shape\[\s*-1\s*\])")
+    for match in direct.finditer(source):
+        if match.group(1) in inputs:
+            return f"{match.group(1)}.{match.group(2)}"
+    return None
 
 
 def _where(group: _Group) -> str:
@@ -1114,6 +1443,8 @@ def _fused_split_sizes(attention: nn.Module, group: _Group, source: str, where: 
     """
     width = group.row.in_features
     names = set(re.findall(r"\.split\(\s*self\.(\w+)", source))
+    # gpt-fast: .split([self.dim, kv_size, kv_size], dim=-1), the query's width first
+    names |= set(re.findall(r"\.split\(\s*\[\s*self\.(\w+)\s*,", source))
     names |= set(re.findall(r"torch\.split\([^,()]+,\s*self\.(\w+)", source))
     split = {name for name in names if getattr(attention, name, None) == width}
     chunked = all(
@@ -1298,6 +1629,23 @@ def _other_parameters(
             if not list(module.children()) and all(p.numel() == 1 for _, p in params):
                 styles[path] = ReplicateParallel(sum_gradients=True)
                 continue
+            if (
+                inside.kind == "mlp"
+                and all(shape == (hidden,) for shape in shapes_1d)
+                and all(x.out_features // x.parts != hidden for x in inside.columns)
+            ):
+                # a norm of the hidden size inside an MLP (torchaudio's feed-forward module
+                # starts with one): the MLP's only activations of that width are its input and
+                # its output, both whole
+                continue
+            if heads is not None and any(heads[0] in p.shape for _, p in params):
+                raise ValueError(
+                    f"'{key}' ({type(module).__name__}, {shapes}) holds one value per head "
+                    f"({heads[0]} heads) inside the attention {_where(inside)} (a "
+                    "relative-position bias, say): its heads would have to be split with the "
+                    "attention's, and auto() does not know how it is used; write the plan by "
+                    "hand"
+                )
         raise ValueError(
             f"'{key}' ({type(module).__name__}, {shapes}) is inside the {inside.kind} "
             f"{_where(inside)}, whose activations are split over the ranks: auto() only "

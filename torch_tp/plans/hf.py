@@ -228,6 +228,11 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     ``act_fn.alpha_p``) gets its module replicated with its gradient summed
     (``replicated_with_grad_allreduce``), any other one is refused.
 
+    Every plan it returns is shape-checked first (:func:`torch_tp.core.shapes.check_shapes`,
+    on meta copies of the model at two ranks, on token ids): a plan under which a rank's
+    forward raises, or computes a shape other than one device's with the planned dimension
+    divided, is refused.
+
     Args:
         model: a transformers model: one of the families in :data:`PLANS`, or one whose
             ``_tp_plan`` is set (its config class declares ``base_model_tp_plan``).
@@ -240,7 +245,9 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
         ValueError: the model has no ``config.model_type``, or it is not one of :data:`PLANS`
             and declares no ``_tp_plan`` (the message lists the supported types); or its own
             plan leaves out a parameter that computes on a sharded activation and is not one
-            value (the message names it).
+            value (the message names it); or a rank would compute another shape than one
+            device (the shape check: the message names the module, the source line and
+            both shapes).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -265,7 +272,7 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
             correct = _CORRECTIONS.get(model_type)
             if correct is not None:
                 plan = correct(model, plan)
-            return _with_unplanned_parameters(model, plan)
+            return _shape_checked(model, _with_unplanned_parameters(model, plan))
         raise ValueError(
             f"no tensor-parallel plan for model_type {model_type!r} "
             f"({type(model).__qualname__}): it declares no _tp_plan of its own, and torch_tp's "
@@ -273,7 +280,41 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
         )
     prefix = getattr(model, "base_model_prefix", None) or "model"
     base_model = not isinstance(getattr(model, prefix, None), nn.Module)
-    return make_plan(base_model=base_model)
+    return _shape_checked(model, make_plan(base_model=base_model))
+
+
+def _shape_checked(model: nn.Module, plan: dict) -> dict:
+    """``plan``, once the shape check (:func:`torch_tp.core.shapes.check_shapes`, at two
+    ranks, on token ids) finds that every rank computes one device's shapes with at most the
+    planned dimension divided.
+
+    A model the check cannot trace on the meta device (it needs other inputs, or its shapes
+    depend on values), or whose plan does not apply at two ranks, keeps its plan: applying it
+    checks what it can, and parity tests (:func:`torch_tp.testing.check_parity`) the rest.
+
+    Raises:
+        ValueError: a rank computes another shape, or its forward raises: the message names
+            each module, source line, op and both shapes.
+    """
+    import torch
+
+    from torch_tp.core.shapes import ShapeCheckError, check_shapes
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    inputs = {"input_ids": ids}
+    if getattr(model.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    try:
+        problems = check_shapes(model, plan, 2, example_inputs=inputs)
+    except (ShapeCheckError, ValueError):
+        return plan
+    if problems:
+        raise ValueError(
+            f"the tensor-parallel plan of {type(model).__qualname__} computes other shapes "
+            "on a rank than on one device (the shape check at two ranks): "
+            + "; ".join(str(p) for p in problems)
+        )
+    return plan
 
 
 def _packed_experts(plan: dict[str, str]) -> dict[str, str]:

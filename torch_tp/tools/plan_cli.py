@@ -6,13 +6,16 @@ rank holds, which collectives a training step issues, and what is wrong with the
 exit status is 1 when the report finds an error, so the command can guard a plan in CI.
 
 Models: ``llama-tiny`` (:func:`torch_tp.models.tiny_config`), ``llama3-8b`` (the shapes of
-Llama 3 8B), or ``module:factory`` for your own: ``factory()`` is called under
-``torch.device("meta")``. Plans: ``llama`` (:func:`torch_tp.plans.llama.llama_plan`, the
+Llama 3 8B), ``module:factory`` for your own (``factory()`` is called under
+``torch.device("meta")``), or a transformers model: the path of its ``config.json`` or of a
+checkpoint directory holding one (read locally, never downloaded; weights are not read), built
+with ``AutoModelForCausalLM.from_config`` (``AutoModel`` for a family without a causal-LM
+head) on the meta device. Plans: ``llama`` (:func:`torch_tp.plans.llama.llama_plan`, the
 default for the built-in models, shaped by ``--sequence-parallel`` and ``--loss-parallel``),
 ``auto`` (:func:`torch_tp.plans.auto`, inferred from the model's structure), ``hf``
-(:func:`torch_tp.plans.hf.plan_for`, for a transformers model), ``module:attribute`` (a plan
-dict, or a function returning one), or a JSON file written by :func:`torch_tp.plan.to_dict`
-(a transformers ``tp_plan`` dict works too).
+(:func:`torch_tp.plans.hf.plan_for`, the default for a transformers model), ``module:attribute``
+(a plan dict, or a function returning one), or a JSON file written by
+:func:`torch_tp.plan.to_dict` (a transformers ``tp_plan`` dict works too).
 
 Example::
 
@@ -21,6 +24,8 @@ Example::
     $ python -m torch_tp plan --model mypackage.model:build --plan mypackage.model:PLAN --tp 4
     $ python -m torch_tp plan --model llama-tiny --plan my_plan.json --tp 2 --seq-len 64
     $ python -m torch_tp plan --model mypackage.model:build --plan auto --tp 8
+    $ python -m torch_tp plan --model path/to/checkpoint_dir --tp 4 --seq-len 512
+    $ python -m torch_tp plan --model path/to/config.json --plan auto --tp 4
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -87,14 +93,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="llama-tiny",
-        help=f"{', '.join(BUILT_IN_MODELS)}, or module:factory (default: %(default)s)",
+        help=f"{', '.join(BUILT_IN_MODELS)}, module:factory, or a transformers config.json or "
+        "checkpoint directory (built on meta, never downloaded) (default: %(default)s)",
     )
     parser.add_argument(
         "--plan",
         default=None,
         help="'llama', 'auto' (inferred from the model's structure), 'hf' (the ready plan of a "
         "transformers model), module:attribute (a dict or a function returning one), or a JSON "
-        "file (default: 'llama' for the built-in models)",
+        "file (default: 'llama' for the built-in models, 'hf' for a transformers model)",
     )
     parser.add_argument("--tp", type=int, required=True, help="the TP degree")
     parser.add_argument(
@@ -147,13 +154,54 @@ def _load(spec: str) -> Any:
     return obj
 
 
+def _transformers_config(spec: str) -> Path | None:
+    """The ``config.json`` that ``--model spec`` names (the file, or a directory holding one),
+    or ``None`` if ``spec`` is not a path; ``ValueError`` for a directory without one."""
+    if spec in BUILT_IN_MODELS:
+        return None
+    path = Path(spec)
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise ValueError(
+                f"{path} has no config.json: --model takes a transformers checkpoint directory "
+                "(save_pretrained's), its config.json, a built-in model or module:factory"
+            )
+        return config
+    if path.is_file():
+        return path
+    if spec.endswith(".json"):
+        raise FileNotFoundError(f"no such file: {spec} (--model's transformers config.json)")
+    return None
+
+
+def _transformers_model(config_path: Path) -> nn.Module:
+    """The transformers model of ``config_path`` built on the meta device, without weights."""
+    try:
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    except ImportError as err:
+        raise ImportError(f"--model {config_path} needs transformers: {err}") from None
+
+    # read locally: a checkpoint directory's config.json, never the Hub
+    config = AutoConfig.from_pretrained(config_path, local_files_only=True)
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:  # a family without a causal-LM head (an encoder, a vision model)
+            return AutoModel.from_config(config)
+
+
 def _build_model(spec: str, seq_len: int) -> nn.Module:
+    config = _transformers_config(spec)
+    if config is not None:
+        return _transformers_model(config)
     with torch.device("meta"):
         if spec in BUILT_IN_MODELS:
             return BUILT_IN_MODELS[spec](seq_len)
         if ":" not in spec:
             raise ValueError(
-                f"unknown model {spec!r}: expected {', '.join(BUILT_IN_MODELS)} or module:factory"
+                f"unknown model {spec!r}: expected {', '.join(BUILT_IN_MODELS)}, module:factory, "
+                "or a transformers config.json or checkpoint directory (not found)"
             )
         return _load(spec)()
 
@@ -161,7 +209,11 @@ def _build_model(spec: str, seq_len: int) -> nn.Module:
 def _plan(args: argparse.Namespace, model: nn.Module) -> Any:
     from torch_tp.core.plan import from_dict
 
-    spec = args.plan or ("llama" if args.model in BUILT_IN_MODELS else None)
+    spec = args.plan
+    if spec is None and args.model in BUILT_IN_MODELS:
+        spec = "llama"
+    elif spec is None and _transformers_config(args.model) is not None:
+        spec = "hf"
     if spec is None:
         raise ValueError("--plan is required for a model given as module:factory")
     if spec == "llama":
@@ -211,7 +263,8 @@ def main(args: argparse.Namespace) -> int:
     """Print the report; return 1 if it finds an error, 2 if the arguments are wrong.
 
     Wrong arguments, an unreadable or invalid plan, and a forward that fails on the meta
-    device print one error line on stderr, with no traceback.
+    device print one error line on stderr, with no traceback. A reader that closes the pipe
+    early (``| head``) ends the command quietly, with the report's exit status.
     """
     from torch_tp.tools.report import plan_report
 
@@ -241,5 +294,17 @@ def main(args: argparse.Namespace) -> int:
     ) as err:
         _print_error(err)
         return 2
-    print(report)
-    return 1 if report.errors else 0
+    status = 1 if report.errors else 0
+    try:
+        print(report, flush=True)
+    except BrokenPipeError:  # `plan ... | head`: the reader has what it wanted
+        _discard_stdout()
+    return status
+
+
+def _discard_stdout() -> None:
+    """Point stdout at devnull after a broken pipe, so that the flush at exit cannot fail
+    (Python's documented recipe for ``SIGPIPE``)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

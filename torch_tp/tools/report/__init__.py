@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.core import _names
@@ -55,7 +55,9 @@ from torch_tp.core.plan import (
     planned_placements,
     resolve_plan,
     tied_parameters,
+    unsummed_gradients,
 )
+from torch_tp.core.shapes import ShapeCheckError, check_shapes
 from torch_tp.core.style import ParallelStyle, planning, short_repr
 from torch_tp.tools.report.render import (
     _SEVERITIES,
@@ -201,8 +203,14 @@ def plan_report(
 
     parameters = _parameter_groups(model, valid, tp_degree)
     problems += list(trace.problems.values())
+    problems += _unsummed_gradients(valid, trace)
     problems += _divisibility(model, parameters, trace, tp_degree)
     problems += _unsharded(model, valid)
+    # what a rank's own code computes: once the plan has no error of its own (a shape
+    # downstream of a layout that does not chain is that error again)
+    errors = any(p.severity == "error" for p in problems)
+    if not errors and (input_layout is None or isinstance(input_layout, Replicate)):
+        problems += _shape_problems(model, plan, tp_degree, inputs)
     problems += [
         Problem("note", e.key, f"module {e.path!r} is not called by the forward")
         for e in valid
@@ -225,6 +233,19 @@ def plan_report(
         collectives=_group(trace.events),
         problems=problems,
     )
+
+
+def _shape_problems(model: nn.Module, plan: Any, n: int, inputs: tuple[tuple, dict]):
+    """The shape check's problems (:func:`torch_tp.core.shapes.check_shapes`): a rank's
+    shape that is not one device's with the planned dimension divided, or a rank's forward
+    that raises, as errors; a model the check cannot trace, as a note saying why."""
+    try:
+        found = check_shapes(model, plan, n, example_inputs=inputs[0], example_kwargs=inputs[1])
+    except ShapeCheckError as err:
+        return [Problem("note", "", str(err))]
+    except ValueError:  # the plan does not apply: the problems above say why
+        return []
+    return [Problem("error", _generalize(p.module), str(p)) for p in found]
 
 
 def _inputs(example_inputs: Any, batch_size: int, seq_len: int) -> tuple[tuple, dict]:
@@ -281,6 +302,23 @@ def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[i
         except Exception:  # noqa: BLE001 - a user style that needs a real mesh
             pass
     return invalid, problems
+
+
+def _unsummed_gradients(entries: list[PlanEntry], trace: _Trace) -> list[Problem]:
+    """What :func:`torch_tp.plan.validate_plan` refuses as replicated parameters left with
+    partial gradients (:func:`~torch_tp.core.plan.unsummed_gradients`), where the trace did
+    not already find those parameters computing on a shard (it says more: the op and where
+    the shard came from)."""
+    problems: dict[str, Problem] = {}
+    for entry, names, message in unsummed_gradients(entries):
+        if any(_join(entry.path, name) in trace.partial_found for name in names):
+            continue
+        problems.setdefault(entry.key, Problem("error", entry.key, message))
+    return list(problems.values())
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def _placements(entry: PlanEntry) -> dict[str, Placement]:

@@ -32,7 +32,10 @@ from torch_tp.core._layouts import normalize
 from torch_tp.core.contract import Boundary, Layout, StyleContract
 from torch_tp.core.plan import (
     PlanEntry,
+    replicated_unsummed,
+    summing_style,
 )
+from torch_tp.core.shapes import VALUE_READS, VALUE_TESTS, meta_value, on_meta
 from torch_tp.tools.report.render import (
     BACKWARD,
     FORWARD,
@@ -187,6 +190,10 @@ class _Trace:
         # alone: id -> the parameter's name
         self.unplanned: dict[int, str] = {}
         self.from_unplanned: dict[int, str] = {}
+        # of those, the ones a style replicates without summing their gradients: name ->
+        # entry; and every parameter found computing on a shard (for the plan-level check)
+        self.unsummed: dict[str, PlanEntry] = {}
+        self.partial_found: set[str] = set()
 
     def watch_unplanned(self, model: nn.Module) -> None:
         """Watch the parameters no entry's style places: one that computes on a sharded
@@ -205,6 +212,15 @@ class _Trace:
             for name, p in model.named_parameters()
             if id(p) not in planned and p.requires_grad
         }
+        # a parameter a style replicates without summing its gradient, on a module whose
+        # forward the trace follows, must not compute on a shard either
+        for entry in self.entry_of.values():
+            if self.local_forward(entry):
+                continue
+            for name in replicated_unsummed(entry):
+                full = f"{entry.path}.{name}" if entry.path else name
+                self.unplanned[id(entry.module.get_parameter(name))] = full
+                self.unsummed[full] = entry
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -502,7 +518,24 @@ class _Trace:
             return
         if not sharded:
             return
+        self.partial_found.add(found[0])
         name = _generalize(found[0])
+        entry = self.unsummed.get(found[0])
+        if entry is not None:
+            own = found[0][len(entry.path) + 1 :] if entry.path else found[0]
+            self.problem(
+                "error",
+                name,
+                f"the replicated parameter {name}, which {_names.describe(entry.style)} on "
+                f"{entry.key} replicates without summing its gradient, computes "
+                f"({_op_name(func)}) with a local tensor laid out {_described(sharded[0])}: "
+                "each rank's gradient of it would cover that shard only, and the ranks would "
+                "train on different, partial gradients. Plan it "
+                f"{summing_style(entry, (own,))}, which sums them at "
+                "the end of backward",
+                dedupe=f"unplanned {name}",
+            )
+            return
         self.problem(
             "error",
             name,
@@ -562,7 +595,7 @@ class _Trace:
                 )
                 new = _DTensorAfterOps(dtensors[0].where)
         else:
-            local = [s for s in states if s is not None]
+            local = _broadcast_dropped(inputs, states, outputs)
             layouts = list(dict.fromkeys(s.layout for s in local))
             if len(layouts) > 1:
                 described = " and ".join(
@@ -583,6 +616,31 @@ class _Trace:
         for t in outputs:
             if not any(t is i for i in inputs):  # an in-place op keeps its state
                 self.set_state(t, new)
+
+
+def _broadcast_dropped(
+    inputs: list[torch.Tensor], states: list[_State | None], outputs: list[torch.Tensor]
+) -> list[_Local]:
+    """The local states of an op's inputs that take part in its layout, leaving out the
+    replicated tensors broadcast to the output's shape beside a sharded one (gpt-fast's
+    rotary table ``(1, T, 1, D/2, 2)`` times a head-sharded query, DistilBERT's mask
+    expanded to the per-head scores): each rank uses them whole against its shard. Whether
+    the broadcast dimensions are the sharded ones is a question of shapes, which the shape
+    check (:func:`torch_tp.core.shapes.check_shapes`) answers op by op."""
+    local = [(t, s) for t, s in zip(inputs, states, strict=True) if isinstance(s, _Local)]
+    if not any(isinstance(s.layout, (Shard, StridedShard)) for _, s in local):
+        return [s for _, s in local]
+    shape = outputs[0].shape
+
+    def broadcast(t: torch.Tensor) -> bool:
+        if t.shape == shape:
+            return False
+        try:
+            return torch.broadcast_shapes(t.shape, shape) == shape
+        except RuntimeError:
+            return False
+
+    return [s for t, s in local if not (isinstance(s.layout, Replicate) and broadcast(t))]
 
 
 def _contract(entry: PlanEntry) -> StyleContract | None:
@@ -608,6 +666,16 @@ class _LayoutMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # a forward that reads a value (``.item()``, ``if mask.any():``) or makes a CPU
+        # scalar that meets meta activations: traced as the shape check traces it
+        if func in VALUE_READS and args and isinstance(args[0], torch.Tensor):
+            if args[0].is_meta:
+                return meta_value(func, args[0])
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func in VALUE_TESTS and any(t.is_meta for t in leaves):
+            return VALUE_TESTS[func]
+        if any(t.is_meta for t in leaves) and not all(t.is_meta for t in leaves):
+            args, kwargs = on_meta((args, kwargs))
         out = func(*args, **kwargs)
         if self.trace.local_depth == 0:
             self.trace.on_op(func, args, kwargs, out)

@@ -1,0 +1,262 @@
+"""Materializing a model built on the meta device, after it was parallelized.
+
+The route for a model too big to build whole on one device::
+
+    with torch.device("meta"):
+        model = build(config)                          # no memory at all
+    parallelize_module(model, tp_mesh, plan)           # DTensors of meta shards
+    torch_tp.materialize(model)                        # this rank's shards, on its device
+    torch_tp.checkpoint.load_pretrained(model, path)   # or load_full_state_dict, load
+
+:func:`materialize` allocates each tensor that is on the meta device on the device of the
+model's mesh: a DTensor parameter's local shard only, so a rank holds its shards and never a
+whole tensor. Parameters and persistent buffers are left uninitialised (a checkpoint load
+fills them). Non-persistent buffers are not in any checkpoint: they are derived from the
+configuration when the module is built (rotary ``inv_freq`` tables, causal masks, position
+ids), so :func:`materialize` computes them again the way the module's own constructor does
+(see :func:`materialize` for how, and what it refuses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from torch_tp import _torch_compat as compat
+
+__all__ = ["materialize"]
+
+
+def materialize(module: nn.Module, *, device: torch.device | str | None = None) -> nn.Module:
+    """Allocate this rank's shards of a model built on the meta device, in place.
+
+    Every parameter and buffer of ``module`` on the meta device is given memory on the
+    mesh's device: a DTensor's local shard (the shape this rank holds after
+    :func:`~torch_tp.parallelize_module`, or after FSDP2 as well), a plain tensor whole.
+    Tensors that are not on the meta device are left as they are. Parameters stay the same
+    ``nn.Parameter`` objects (tied weights stay tied; FSDP2 is told, as for
+    :meth:`nn.Module.to_empty`), so build the optimizer afterwards or before, as you like.
+
+    The values of parameters and persistent buffers are **uninitialised** afterwards: load
+    a checkpoint next (:func:`torch_tp.checkpoint.load_pretrained`,
+    :func:`~torch_tp.checkpoint.load_full_state_dict`, :func:`~torch_tp.checkpoint.load`),
+    or initialise them yourself.
+
+    Non-persistent buffers (``register_buffer(..., persistent=False)``: rotary ``inv_freq``
+    tables, masks, position ids) are in no checkpoint, so they are computed again, exactly
+    as the module's own constructor computes them: the nearest module owning the buffer (or
+    an ancestor of it) that keeps its configuration as ``.config`` (transformers' rotary
+    embeddings and models, torch_tp's reference models) is constructed once more as
+    ``type(owner)(owner.config)`` on the CPU, with every parameter it creates moved to the
+    meta device as soon as it is registered (so the copy costs at most its largest single
+    parameter for a moment, and its buffers), under a forked RNG (the global random state
+    is not consumed). Its buffer is then cast to the dtype of the meta one (as
+    ``model.to(dtype)`` would have cast it) and moved to the device. Nothing else of the
+    copy is kept.
+
+    A non-persistent buffer on the meta device that cannot be computed so (no owner with a
+    ``config``, a constructor that fails or builds another shape, a DTensor buffer) is
+    refused before anything is allocated; give it a value (a real tensor, registered with
+    ``persistent=False``) before calling :func:`materialize`, which then leaves it alone.
+
+    Args:
+        module (:class:`nn.Module`): the model, built on the meta device and parallelized
+            (and possibly FSDP2-sharded).
+
+    Keyword Args:
+        device (torch.device or str, optional): where to allocate. Default: the device of
+            the model's DTensors' mesh (``"cuda"`` means the current CUDA device); required
+            when the model holds no DTensor, and must agree with the mesh when it does.
+
+    Returns:
+        ``module``, materialized.
+
+    Raises:
+        ValueError: a non-persistent buffer cannot be computed again (named, with the
+            reason), the model holds no DTensor and no ``device`` was given, or ``device``
+            disagrees with the mesh. Nothing is changed.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> with torch.device("meta"):
+        ...     model = AutoModelForCausalLM.from_config(config)
+        >>> parallelize_module(model, tp_mesh, plan_for(model))
+        >>> torch_tp.materialize(model)
+        >>> torch_tp.checkpoint.load_pretrained(model, "path/to/checkpoint")
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"materialize expects an nn.Module, found {type(module).__name__}")
+    if not any(t.is_meta for t in _tensors(module)):
+        return module
+    target = _device(module, device)
+    values = _recomputed_buffers(module)  # raises before anything is allocated
+    module._apply(lambda t: torch.empty_like(t, device=target) if t.is_meta else t)
+    with torch.no_grad():
+        for owner, name, value in values:
+            owner.register_buffer(name, value.to(device=target), persistent=False)
+    return module
+
+
+def _tensors(module: nn.Module) -> Iterator[Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def _device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    """The device to allocate on: the mesh's (its current device for an accelerator)."""
+    kinds = {t.device_mesh.device_type for t in _tensors(module) if isinstance(t, DTensor)}
+    if len(kinds) > 1:
+        raise ValueError(f"the model's DTensors are on meshes of several device types: {kinds}")
+    if device is not None:
+        device = torch.device(device)
+        if kinds and device.type not in kinds:
+            raise ValueError(
+                f"materialize(device={str(device)!r}) but the model's mesh is on "
+                f"{kinds.pop()!r}: leave device out to use the mesh's"
+            )
+    elif not kinds:
+        raise ValueError(
+            "materialize: the model holds no DTensor (it was not parallelized), so there is no "
+            "mesh to take the device from: pass device=..."
+        )
+    else:
+        device = torch.device(kinds.pop())
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    return device
+
+
+def _recomputed_buffers(module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
+    """Every non-persistent buffer on the meta device, computed again on the CPU: (owner,
+    name, value) with the meta buffer's dtype; raise naming every one that cannot be."""
+    parents: dict[int, tuple[str, nn.Module] | None] = {id(module): None}
+    for path, owner in module.named_modules():
+        for _, child in owner.named_children():
+            parents.setdefault(id(child), (path, owner))
+    built: dict[tuple[type, int], nn.Module | Exception] = {}
+    values, refused = [], []
+    for path, owner in module.named_modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if not buffer.is_meta:
+                continue
+            if name not in compat.non_persistent_buffers(owner):
+                continue  # persistent: a checkpoint fills it
+            full_name = f"{path}.{name}" if path else name
+            try:
+                value = _recompute(owner, path, name, buffer, parents, built)
+            except ValueError as exc:
+                refused.append(f"{full_name!r} ({type(owner).__name__}): {exc}")
+                continue
+            values.append((owner, name, value))
+    if refused:
+        raise ValueError(
+            "materialize cannot compute these non-persistent buffers again (nothing was "
+            "changed): " + "; ".join(refused) + ". Give each a value before materialize "
+            "(module.register_buffer(name, tensor, persistent=False)); it then leaves it alone."
+        )
+    return values
+
+
+def _recompute(
+    owner: nn.Module,
+    path: str,
+    name: str,
+    buffer: Tensor,
+    parents: dict[int, tuple[str, nn.Module] | None],
+    built: dict[tuple[type, int], nn.Module | Exception],
+) -> Tensor:
+    if isinstance(buffer, DTensor):
+        raise ValueError("a DTensor buffer: its sharding cannot be recomputed")
+    # the nearest module, the owner or an ancestor, that keeps its configuration
+    builder, builder_path, relative = owner, path, name
+    while getattr(builder, "config", None) is None:
+        parent = parents.get(id(builder))
+        if parent is None:
+            raise ValueError(
+                "neither its module nor any module above it keeps a `config` to build it again from"
+            )
+        parent_path, parent_module = parent
+        child_name = builder_path[len(parent_path) + 1 :] if parent_path else builder_path
+        builder, builder_path, relative = parent_module, parent_path, f"{child_name}.{relative}"
+    key = (type(builder), id(builder.config))
+    if key not in built:
+        built[key] = _build(type(builder), builder.config, empty_on_meta=True)
+    fresh = built[key]
+    if not isinstance(fresh, Exception) and _meta_or_missing(fresh, relative):
+        # a buffer made from torch.empty: build it again with only the parameters on meta
+        built[key] = fresh = _build(type(builder), builder.config, empty_on_meta=False)
+    where = f"{type(builder).__name__}(config)"
+    if isinstance(fresh, Exception):
+        raise ValueError(f"building {where} again failed: {type(fresh).__name__}: {fresh}")
+    try:
+        value = fresh.get_buffer(relative)
+    except AttributeError as exc:
+        raise ValueError(f"{where} built again has no buffer {relative!r}") from exc
+    if value is None or value.is_meta or tuple(value.shape) != tuple(buffer.shape):
+        found = None if value is None else ("meta" if value.is_meta else list(value.shape))
+        raise ValueError(
+            f"{where} built again gives {relative!r} as {found}, not a tensor of shape "
+            f"{list(buffer.shape)}"
+        )
+    return value.detach().to(dtype=buffer.dtype)
+
+
+def _build(cls: type, config: object, *, empty_on_meta: bool) -> nn.Module | Exception:
+    """``cls(config)`` on the CPU with its parameters on the meta device (and, with
+    ``empty_on_meta``, every ``torch.empty`` result: parameters are made so, and never
+    allocating them keeps a large freed block from changing how the allocator serves the
+    loads that follow), under a forked RNG; or the exception it raised."""
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_parameters_on_meta())
+            stack.enter_context(torch.device("cpu"))
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            if empty_on_meta:
+                stack.enter_context(_EmptyOnMeta())
+            return cls(config)
+    except Exception as exc:  # noqa: BLE001 - reported with the buffer
+        return exc
+
+
+def _meta_or_missing(module: nn.Module, name: str) -> bool:
+    try:
+        value = module.get_buffer(name)
+    except AttributeError:
+        return False  # reported as missing by the caller
+    return value is not None and value.is_meta
+
+
+class _EmptyOnMeta(TorchFunctionMode):
+    """``torch.empty`` (how ``nn.Linear``, ``nn.Embedding`` and most modules allocate their
+    parameters) gives meta tensors; everything else runs as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty:
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build modules with every parameter moved to the meta device as it is registered,
+    while buffers and everything else are computed for real (so a copy of a module costs
+    its buffers and, for a moment, one parameter). Patches ``nn.Module.register_parameter``
+    for the duration (every assignment of a parameter goes through it)."""
+    original = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
