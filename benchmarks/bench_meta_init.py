@@ -46,6 +46,9 @@ from torch_tp.models import Llama, LlamaConfig
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import device_type, run_distributed
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pipeline import render  # noqa: E402
+
 MODELS = ("llama", "hf-llama")
 _MIB = 2**20
 
@@ -205,18 +208,6 @@ def table(rows: list[Row], args: argparse.Namespace, markdown: bool = False) -> 
         f"layers, hidden {args.hidden}, vocab {args.vocab}, float32; peak over the route"
     )
     return render(title, header, body, markdown)
-
-
-def render(title: str, header: list[str], body: list[list[str]], markdown: bool) -> str:
-    """A titled table: markdown, or plain columns two spaces apart."""
-    if markdown:
-        lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(row) + " |" for row in body]
-        return "\n".join(lines)
-    widths = [max(len(x[i]) for x in [header, *body]) for i in range(len(header))]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
-    return "\n".join(lines)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -298,7 +298,8 @@ def log_api_usage_once(event: str) -> None:
 
 #: ``torch._nested_tensor_from_mask_left_aligned``: ``nn.TransformerEncoder``'s test of its
 #: padding mask before its inference fast path, which the shape check answers on meta.
-nested_tensor_from_mask_left_aligned = _first(("torch", "_nested_tensor_from_mask_left_aligned"))
+#: ``None`` on a release without it (the shape check then has nothing to answer).
+nested_tensor_from_mask_left_aligned = getattr(torch, "_nested_tensor_from_mask_left_aligned", None)
 
 #: ``torch.utils._pytree.tree_leaves``: the tensors in nested outputs (no public pytree).
 tree_leaves = _first(("torch.utils._pytree", "tree_leaves"))

@@ -230,7 +230,7 @@ def _entries(model: nn.Module, plan: Any) -> list[PlanEntry]:
         return resolve_plan(model, plan, strict=False)
 
 
-class _MeshOfSize:
+class MeshOfSize:
     """What a style's ``_validate`` may ask of the mesh, with no process group: its size."""
 
     ndim = 1
@@ -247,7 +247,7 @@ def _check_applies(model: nn.Module, entries: list[PlanEntry], n: int) -> None:
     with planning(model, frozenset(id(e.module) for e in entries)):
         for entry in entries:
             try:
-                entry.style._validate(entry.module, _MeshOfSize(n))
+                entry.style._validate(entry.module, MeshOfSize(n))
             except (NotImplementedError, ValueError, TypeError) as err:
                 refused.append(f"{entry.path!r} ({type(entry.module).__name__}): {err}")
             except Exception:  # noqa: BLE001 - a user style that needs a real mesh
@@ -364,7 +364,9 @@ VALUE_READS = {
 }
 # tests of meta tensors' values that answer a bool: answered so (nn.TransformerEncoder's
 # check of its padding mask, before its inference fast path: not taken)
-VALUE_TESTS = {compat.nested_tensor_from_mask_left_aligned: False}
+VALUE_TESTS = {
+    test: False for test in (compat.nested_tensor_from_mask_left_aligned,) if test is not None
+}
 # ops whose output's shape depends on the input's values
 _DATA_DEPENDENT = {
     "nonzero",

@@ -57,7 +57,7 @@ from torch_tp.core.plan import (
     tied_parameters,
     unsummed_gradients,
 )
-from torch_tp.core.shapes import ShapeCheckError, check_shapes
+from torch_tp.core.shapes import MeshOfSize, ShapeCheckError, check_shapes
 from torch_tp.core.style import ParallelStyle, planning, short_repr
 from torch_tp.tools.report.render import (
     _SEVERITIES,
@@ -260,18 +260,6 @@ def _inputs(example_inputs: Any, batch_size: int, seq_len: int) -> tuple[tuple, 
     return (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)), {}
 
 
-class _MeshOfSize:
-    """What a style's ``_validate`` may ask of the mesh, with no process group: its size."""
-
-    ndim = 1
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def size(self, mesh_dim: int | None = None) -> int:
-        return self.n
-
-
 def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[int], list[Problem]]:
     """The checks of :func:`torch_tp.plan.validate_plan` that need no mesh: the modules
     refused, and why."""
@@ -288,7 +276,7 @@ def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[i
         if validate is None or id(entry.module) in invalid:
             continue
         try:
-            validate(entry.module, _MeshOfSize(n))
+            validate(entry.module, MeshOfSize(n))
         except (NotImplementedError, ValueError, TypeError) as err:
             invalid.add(id(entry.module))
             problems.append(
