@@ -84,6 +84,20 @@ def _one_bad_rank() -> None:
     _raised_alike(lambda: model(bad_ids), IndexError, "(on rank 1)")
     assert_close(model(ids), reference(ids))
 
+    # torch_tp.random.manual_seed: rank 0's seed is out of range, then rank 1's is no int;
+    # the other rank is in the seeds' all-gather meanwhile. Then a good seed installs.
+    from torch_tp import random as tp_random
+
+    previous = tp_random.get_rng_tracker()
+    try:
+        bad_seed = 2**64 if rank == 0 else 7
+        _raised_alike(lambda: tp_random.manual_seed(bad_seed, mesh), ValueError, "(on rank 0)")
+        not_int = "7" if rank == 1 else 7
+        _raised_alike(lambda: tp_random.manual_seed(not_int, mesh), TypeError, "(on rank 1)")
+        assert tp_random.manual_seed(7, mesh).seed == 7
+    finally:
+        tp_random.set_rng_tracker(previous)
+
 
 def test_one_bad_rank_raises_the_same_error_on_every_rank():
     run_distributed(_one_bad_rank, 2)

@@ -253,3 +253,35 @@ def test_only_replicated_modules_on_shards_are_refused():
     errors = _errors(report({**plan, "q_norm": "replicate"}))
     assert [where for where, _ in errors] == ["q_norm.weight"]  # (and its bias, in one op)
     assert "laid out Shard(2) (from q_proj)" in errors[0][1]
+
+
+def test_plan_for_refuses_a_transformers_plan_that_replicates_on_shards():
+    # Qwen3's own plan sums the per-head q_norm's gradient; planned "replicate" instead, its
+    # gradient would be each rank's heads' part only: plan_for refuses, naming it and the fix
+    transformers = pytest.importorskip("transformers")
+    from torch_tp.plans.hf import plan_for
+
+    config = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        attn_implementation="eager",
+    )
+    with torch.device("meta"):
+        assert plan_for(transformers.AutoModelForCausalLM.from_config(config))
+    config.base_model_tp_plan = {
+        **config.base_model_tp_plan,
+        "layers.*.self_attn.q_norm": "replicate",
+    }
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        ValueError,
+        match=r"the replicated parameter model\.layers\.\*\.self_attn"
+        r"\.q_norm\.weight.*replicated_with_grad_allreduce",
+    ):
+        plan_for(model)

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_tp import _torch_compat as compat
 from torch_tp.core._layouts import chunk_range
+from torch_tp.core._regions import raise_agreed
 
 __all__ = [
     "TensorParallelRNGTracker",
@@ -366,8 +367,8 @@ def manual_seed(seed: int, device_mesh: DeviceMesh) -> TensorParallelRNGTracker:
         >>> torch_tp.random.manual_seed(1234, mesh)  # before building the model
         >>> model = parallelize_module(Llama(config), mesh["tp"], llama_plan())
     """
-    tracker = TensorParallelRNGTracker(device_mesh, seed)
     _check_same_seed(seed, _tp_mesh(device_mesh))
+    tracker = TensorParallelRNGTracker(device_mesh, seed)
     if tracker.device_type == "cpu":
         torch.manual_seed(seed)
     else:
@@ -696,15 +697,30 @@ def _check_seed(seed: int) -> None:
 
 
 def _check_same_seed(seed: int, tp_mesh: DeviceMesh) -> None:
-    """Raise on every rank unless every rank of the TP group passed the same seed."""
+    """Raise on every rank unless every rank of the TP group passed the same valid seed.
+
+    A seed one rank refuses (not an int, out of range) is agreed like a differing one, in
+    the same all-gather: the rank's verdict travels with its seed, so no rank raises alone
+    while the others wait in the gather."""
+    try:
+        _check_seed(seed)
+        error = None
+    except (TypeError, ValueError) as err:
+        error = err
     if tp_mesh.size() == 1:
+        if error is not None:
+            raise error
         return
-    as_int64 = seed % _SEED_MODULUS
-    as_int64 -= _SEED_MODULUS if as_int64 >= 2**63 else 0  # int64 holds the bits
-    mine = torch.tensor([as_int64], dtype=torch.int64, device=tp_mesh.device_type)
+    as_int64 = 0
+    if error is None:
+        as_int64 = seed % _SEED_MODULUS
+        as_int64 -= _SEED_MODULUS if as_int64 >= 2**63 else 0  # int64 holds the bits
+    mine = torch.tensor([error is None, as_int64], dtype=torch.int64, device=tp_mesh.device_type)
     seeds = [torch.empty_like(mine) for _ in range(tp_mesh.size())]
     dist.all_gather(seeds, mine, group=tp_mesh.get_group())
-    found = [int(s.item()) % _SEED_MODULUS for s in seeds]
+    if not all(bool(s[0]) for s in seeds):
+        raise_agreed(error, [tp_mesh.get_group()])
+    found = [int(s[1].item()) % _SEED_MODULUS for s in seeds]
     if len(set(found)) != 1:
         raise ValueError(
             "the ranks of a tensor-parallel group must seed with the same value, found "

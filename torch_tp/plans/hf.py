@@ -396,7 +396,8 @@ def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[s
 
     Raises:
         ValueError: a parameter no entry lays out computes on a sharded activation and is not
-            one value: the message names it and the layout it meets.
+            one value, or one the plan replicates without summing its gradient computes on
+            one: the message names it and the layout it meets.
     """
     import copy
     import warnings
@@ -423,9 +424,15 @@ def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[s
         for p in report.problems
         if p.severity == "error" and p.message.startswith("the parameter")
     ]
-    if not unplanned:
+    # a parameter the plan replicates without summing its gradient, on a shard: refused
+    refused = [
+        p.message
+        for p in report.problems
+        if p.severity == "error" and p.message.startswith("the replicated parameter")
+    ]
+    if not unplanned and not refused:
         return plan
-    refused, added = [], {}
+    added = {}
     for problem in unplanned:
         names = [
             name
@@ -438,8 +445,9 @@ def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[s
             refused.append(problem.message)
     if refused:
         raise ValueError(
-            f"{type(model).__qualname__}'s own tensor-parallel plan leaves out parameters that "
-            "compute on sharded activations: " + "; ".join(refused)
+            f"{type(model).__qualname__}'s own tensor-parallel plan leaves parameters that "
+            "compute on sharded activations with a partial gradient on each rank: "
+            + "; ".join(refused)
         )
     return {**plan, **added}
 
