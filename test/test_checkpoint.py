@@ -24,6 +24,7 @@ from helpers import (
     parallelize_dp_tp,
     safetensors_reads,
     saved_then_trained_on,
+    sgd,
     tp_mesh,
     train_llama,
 )
@@ -178,7 +179,28 @@ def _load_errors(path: str, evil: str, marker: str) -> None:
 
 
 def _meta_sequence_parallel_tp_only() -> None:
-    meta_llama(1, 2, sequence_parallel=True)
+    model = meta_llama(1, 2, sequence_parallel=True)
+    reference = checkpoint_llama()  # one device, the same config
+    # nothing is left on meta, and every parameter is laid out as parallelizing a real model
+    # lays it out
+    expected, _ = parallelize_dp_tp(checkpoint_llama(), 1, 2, sequence_parallel=True)
+    expected_params = dict(expected.named_parameters())
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        assert not tensor.is_meta, f"{name} is still on meta"
+    for name, param in model.named_parameters():
+        want = expected_params[name]
+        assert isinstance(param, DTensor), name
+        assert param.placements == want.placements, (name, param.placements, want.placements)
+        assert param.to_local().shape == want.to_local().shape, name
+    # loaded, it trains like one device
+    checkpoint.load_full_state_dict(model, reference.state_dict())
+    steps = range(2)
+    losses = train_llama(model, None, sgd(model.parameters()), steps)
+    ref_losses = train_llama(reference, None, sgd(reference.parameters()), steps)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    full = checkpoint.full_state_dict(model)
+    for name, ref in reference.state_dict().items():
+        torch.testing.assert_close(full[name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_meta_init_of_a_sequence_parallel_tp_model():

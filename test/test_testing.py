@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from torch_tp import ColwiseParallel, RowwiseParallel
 from torch_tp.testing import (
     RankError,
     RankTimeout,
@@ -31,17 +32,6 @@ from torch_tp.testing import (
     gather_full,
     run_distributed,
     shutdown,
-)
-
-try:
-    from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: F401
-
-    HAS_PARALLELIZE = True
-except ImportError:  # torch_tp's API is not there yet: the parity tests skip
-    HAS_PARALLELIZE = False
-
-requires_parallelize = pytest.mark.skipif(
-    not HAS_PARALLELIZE, reason="torch_tp.parallelize_module is not importable yet"
 )
 
 SHORT_TIMEOUT = 3.0
@@ -408,17 +398,14 @@ def test_gather_full_uneven_shards() -> None:
     assert run_distributed(_gather_uneven_shards, 2) == [[0.0, 1.0, 2.0, 3.0, 4.0]] * 2
 
 
-@requires_parallelize
 def test_parity_passes_for_a_tensor_parallel_mlp() -> None:
     run_distributed(_mlp_parity, 2)
 
 
-@requires_parallelize
 def test_parity_gathers_a_local_sharded_output() -> None:
     run_distributed(_sharded_output_parity, 2, Shard(-1))
 
 
-@requires_parallelize
 def test_parity_fails_on_a_wrong_output_placement() -> None:
     with pytest.raises(
         RankError, match=r"step 0: output differs: The values for attribute 'shape'"
@@ -426,7 +413,6 @@ def test_parity_fails_on_a_wrong_output_placement() -> None:
         run_distributed(_sharded_output_parity, 2, None)
 
 
-@requires_parallelize
 def test_parity_names_the_first_wrong_gradient() -> None:
     with pytest.raises(RankError, match=r"step 0: gradient of 'up.weight' differs: ") as info:
         run_distributed(_wrong_gradient_parity, 2)

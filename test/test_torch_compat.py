@@ -319,5 +319,27 @@ def test_direct_parameters_keep_empty_slots():
     assert linear.weight is params["weight"]
 
 
+def test_lazy_init_calls_the_public_init_else_the_private_one_else_nothing():
+    import types
+
+    calls: list[str] = []
+    public = types.SimpleNamespace(
+        init=lambda: calls.append("init"), _lazy_init=lambda: calls.append("_lazy_init")
+    )
+    private = types.SimpleNamespace(_lazy_init=lambda: calls.append("_lazy_init"))
+    _torch_compat.lazy_init(public)
+    assert calls == ["init"]
+    _torch_compat.lazy_init(private)
+    assert calls == ["init", "_lazy_init"]
+    _torch_compat.lazy_init(types.SimpleNamespace())  # nothing to initialize: nothing runs
+    assert calls == ["init", "_lazy_init"]
+
+
 def test_lazy_init_is_a_no_op_where_there_is_nothing_to_initialize():
+    # torch.cpu has neither init() nor _lazy_init(): its random state and the default
+    # generator are what they were
+    state = torch.get_rng_state()
+    generator = torch.default_generator
     _torch_compat.lazy_init(torch.cpu)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.default_generator is generator

@@ -1,8 +1,9 @@
 """Parity between a tensor-parallel model and a single-device copy of it.
 
-:func:`check_parity` is how a plan is tested: parallelize a model, build a reference from the
-full state dict of the parallelized one, train both side by side and compare output, loss,
-every gradient and every parameter, failing on the first difference with its name.
+:func:`check_parity` is how a plan is tested: copy the model (the single-device reference),
+parallelize the original, check that its full state is the copy's exactly, train both side
+by side and compare output, loss, every gradient and every parameter, failing on the first
+difference with its name.
 
 Every rank runs the whole check. All collectives of a step (gathering the output, the
 gradients, the parameters) run before anything is compared: if ranks disagreed on whether
