@@ -19,7 +19,7 @@ import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST_RUNTIME, tp_mesh
+from helpers import tp_mesh
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -27,7 +27,7 @@ from torch_tp import TensorParallelExperts, parallelize_module
 from torch_tp._torch_compat import StridedShard
 from torch_tp.plan import resolve_plan
 from torch_tp.plans.hf import expert_parallel_plan
-from torch_tp.testing import RankError, check_parity, run_distributed
+from torch_tp.testing import check_parity, run_distributed
 
 transformers = pytest.importorskip(
     "transformers",
@@ -242,24 +242,13 @@ def _check_tensor_parallel_experts(experts: nn.Module, family: str, world_size: 
     assert down.to_local().shape == ((4, hidden, 32) if transposed else (4, 32, hidden))
 
 
-# Llama4TextMoe adds the routed experts' output in place to its shared expert's output
-# (out.add_(...)): under TORCH_TP_RUNTIME=dtensor that output is the to_local() view of a
-# DTensor, which autograd refuses to modify in place
-_DTENSOR_INPLACE = pytest.mark.xfail(
-    not FAST_RUNTIME,
-    reason="the dtensor runtime hands a row-parallel layer's output on as a view (to_local)",
-    raises=RankError,
-    strict=True,
-)
-
-
 @pytest.mark.parametrize(
     "family",
     [
-        pytest.param(f, marks=_DTENSOR_INPLACE)
-        if f == "llama4"
-        # the quick run (-m "not slow") keeps Mixtral and Llama 4 (transposed experts)
-        else (f if f == "mixtral" else pytest.param(f, marks=pytest.mark.slow))
+        # the quick run (-m "not slow") keeps Mixtral and Llama 4 (transposed experts; its
+        # Llama4TextMoe adds the routed experts' output in place to its shared expert's
+        # row-parallel output, out.add_(...), which both runtimes hand on modifiable)
+        f if f in ("mixtral", "llama4") else pytest.param(f, marks=pytest.mark.slow)
         for f in MODELS
     ],
 )

@@ -87,6 +87,7 @@ __all__ = [
     "log_api_usage_once",
     "nested_tensor_from_mask_left_aligned",
     "non_persistent_buffers",
+    "own_alias",
     "per_rank_ints",
     "per_rank_rng_states",
     "queue_callback",
@@ -237,6 +238,14 @@ def _engine_queue_callback(callback: Callable[[], None]) -> None:
 queue_callback: Callable[[Callable[[], None]], None] = getattr(
     torch.autograd.graph, "queue_callback", _engine_queue_callback
 )
+
+
+def own_alias(value: torch.Tensor) -> torch.Tensor:
+    """``value`` (same memory, no copy) as the output of a non-view op, so that autograd lets
+    its reader modify it in place: ``aten._unsafe_view``, which torch's own ``matmul`` uses
+    for the same purpose. Only for a ``value`` whose memory no other tensor reads (the fresh
+    result of a collective): autograd no longer sees the two as aliases."""
+    return torch.ops.aten._unsafe_view(value, value.shape)
 
 
 def version(value: torch.Tensor) -> int:

@@ -221,7 +221,8 @@ class DTensorRuntime:
     ``from_local`` to annotate, ``redistribute`` to move, ``to_local`` to unwrap (with the
     gradient placements that say what each rank's gradient is), and each partial gradient of
     a replicated parameter reduced as it arrives. No cache, no region Function, no private
-    DTensor API: the reference :class:`FastRuntime` is checked against.
+    DTensor API: the reference :class:`FastRuntime` is checked against. A local result is
+    handed on as one its reader may modify in place, without a copy (:func:`_handed_on`).
 
     Args:
         mesh (DeviceMesh): the 1-D mesh the module is parallelized on.
@@ -257,10 +258,12 @@ class DTensorRuntime:
             normalize(layout, value.ndim)
             if desired is not None:
                 normalize(desired, value.ndim)
-        dt = self.annotate(value, layout)
+        dt = moved = self.annotate(value, layout)
         if desired is not None:
-            dt = self.redistribute(dt, desired)
-        return dt.to_local() if use_local else dt
+            moved = self.redistribute(dt, desired)
+        if not use_local:
+            return moved
+        return _handed_on(dt, moved, None if isinstance(value, DTensor) else value)
 
     def enter_replicated(self, value: torch.Tensor, layout: Placement) -> torch.Tensor:
         """The whole input of a column-parallel computation, as a local tensor.
@@ -292,8 +295,8 @@ class DTensorRuntime:
         dt = DTensor.from_local(
             partial, self.mesh, (Partial(),), shape=partial.shape, stride=partial.stride()
         )
-        dt = self.redistribute(dt, layout)
-        return dt.to_local() if use_local else dt
+        moved = self.redistribute(dt, layout)
+        return _handed_on(dt, moved, partial) if use_local else moved
 
     def leave(
         self,
@@ -316,8 +319,8 @@ class DTensorRuntime:
             shape=global_shape,
             stride=contiguous_stride(global_shape),
         )
-        dt = self.redistribute(dt, layout)
-        return dt.to_local() if use_local else dt
+        moved = self.redistribute(dt, layout)
+        return _handed_on(dt, moved, local) if use_local else moved
 
     def local_parameter(
         self, module: nn.Module, name: str, *, partial: bool = False
@@ -343,6 +346,32 @@ class DTensorRuntime:
         """Make ``param``'s partial gradients whole (replicated), wherever it is used."""
         # a strong reference (a weak one would make the parameter unswappable by module.to())
         param.register_hook(_replicate_partial)
+
+
+def _handed_on(annotated: DTensor, moved: DTensor, local: torch.Tensor | None) -> torch.Tensor:
+    """``moved.to_local()``, handed on as one device would hand the value on: as a tensor its
+    reader may modify in place (Llama 4's MoE adds its routed experts' output to its shared
+    expert's output with ``out.add_(...)``), and without a copy.
+
+    ``to_local()`` returns a view made inside a custom autograd Function, which autograd
+    refuses to modify in place. So the value handed on is:
+
+    * not moved (``moved is annotated``): ``local``, the plain tensor ``annotated`` was made
+      from, which the round trip ``from_local`` / ``to_local`` returns as it is, forward and
+      backward (``None`` when ``annotated`` came in as a DTensor: then its ``to_local()``);
+    * moved by a collective (from a ``Partial`` or ``Shard`` layout, on more than one rank):
+      the collective's fresh result, which no other tensor reads, as the output of a non-view
+      op (:func:`torch_tp._torch_compat.own_alias`: the same memory, no copy);
+    * otherwise (a local slice of a replicated value, or a one-rank mesh, where DTensor's
+      result may share the memory of the value it came from): the ``to_local()`` view, which
+      autograd keeps refusing to modify in place rather than let a change go unseen.
+    """
+    if moved is annotated:
+        return moved.to_local() if local is None else local
+    result = moved.to_local()
+    if isinstance(annotated.placements[0], (Partial, Shard)) and annotated.device_mesh.size() > 1:
+        return compat.own_alias(result)
+    return result
 
 
 def _parameter(module: nn.Module, name: str) -> torch.Tensor | None:
