@@ -460,3 +460,22 @@ def test_experts_placements_follow_the_layout():
         experts = _experts(_meta_model(family))
         placements = TensorParallelExperts.contract.parameters(TensorParallelExperts(), experts)
         assert placements == {"gate_up_proj": gate_up, "down_proj": down}, family
+
+
+def test_expert_parallel_plan_leaves_out_keys_that_name_nothing():
+    """A Qwen2-MoE whose layers are all mixture-of-experts has no dense MLP: the dense keys
+    of its _tp_plan name nothing, and the expert-parallel plan leaves them out (as
+    transformers_plan does) instead of refusing the model."""
+    causal_lm, config_class, fields = MODELS["qwen2_moe"]
+    config = getattr(transformers, config_class)(**{**_COMMON, **fields, "mlp_only_layers": []})
+    with torch.device("meta"):
+        model = getattr(transformers, causal_lm)(config)
+    plan = expert_parallel_plan(model)
+    dense = {f"model.layers.*.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    assert dense <= set(model._tp_plan) and not dense & set(plan)
+    assert (
+        plan["model.layers.*.mlp.experts"]
+        == model.config.base_model_ep_plan["layers.*.mlp.experts"]
+    )
+    entries = resolve_plan(model, plan)  # strict: every key names something
+    assert any(entry.path == "model.layers.0.mlp.experts" for entry in entries)

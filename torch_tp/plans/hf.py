@@ -49,7 +49,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -488,9 +489,16 @@ def transformers_plan(model: nn.Module) -> dict[str, str]:
             f"{type(model).__qualname__} declares no tensor-parallel plan: expected a "
             "transformers model with a _tp_plan (its config class's base_model_tp_plan)"
         )
+    return _naming_something(model, tp_plan)
+
+
+def _naming_something(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``plan`` whose keys name a submodule or parameter of ``model``, in
+    order (transformers' plans are written for the largest config: a model whose layers are
+    all mixture-of-experts has no dense MLP for the dense keys to name)."""
     paths = [path.split(".") for path, _ in model.named_modules(remove_duplicate=False) if path]
     paths += [path.split(".") for path, _ in model.named_parameters(remove_duplicate=False)]
-    return {key: name for key, name in tp_plan.items() if names_something(key, paths)}
+    return {key: name for key, name in plan.items() if names_something(key, paths)}
 
 
 def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
@@ -513,6 +521,9 @@ def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
         :func:`torch_tp.parallelize_module` on the tensor-parallel mesh (whose size must
         divide the number of experts).
 
+    Keys that name nothing in ``model`` are left out, as :func:`transformers_plan` leaves
+    them out (a model whose layers are all mixture-of-experts has no dense MLP).
+
     Raises:
         ValueError: the model has no ``_tp_plan`` or its config no ``base_model_ep_plan``.
 
@@ -534,4 +545,5 @@ def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
     # _tp_plan prefixes the base model's keys with its attribute name ("model.")
     prefix = getattr(model, "base_model_prefix", "") or ""
     prefix = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
-    return {**dict(tp_plan), **{prefix + key: name for key, name in ep_plan.items()}}
+    plan = {**dict(tp_plan), **{prefix + key: name for key, name in ep_plan.items()}}
+    return _naming_something(model, plan)
