@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from torch_tp._torch_compat import IncompatibleKeys
+from torch_tp.features._hf_conversion import CheckpointLayout, conversion_mapping
 from torch_tp.features._publish import (
     _old_name,
     _publish,
@@ -60,25 +60,18 @@ def _complete(path: Path) -> bool:
     return (path / _SINGLE).is_file() or (path / _INDEX).is_file()
 
 
-# the stacked experts of transformers 5.x models, and the per-expert keys checkpoints hold
-_STACKED = re.compile(r"(?P<prefix>.+\.experts)\.(?P<kind>gate_up_proj|down_proj|up_proj)")
-_PARTS = {
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-    "up_proj": ("up_proj",),
-}
-
-
 class _PretrainedSource:
     """A Hugging Face checkpoint directory read as the model's full state dict.
 
-    ``shapes``/``dtypes`` are by the model's names: the checkpoint's own keys, and for stacked
-    experts (``...experts.gate_up_proj [E, 2I, H]``) the per-expert keys a checkpoint holds
-    (``...experts.<e>.gate_proj.weight [I, H]`` and ``up_proj``), stacked and concatenated
-    on read, as transformers' own loading does. Only the files' headers are read up front.
+    ``shapes``/``dtypes`` are by the model's names: the checkpoint's keys as transformers'
+    conversion mapping for the model reads them (renamed, merged, split; see
+    :class:`~torch_tp.features._hf_conversion.CheckpointLayout`), and under their own names
+    the keys nothing in the model reads. Only the files' headers are read up front.
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, model: nn.Module, targets: dict[str, Tensor]
+    ) -> None:
         from safetensors import safe_open
 
         # while a save_pretrained of this directory is published (or crashed doing so), the
@@ -109,46 +102,47 @@ class _PretrainedSource:
             raise FileNotFoundError(
                 f"no {_SINGLE} or {_INDEX} in {str(root)!r} (expected a save_pretrained directory)"
             )
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, torch.dtype | str] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, torch.dtype | str] = {}
         for path in sorted(set(self._file.values())) or [root / _SINGLE]:
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as file:
                     for key in file.keys():
                         tensor_slice = file.get_slice(key)
-                        self.shapes[key] = tuple(tensor_slice.get_shape())
+                        shapes[key] = tuple(tensor_slice.get_shape())
                         dtype = tensor_slice.get_dtype()
-                        self.dtypes[key] = _SAFETENSORS_DTYPES.get(dtype, dtype)
+                        dtypes[key] = _SAFETENSORS_DTYPES.get(dtype, dtype)
                         self._file.setdefault(key, path)
             except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
                 raise CheckpointError(
                     f"{str(path)!r} is not a readable safetensors file: {_first_line(exc)}"
                 ) from exc
-        self._stacked: dict[str, tuple[list[list[str]], list[int]]] = {}
+        missing = sorted(k for k in self._file if k not in shapes)
+        if missing:
+            raise CheckpointError(
+                f"{str(root / _INDEX)!r} lists key(s) its files do not hold: "
+                + ", ".join(map(repr, missing[:8]))
+                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            )
+        self.layout = CheckpointLayout(model, targets, shapes, dtypes, conversion_mapping(model))
+        if self.layout.errors:
+            raise CheckpointError(
+                f"cannot read {self.description} into {type(model).__name__} as transformers' "
+                "conversion mapping for it says (nothing was changed):\n\t"
+                + "\n\t".join(self.layout.errors)
+            )
+        self.shapes, self.dtypes = self.layout.shapes, self.layout.dtypes
 
-    def stack_experts(self, wanted: Iterable[str]) -> None:
-        """Stand the per-expert keys in for the model's stacked experts it wants."""
-        for name in wanted:
-            match = _STACKED.fullmatch(name)
-            if name in self.shapes or match is None:
-                continue
-            prefix, parts = match["prefix"], _PARTS[match["kind"]]
-            experts = 0
-            while f"{prefix}.{experts}.{parts[0]}.weight" in self.shapes:
-                experts += 1
-            keys = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in range(experts)]
-            if not experts or any(k not in self.shapes for row in keys for k in row):
-                continue
-            rows = [self.shapes[k][0] for k in keys[0]]
-            columns = {self.shapes[k][1] for row in keys for k in row}
-            if len(columns) != 1 or any([self.shapes[k][0] for k in row] != rows for row in keys):
-                continue  # not stackable: the key stays missing, and is reported so
-            self._stacked[name] = (keys, rows)
-            self.shapes[name] = (experts, sum(rows), columns.pop())
-            self.dtypes[name] = self.dtypes[keys[0][0]]
-            for row in keys:
-                for key in row:
-                    del self.shapes[key], self.dtypes[key]
+    def _read(self, key: str, region: tuple[slice, ...]) -> Tensor:
+        """``key[region]`` from its file (all of it for ``()``), reading only those bytes;
+        the file is closed again, so its mapped pages are let go."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._file[key]), framework="pt", device="cpu") as file:
+            tensor_slice = file.get_slice(key)
+            if not tensor_slice.get_shape():
+                return file.get_tensor(key)
+            return tensor_slice[region] if region else tensor_slice[:]
 
     def copy_to(self, name: str, pieces: list[_Piece] | None, dst: Tensor) -> None:
         """``dst[mine] = name[whole]`` for each piece (the whole tensor: ``pieces=None``),
@@ -157,30 +151,17 @@ class _PretrainedSource:
 
         if pieces is None:
             pieces = [(tuple(slice(0, s) for s in self.shapes[name]), (slice(None),) * dst.ndim)]
-        if name not in self._stacked:
-            with safe_open(str(self._file[name]), framework="pt", device="cpu") as file:
-                if not self.shapes[name]:  # 0-d
-                    dst.copy_(file.get_tensor(name))
-                    return
-                tensor_slice = file.get_slice(name)
-                for whole, mine in pieces:
-                    dst[mine].copy_(tensor_slice[whole])
+        if name in self.layout.converted:
+            self.layout.copy_to(name, pieces, dst, self._read)
             return
-        keys, rows = self._stacked[name]
-        for whole, mine in pieces:
-            experts, wanted_rows, columns = whole
-            for e in range(experts.start, experts.stop):
-                at = mine[0].start or 0
-                local_e = at + e - experts.start
-                offset = 0
-                for key, count in zip(keys[e], rows, strict=True):
-                    lo, hi = max(wanted_rows.start, offset), min(wanted_rows.stop, offset + count)
-                    if lo < hi:
-                        first = (mine[1].start or 0) + lo - wanted_rows.start
-                        with safe_open(str(self._file[key]), framework="pt", device="cpu") as f:
-                            part = f.get_slice(key)[lo - offset : hi - offset, columns]
-                        dst[local_e, first : first + hi - lo, mine[2]].copy_(part)
-                    offset += count
+        key = self.layout.plain[name]
+        with safe_open(str(self._file[key]), framework="pt", device="cpu") as file:
+            if not self.shapes[name]:  # 0-d
+                dst.copy_(file.get_tensor(key))
+                return
+            tensor_slice = file.get_slice(key)
+            for whole, mine in pieces:
+                dst[mine].copy_(tensor_slice[whole])
 
     def read(self, name: str) -> Tensor:
         out = torch.empty(self.shapes[name], dtype=self.dtypes[name])
@@ -258,10 +239,10 @@ def load_pretrained(
     _refuse_nested_packed(targets)  # on every rank, before any communication
     error: Exception | None = None
     result, staged = IncompatibleKeys([], []), {}
+    source = None
     try:
         _raise(_meta_error(model, "load_pretrained"))  # before reading anything
-        source = _PretrainedSource(directory)
-        source.stack_experts(targets)
+        source = _PretrainedSource(directory, model, targets)
         aliases = _tied_aliases(model)
         wanted = {
             k: v
@@ -277,6 +258,9 @@ def load_pretrained(
     elif error is not None:
         raise error
     _copy_staged(targets, staged)
+    if source is not None and source.layout.mapping is not None:
+        # as transformers' from_pretrained: the conversions applied, reverted on save
+        model._weight_conversions = source.layout.used()
     return result
 
 
