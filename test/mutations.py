@@ -221,12 +221,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="hf_checkpoint_gate_up_swapped",
-        file="torch_tp/features/hf_checkpoint.py",
-        old='"gate_up_proj": ("gate_proj", "up_proj"),',
-        new='"gate_up_proj": ("up_proj", "gate_proj"),',
+        file="torch_tp/features/_hf_conversion.py",
+        old="                for p, e in inputs:",
+        new="                for p, e in reversed(inputs):",
         tests=("test/test_hf_checkpoint.py::test_load_pretrained_reads_each_ranks_slices[moe]",),
-        description="stacked experts read from per-expert checkpoint keys swap `gate_proj` and "
-        "`up_proj`",
+        description="a rank's slices of a concatenation (stacked experts' `gate_up_proj`) are "
+        "read from its sources in reverse order: `up_proj` rows as `gate_proj`'s",
     ),
     Mutation(
         name="pipeline_gradients_unscaled",

@@ -77,7 +77,9 @@ class _Conversion:
 
     def describe(self) -> str:
         keys = self.keys
-        shown = ", ".join(map(repr, keys[:4])) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+        shown = ", ".join(map(repr, keys[:4])) + (
+            f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+        )
         return f"{shown} by {_converter_name(self.converter)}"
 
 
@@ -205,9 +207,7 @@ class CheckpointLayout:
         for output, name in outputs.items():
             value = stages[-1][output]
             value = value[0] if isinstance(value, list) else value
-            self.converted[name] = _Conversion(
-                name, converter, layer_name, output, sources, stages
-            )
+            self.converted[name] = _Conversion(name, converter, layer_name, output, sources, stages)
             self.shapes[name], self.dtypes[name] = tuple(value.shape), dtype
 
     def used(self) -> list[Any]:
@@ -277,9 +277,8 @@ def _numbering(sources: dict[str, list[str]]) -> str | None:
         numbers = [int(m[1]) if (m := shape.search(k)) else None for k in keys]
         if numbers != list(range(len(keys))) and None not in numbers:
             missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
-            return (
-                f"the {pattern!r} keys are numbered {numbers}, not 0 to {len(keys) - 1}"
-                + (f" (missing {missing})" if missing else "")
+            return f"the {pattern!r} keys are numbered {numbers}, not 0 to {len(keys) - 1}" + (
+                f" (missing {missing})" if missing else ""
             )
     return None
 
@@ -340,7 +339,7 @@ def _only_input(before: dict[str, Any], op: Any) -> _Address:
     """The input of an operation that reads one tensor (the first, if given a list)."""
     if len(before) != 1:
         raise _NoRule(f"{op!r} has {len(before)} inputs")
-    (key, value), = before.items()
+    ((key, value),) = before.items()
     return key, 0 if isinstance(value, list) else None
 
 
@@ -439,17 +438,13 @@ def _runs(src: Tensor, pos: Tensor) -> list[tuple[slice, slice]]:
         if j < len(src) and src[j] > src[i] and pos[j] > pos[i]:
             step_s, step_p = src[j] - src[i], pos[j] - pos[i]
             while (
-                j + 1 < len(src)
-                and src[j + 1] - src[j] == step_s
-                and pos[j + 1] - pos[j] == step_p
+                j + 1 < len(src) and src[j + 1] - src[j] == step_s and pos[j + 1] - pos[j] == step_p
             ):
                 j += 1
             j += 1
         else:
             step_s = step_p = 1
-        out.append(
-            (slice(src[i], src[j - 1] + 1, step_s), slice(pos[i], pos[j - 1] + 1, step_p))
-        )
+        out.append((slice(src[i], src[j - 1] + 1, step_s), slice(pos[i], pos[j - 1] + 1, step_p)))
         i = j
     return out
 
@@ -467,3 +462,55 @@ def _regions(request: _Request, ndim: int):
         for _, bdim, p in combo:
             at[bdim] = p
         yield tuple(s for s, _, _ in combo), tuple(at), order
+
+
+def save_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
+    """The model's names grouped as transformers' reverse conversion converts them (a group's
+    parameters make checkpoint keys together: Chunk's reverse concatenates two parameters),
+    in the order of each group's first name; one name per group for a model transformers does
+    not convert."""
+    groups: dict[str, list[str]] = {}
+    converters = _reverse_converters(model)
+    if converters:
+        from transformers.core_model_loading import apply_converters
+    for name in names:
+        key = name
+        if converters:
+            renamed, pattern = apply_converters(name, converters)
+            key = renamed if pattern is not None else name
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _reverse_converters(model: nn.Module) -> list[Any]:
+    """The weight converters transformers' ``revert_weight_conversion`` applies on save."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter
+    except ImportError:
+        return []
+    if not isinstance(model, PreTrainedModel):
+        return []
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # as revert_weight_conversion chooses them
+        conversions = [
+            c
+            for c in get_model_conversion_mapping(model, add_legacy=False)
+            if not isinstance(c, PrefixChange)
+        ]
+    reverse = [c.reverse_transform() for c in conversions[::-1]]
+    return [c for c in reverse if isinstance(c, WeightConverter)]
+
+
+def revert(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` (the model's names) as transformers' ``save_pretrained`` writes it: its own
+    ``revert_weight_conversion``, or ``state`` for a model it does not convert."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    if not isinstance(model, PreTrainedModel):
+        return state
+    return revert_weight_conversion(model, state)

@@ -21,7 +21,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from torch_tp._torch_compat import IncompatibleKeys
-from torch_tp.features._hf_conversion import CheckpointLayout, conversion_mapping
+from torch_tp.features._hf_conversion import (
+    CheckpointLayout,
+    conversion_mapping,
+    revert,
+    save_groups,
+)
 from torch_tp.features._publish import (
     _old_name,
     _publish,
@@ -294,6 +299,7 @@ def save_pretrained(
     directory: str | os.PathLike,
     *,
     max_shard_size: int | str = "5GiB",
+    layout: str = "transformers",
 ) -> None:
     """Write a parallelized model as a Hugging Face directory ``from_pretrained`` loads.
 
@@ -349,11 +355,21 @@ def save_pretrained(
     # every rank's checks, agreed before anything is written or gathered
     error: Exception | None = None
     limit = 0
+    groups: list[list[str]] = []
     try:
         limit = _shard_bytes(max_shard_size)
+        if layout not in _LAYOUTS:
+            raise ValueError(
+                f"layout must be one of {', '.join(map(repr, _LAYOUTS))}, found {layout!r}"
+            )
         _raise(_meta_error(model, "save_pretrained"))
         _refuse_nested_packed(state)
-    except (ValueError, NotImplementedError) as exc:
+        aliases = _tied_aliases(model)
+        names = [n for n in map(_single_device_name, state) if n not in aliases]
+        groups = save_groups(model, names) if layout == "transformers" else [[n] for n in names]
+        if layout == "transformers":
+            _check_revert(model, state, groups)
+    except (ValueError, NotImplementedError, CheckpointError) as exc:
         error = exc
     _agree(error, failed)  # nothing is written unless every rank can go on
     if writer:
@@ -364,7 +380,6 @@ def save_pretrained(
             error = CheckpointError(failed(f"cannot prepare {str(partial)!r}: {exc}"))
     _agree(error, failed)
 
-    aliases = _tied_aliases(model)
     shard: dict[str, Tensor] = {}
     shard_bytes, files, weight_map, total = 0, [], {}, 0
 
@@ -376,28 +391,38 @@ def save_pretrained(
             files.append((name, list(shard)))
         shard, shard_bytes = {}, 0
 
-    for name, value in state.items():
-        name = _single_device_name(name)
-        if name in aliases:
-            continue
-        if isinstance(value, DTensor):
-            try:
-                value = value.full_tensor()  # a collective: every rank, in the same order
-            except Exception as exc:  # noqa: BLE001 - a rank died, or the network failed
-                raise CheckpointError(
-                    failed(f"gathering {name!r} failed, a rank has probably died "
-                           f"({_first_line(exc)})")
-                ) from exc  # fmt: skip
+    def add(key: str, value: Tensor) -> None:
+        nonlocal shard_bytes, total
+        value = value.detach().cpu().contiguous()
+        nbytes = value.numel() * value.element_size()
+        if shard and shard_bytes + nbytes > limit:
+            flush()
+        shard[key] = value
+        shard_bytes += nbytes
+        total += nbytes
+
+    values = {_single_device_name(k): v for k, v in state.items()}
+    for group in groups:
+        gathered: dict[str, Tensor] = {}
+        for name in group:
+            value = values[name]
+            if isinstance(value, DTensor):
+                try:
+                    value = value.full_tensor()  # a collective: every rank, in the same order
+                except Exception as exc:  # noqa: BLE001 - a rank died, or the network failed
+                    raise CheckpointError(
+                        failed(f"gathering {name!r} failed, a rank has probably died "
+                               f"({_first_line(exc)})")
+                    ) from exc  # fmt: skip
+            if writer and error is None:
+                gathered[name] = value
         if not writer or error is not None:
             continue
         try:
-            value = value.detach().cpu().contiguous()
-            nbytes = value.numel() * value.element_size()
-            if shard and shard_bytes + nbytes > limit:
-                flush()
-            shard[name] = value
-            shard_bytes += nbytes
-            total += nbytes
+            written = revert(model, gathered) if layout == "transformers" else gathered
+            del gathered
+            for key, value in written.items():
+                add(key, value)
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
     if writer and error is None:
@@ -420,6 +445,34 @@ def save_pretrained(
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = CheckpointError(failed(_first_line(exc)))
     _agree(error, failed)
+
+
+_LAYOUTS = ("transformers", "model")
+
+
+def _check_revert(model: nn.Module, state: dict[str, Tensor], groups: list[list[str]]) -> None:
+    """Revert every group on meta tensors of its global shapes, before anything is gathered:
+    a conversion that cannot be reverted, or two that write one key, is refused by name."""
+    values = {_single_device_name(k): v for k, v in state.items()}
+    written: dict[str, str] = {}
+    for group in groups:
+        meta = {
+            n: torch.empty(values[n].shape, dtype=values[n].dtype, device="meta") for n in group
+        }
+        try:
+            keys = revert(model, meta)
+        except Exception as exc:  # noqa: BLE001 - transformers' ops raise various types
+            raise CheckpointError(
+                f"cannot write {', '.join(map(repr, group))} in transformers' layout: "
+                f"{_first_line(exc)} (layout='model' writes the model's own names)"
+            ) from exc
+        for key in keys:
+            if key in written:
+                raise CheckpointError(
+                    f"{written[key]!r} and {group[0]!r} would both be written as {key!r} in "
+                    "transformers' layout (layout='model' writes the model's own names)"
+                )
+            written[key] = group[0]
 
 
 def _save_failed(what: str, final: Path, cause: str) -> str:
