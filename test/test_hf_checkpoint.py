@@ -1,7 +1,9 @@
 """Hugging Face checkpoint directories in and out (``torch_tp.checkpoint.load_pretrained``,
-``save_pretrained``): transformers' Llama, GPT-2 (tied embeddings, packed ``c_attn``) and
-Qwen3-MoE (per-expert checkpoint keys, stacked experts in the model), at TP=2 and FSDP2 x
-TP, against the single-device model, with the bytes each rank reads counted."""
+``save_pretrained``): transformers' Llama, GPT-2 (tied embeddings, packed ``c_attn``),
+Qwen3-MoE (per-expert checkpoint keys, stacked experts in the model) and Mixtral (the Hub's
+``block_sparse_moe.experts.<e>.w1/w2/w3``, renamed and merged by transformers' conversion
+mapping), at TP=2, EP=2 and FSDP2 x TP, against the single-device model, with the bytes each
+rank reads counted; damaged Hub checkpoints refused on every rank by file and key."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from torch_tp.checkpoint import (  # noqa: E402
     load_pretrained,
     save_pretrained,
 )
-from torch_tp.plans.hf import plan_for  # noqa: E402
+from torch_tp.plans.hf import expert_parallel_plan, plan_for  # noqa: E402
 from torch_tp.testing import device_type, run_distributed  # noqa: E402
 
 SHARD = 40_000  # bytes: several files
@@ -34,6 +36,12 @@ def _model(family: str, seed: int = 0):
         config = transformers.LlamaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False, **common,
+        )  # fmt: skip
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+            tie_word_embeddings=False, **common,
         )  # fmt: skip
     else:
         config = transformers.Qwen3MoeConfig(
@@ -51,11 +59,13 @@ def _saved(family: str, path: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _load(family: str, path: str, fsdp: bool) -> tuple[dict, dict]:
+def _load(family: str, path: str, fsdp: bool, ep: bool = False) -> tuple[dict, dict]:
     """The model with other weights, parallelized, loaded from ``path``: its full state
     dict, and the elements each tensor's reads took on this rank."""
     model = _model(family, seed=1)
-    if fsdp:
+    if ep:
+        parallelize_module(model, tp_mesh(), expert_parallel_plan(model))
+    elif fsdp:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
@@ -76,16 +86,19 @@ def _load(family: str, path: str, fsdp: bool) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize(
-    "family",
+    ("family", "ep"),
     [
-        "llama",
-        pytest.param("gpt2", marks=pytest.mark.slow),
-        pytest.param("moe", marks=pytest.mark.slow),
+        ("llama", False),
+        pytest.param("gpt2", False, marks=pytest.mark.slow),
+        pytest.param("moe", False, marks=pytest.mark.slow),
+        ("mixtral", False),
+        pytest.param("mixtral", True, marks=pytest.mark.slow),
     ],
+    ids=["llama", "gpt2", "moe", "mixtral", "mixtral-ep"],
 )
-def test_load_pretrained_reads_each_ranks_slices(family, tmp_path):
+def test_load_pretrained_reads_each_ranks_slices(family, ep, tmp_path):
     expected = _saved(family, str(tmp_path))
-    results = run_distributed(_load, 2, family, str(tmp_path), False)
+    results = run_distributed(_load, 2, family, str(tmp_path), False, ep)
     for state, reads, mine in results:
         assert sorted(state) == sorted(expected)
         for name, value in expected.items():
@@ -96,6 +109,13 @@ def test_load_pretrained_reads_each_ranks_slices(family, tmp_path):
     if family == "moe":  # each rank: half the rows of every expert's gate, up and down
         expert = "model.layers.0.mlp.experts.1.gate_proj.weight"
         assert results[0][1][expert] == 16 * 32 // 2
+    if family == "mixtral":
+        reads = results[1][1]
+        w1 = "model.layers.0.block_sparse_moe.experts.{}.w1.weight"
+        if ep:  # rank 1 holds experts 2 and 3, whole, and reads nothing of the others
+            assert reads[w1.format(3)] == 64 * 32 and w1.format(1) not in reads
+        else:  # half the rows of every expert's w1 (gate) and w3 (up), half w2's columns
+            assert reads[w1.format(1)] == reads[w1.replace("w1", "w2").format(0)] == 64 * 32 // 2
 
 
 @pytest.mark.slow
@@ -146,17 +166,37 @@ def _save(family: str, path: str, fsdp: bool) -> None:
     save_pretrained(model, path, max_shard_size=SHARD)
 
 
+def _headers(directory) -> dict[str, tuple]:
+    """Every key of a checkpoint directory's safetensors files: its shape and dtype."""
+    from safetensors import safe_open
+
+    found = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as file:
+            for key in file.keys():
+                found[key] = (
+                    tuple(file.get_slice(key).get_shape()),
+                    file.get_slice(key).get_dtype(),
+                )
+    return found
+
+
 @pytest.mark.parametrize(
     ("family", "world_size"),
     [
         ("llama", 2),
         pytest.param("gpt2", 2, marks=pytest.mark.slow),
         pytest.param("moe", 2, marks=pytest.mark.slow),
+        ("mixtral", 2),
         pytest.param("llama", 4, marks=pytest.mark.slow),
     ],
 )
 def test_save_pretrained_loads_with_from_pretrained(family, world_size, tmp_path):
     run_distributed(_save, world_size, family, str(tmp_path / "out"), world_size == 4)
+    # the keys, shapes and dtypes transformers' own save_pretrained writes
+    _model(family).save_pretrained(tmp_path / "theirs", max_shard_size=SHARD)
+    ours, theirs = _headers(tmp_path / "out"), _headers(tmp_path / "theirs")
+    assert ours == theirs, sorted(set(ours.items()) ^ set(theirs.items()))
     files = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert "config.json" in files and not (tmp_path / "out.partial").exists()
     if family != "gpt2":
@@ -208,3 +248,97 @@ def test_save_pretrained_replaces_a_checkpoint_and_leaves_nothing_beside(tmp_pat
     load_pretrained(model, out)
     for name, value in _model("llama", seed=1).state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def _save_in_model_layout(path: str) -> None:
+    model = _model("mixtral")
+    parallelize_module(model, tp_mesh(), plan_for(model))
+    save_pretrained(model, path, layout="model")
+
+
+def test_save_pretrained_in_the_models_own_layout(tmp_path):
+    run_distributed(_save_in_model_layout, 2, str(tmp_path / "out"))
+    expected = _model("mixtral")
+    assert set(_headers(tmp_path / "out")) == set(expected.state_dict())  # stacked experts
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="layout must be one of 'transformers', 'model'"):
+        save_pretrained(expected, tmp_path / "other", layout="hub")
+    assert not (tmp_path / "other").exists()
+
+
+def _damage(directory, change: str) -> None:
+    """One kind of damage to a Mixtral checkpoint as transformers writes it (several files)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    key = "model.layers.1.block_sparse_moe.experts.{}.{}.weight"
+    target = key.format(1 if change == "missing" else 2, "w3")
+    path = directory / index["weight_map"][target]
+    if change == "truncated":
+        path.write_bytes(path.read_bytes()[:-64])
+        return
+    state = load_file(str(path))
+    if change == "missing":
+        del state[target], index["weight_map"][target]
+        index_path.write_text(json.dumps(index))
+    elif change == "misshaped":
+        state[target] = state[target][:-1]
+    elif change == "typed":
+        state[target] = state[target].half()
+    elif change == "unlisted":  # the index lists a key no file holds
+        index["weight_map"]["model.layers.1.block_sparse_moe.experts.9.w3.weight"] = path.name
+        index_path.write_text(json.dumps(index))
+        return
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def _refused_mixtral(path: str) -> str:
+    model = _model("mixtral", seed=1)
+    parallelize_module(model, tp_mesh(), plan_for(model))
+    before = full_state_dict(model)
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(model, path)
+    after = full_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            "missing",
+            r"'\.experts\.\*\.w3\.weight' keys are numbered \[0, 2, 3\], not 0 to 2: "
+            r"'model\.layers\.1\.block_sparse_moe\.experts\.1\.w3\.weight' missing",
+        ),
+        (
+            "misshaped",
+            r"must have one shape: .*experts\.2\.w3\.weight' \(model-\d+-of-\d+\.safetensors\) "
+            r"has \[63, 32\], the others \[64, 32\]",
+        ),
+        (
+            "typed",
+            r"must have one dtype: .*experts\.2\.w3\.weight' \(model-\d+-of-\d+\.safetensors\) "
+            r"has torch\.float16, the others torch\.float32",
+        ),
+        ("truncated", "is not a readable safetensors file"),
+        ("unlisted", r"lists key\(s\) its files do not hold: 'model\.layers\.1\.block_sparse_moe"),
+    ],
+)
+def test_a_damaged_hub_checkpoint_is_refused_on_every_rank(change, expected, tmp_path):
+    import re
+
+    _model("mixtral").save_pretrained(tmp_path, max_shard_size=SHARD)
+    _damage(tmp_path, change)
+    for message in run_distributed(_refused_mixtral, 2, str(tmp_path)):
+        assert re.search(expected, message, re.S), message
+        if change in ("misshaped", "typed"):  # the key, its file, the conversion
+            assert re.search(r"experts\.2\.w3\.weight' \(model-\d+-of-\d+\.safetensors\)", message)
+            assert "WeightConverter(['.experts.*.w1.weight', '.experts.*.w3.weight']" in message
+        if change == "truncated":
+            assert "model-0000" in message, message

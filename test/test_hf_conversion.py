@@ -91,11 +91,11 @@ def _read_shards(layout, name, full, sources):
         yield sum(read), dst.numel()
 
 
-def _layout(converter, sources, targets, model=None, renamings=()):
+def _layout(converter, sources, targets, model=None, renamings=(), dtypes=None):
     model = model if model is not None else nn.Module()
     targets = {n: torch.empty(s) for n, s in targets.items()}
     shapes = {k: tuple(v.shape) for k, v in sources.items()}
-    dtypes = {k: v.dtype for k, v in sources.items()}
+    dtypes = {k: v.dtype for k, v in sources.items()} | (dtypes or {})
     return CheckpointLayout(model, targets, shapes, dtypes, [*renamings, converter])
 
 
@@ -223,10 +223,12 @@ def test_an_operation_without_a_slice_rule_is_applied_whole_with_a_warning():
     [
         (
             "gap",
-            r"'experts.\*.w1.weight' keys are numbered \[0, 2, 3\], not 0 to 2 \(missing \[1\]\)",
+            r"'experts.\*.w1.weight' keys are numbered \[0, 2, 3\], not 0 to 2: "
+            r"'experts.1.w1.weight' missing",
         ),
-        ("shape", "cannot convert checkpoint key"),
-        ("dtype", r"different dtypes \(torch.float16, torch.float64\)"),
+        ("shape", r"one shape: 'experts.2.w3.weight' has \[5, 4\], the others \[6, 4\]"),
+        ("dtype", r"one dtype: 'experts.2.w3.weight' has torch.float16, the others torch.float64"),
+        ("F4", r"'experts.3.w1.weight' has the dtype F4, which cannot be loaded"),
     ],
 )
 def test_a_conversion_that_cannot_be_applied_is_named(change, expected):
@@ -234,6 +236,8 @@ def test_a_conversion_that_cannot_be_applied_is_named(change, expected):
                **_experts("experts.{}.w3.weight", 4, (6, 4), seed=1)}  # fmt: skip
     if change == "gap":
         del sources["experts.1.w1.weight"]
+    elif change == "F4":
+        pass  # as safetensors names a dtype torch has no counterpart of
     elif change == "shape":
         sources["experts.2.w3.weight"] = torch.randn(5, 4, dtype=torch.float64)
     else:
@@ -242,7 +246,8 @@ def test_a_conversion_that_cannot_be_applied_is_named(change, expected):
         ["experts.*.w1.weight", "experts.*.w3.weight"], "experts.gate_up_proj",
         operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
     )  # fmt: skip
-    layout = _layout(converter, sources, {"experts.gate_up_proj": (4, 12, 4)})
+    unreadable = {"experts.3.w1.weight": "F4"} if change == "F4" else None
+    layout = _layout(converter, sources, {"experts.gate_up_proj": (4, 12, 4)}, dtypes=unreadable)
     (error,) = layout.errors
     assert "WeightConverter(['experts.*.w1.weight', 'experts.*.w3.weight']" in error, error
     assert "'experts.0.w1.weight'" in error, error

@@ -75,12 +75,11 @@ class _Conversion:
     def keys(self) -> list[str]:
         return [key for keys in self.sources.values() for key in keys]
 
-    def describe(self) -> str:
+    def describe(self, key: Callable[[str], str] = repr) -> str:
         keys = self.keys
-        shown = ", ".join(map(repr, keys[:4])) + (
-            f" and {len(keys) - 4} more" if len(keys) > 4 else ""
-        )
-        return f"{shown} by {_converter_name(self.converter)}"
+        shown = ", ".join(map(key, keys[:4]))
+        more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+        return f"{shown}{more} by {_converter_name(self.converter)}"
 
 
 def _converter_name(converter: Any) -> str:
@@ -112,6 +111,7 @@ class CheckpointLayout:
         targets: the model's state dict by single-device names (global shapes).
         shapes, dtypes: the checkpoint's keys, their shapes and dtypes (from the headers).
         mapping: transformers' conversion mapping for the model (``None``: names as they are).
+        files: the file holding each key, to name it in errors.
 
     After construction, ``shapes``/``dtypes`` hold the checkpoint by the model's names (the
     converted shapes, or the checkpoint's key where no model name reads it, to be reported as
@@ -125,9 +125,11 @@ class CheckpointLayout:
         shapes: Mapping[str, tuple[int, ...]],
         dtypes: Mapping[str, torch.dtype | str],
         mapping: list[Any] | None,
+        files: Mapping[str, str] | None = None,
     ) -> None:
         self.model = model
         self.mapping = mapping
+        self._files = files or {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype | str] = {}
         self.errors: list[str] = []
@@ -159,7 +161,8 @@ class CheckpointLayout:
             if pattern is None:
                 if name in self.plain:
                     self.errors.append(
-                        f"{self.plain[name]!r} and {key!r} are both read as {name!r}"
+                        f"{self._key(self.plain[name])} and {self._key(key)} are both read as "
+                        f"{name!r}"
                     )
                     continue
                 self.plain[name] = key
@@ -182,9 +185,23 @@ class CheckpointLayout:
     ) -> None:
         """Run the converter's operations on meta tensors: the shapes it makes, or why not."""
         keys = [key for group in sources.values() for key in group]
-        what = f"checkpoint key(s) {', '.join(map(repr, keys))} by {_converter_name(converter)}"
+        shown = ", ".join(map(self._key, keys[:2])) + (
+            f" and {len(keys) - 2} more" if len(keys) > 2 else ""
+        )
+        what = f"checkpoint key(s) {shown} by {_converter_name(converter)}"
         sources = {p: sources[p] for p in converter.source_patterns if p in sources}
-        problem = _numbering(sources) or _one_dtype(keys, dtypes)
+        problem = (
+            _numbering(sources)
+            or _odd_one(keys, lambda k: str(dtypes[k]), "dtype", self._key)
+            or next(
+                (
+                    found
+                    for group in sources.values()
+                    if (found := _odd_one(group, lambda k: list(shapes[k]), "shape", self._key))
+                ),
+                None,
+            )
+        )
         if problem:
             self.errors.append(f"cannot convert {what}: {problem}")
             return
@@ -210,6 +227,9 @@ class CheckpointLayout:
             self.converted[name] = _Conversion(name, converter, layer_name, output, sources, stages)
             self.shapes[name], self.dtypes[name] = tuple(value.shape), dtype
 
+    def _key(self, key: str) -> str:
+        return f"{key!r} ({self._files[key]})" if key in self._files else repr(key)
+
     def used(self) -> list[Any]:
         """The transforms that matched a checkpoint key (transformers keeps these as the
         model's ``_weight_conversions``, to revert them on save)."""
@@ -218,9 +238,11 @@ class CheckpointLayout:
     def describe(self, name: str) -> str:
         """How ``name`` is read: its checkpoint key, or the keys and conversion."""
         if name in self.converted:
-            return f"converted from {self.converted[name].describe()}"
+            return f"converted from {self.converted[name].describe(self._key)}"
         key = self.plain.get(name, name)
-        return f"checkpoint key {key!r}" if key != name else ""
+        if key != name:
+            return f"checkpoint key {self._key(key)}"
+        return f"in {self._files[key]}" if key in self._files else ""
 
     def copy_to(
         self,
@@ -255,8 +277,8 @@ class CheckpointLayout:
         if conversion.layer_name not in self._warned:
             self._warned.add(conversion.layer_name)
             warnings.warn(
-                f"reading {conversion.target!r} ({conversion.describe()}) whole: {why}; this "
-                "rank reads every tensor it is made from, not only its slices",
+                f"reading {conversion.target!r} ({conversion.describe(self._key)}) whole: "
+                f"{why}; this rank reads every tensor it is made from, not only its slices",
                 stacklevel=5,
             )
         stage = {p: [read(k, ()) for k in keys] for p, keys in conversion.sources.items()}
@@ -274,20 +296,45 @@ def _numbering(sources: dict[str, list[str]]) -> str | None:
         if "*" not in pattern:
             continue
         shape = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
-        numbers = [int(m[1]) if (m := shape.search(k)) else None for k in keys]
+        found = [shape.search(k) for k in keys]
+        numbers = [int(m[1]) if m else None for m in found]
         if numbers != list(range(len(keys))) and None not in numbers:
             missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
+            first = found[0]
+            named = [
+                repr(keys[0][: first.start(1)] + str(n) + keys[0][first.end(1) :])
+                for n in missing[:4]
+            ]
             return f"the {pattern!r} keys are numbered {numbers}, not 0 to {len(keys) - 1}" + (
-                f" (missing {missing})" if missing else ""
+                f": {', '.join(named)}{' and more' if len(missing) > 4 else ''} missing"
+                if missing
+                else ""
             )
     return None
 
 
-def _one_dtype(keys: list[str], dtypes: Mapping[str, torch.dtype | str]) -> str | None:
-    found = {str(dtypes[k]) for k in keys}
-    if len(found) > 1:
-        return f"the tensors it merges have different dtypes ({', '.join(sorted(found))})"
-    return None
+def _odd_one(
+    keys: list[str], value: Callable[[str], Any], what: str, name: Callable[[str], str]
+) -> str | None:
+    """The keys whose ``value`` differs from the most common one's, named, or ``None``.
+
+    A dtype that is not a torch dtype (safetensors' ``F4``) is named even when alone."""
+    if what == "dtype" and any(value(k).startswith("torch.") is False for k in keys):
+        bad = [k for k in keys if not value(k).startswith("torch.")]
+        return f"{name(bad[0])} has the dtype {value(bad[0])}, which cannot be loaded"
+    counts: dict[str, int] = {}
+    for key in keys:
+        counts[repr(value(key))] = counts.get(repr(value(key)), 0) + 1
+    if len(counts) == 1:
+        return None
+    common = max(counts, key=counts.__getitem__)
+    odd = [k for k in keys if repr(value(k)) != common]
+    return (
+        f"the tensors it makes one parameter of must have one {what}: "
+        + ", ".join(f"{name(k)} has {value(k)}" for k in odd[:4])
+        + (f" and {len(odd) - 4} more differ" if len(odd) > 4 else "")
+        + f", the others {common.strip(chr(39))}"
+    )
 
 
 def _forward(converter: Any, stage: dict[str, Any], layer_name: str, model: Any) -> list[dict]:

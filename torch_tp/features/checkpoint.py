@@ -273,7 +273,8 @@ def _stage_local(
         try:
             source.copy_to(name, pieces, buffer)
         except Exception as exc:  # noqa: BLE001 - collected, raised below with every key
-            failed.append(f"{name!r}: {_first_line(exc)}")
+            found = getattr(source, "describe", lambda name: "")(name)
+            failed.append(f"{name!r}{f' ({found})' if found else ''}: {_first_line(exc)}")
             continue
         staged[name] = buffer
     if failed:
@@ -371,6 +372,12 @@ def _check_keys(
     """Compare the names, shapes and dtypes of ``source`` with the model's; raise naming
     every key at fault, warn once for lossy conversions."""
     shapes = source.shapes
+    describe = getattr(source, "describe", lambda name: "")
+
+    def where(name: str) -> str:
+        found = describe(name)
+        return f"{name} ({found})" if found else name
+
     missing = [name for name in targets if name not in shapes]
     unexpected = [name for name in shapes if name not in targets]
     mismatched, unreadable, lossy = [], [], []
@@ -379,17 +386,18 @@ def _check_keys(
             continue
         if tuple(shapes[name]) != tuple(target.shape):
             mismatched.append(
-                f"{name}: the checkpoint has shape {list(shapes[name])}, the model "
+                f"{where(name)}: the checkpoint has shape {list(shapes[name])}, the model "
                 f"{list(target.shape)}"
             )
             continue
         dtype = source.dtypes[name]
         if isinstance(dtype, str):
             unreadable.append(
-                f"{name}: the checkpoint's dtype {dtype!r} cannot be loaded into {target.dtype}"
+                f"{where(name)}: the checkpoint's dtype {dtype!r} cannot be loaded into "
+                f"{target.dtype}"
             )
         elif not _convertible(dtype, target.dtype):
-            unreadable.append(f"{name}: {dtype} cannot be converted to {target.dtype}")
+            unreadable.append(f"{where(name)}: {dtype} cannot be converted to {target.dtype}")
         elif _lossy(dtype, target.dtype):
             lossy.append(f"{name} ({dtype} to {target.dtype})")
     errors = []

@@ -129,7 +129,10 @@ class _PretrainedSource:
                 + ", ".join(map(repr, missing[:8]))
                 + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             )
-        self.layout = CheckpointLayout(model, targets, shapes, dtypes, conversion_mapping(model))
+        files = {key: path.name for key, path in self._file.items()}
+        self.layout = CheckpointLayout(
+            model, targets, shapes, dtypes, conversion_mapping(model), files
+        )
         if self.layout.errors:
             raise CheckpointError(
                 f"cannot read {self.description} into {type(model).__name__} as transformers' "
@@ -137,6 +140,7 @@ class _PretrainedSource:
                 + "\n\t".join(self.layout.errors)
             )
         self.shapes, self.dtypes = self.layout.shapes, self.layout.dtypes
+        self.describe = self.layout.describe
 
     def _read(self, key: str, region: tuple[slice, ...]) -> Tensor:
         """``key[region]`` from its file (all of it for ``()``), reading only those bytes;
