@@ -1,11 +1,12 @@
 """Hugging Face checkpoint directories in and out of a parallelized model, shard by shard.
 
 :func:`load_pretrained` reads a ``save_pretrained`` directory (one ``model.safetensors``, or
-shards listed by ``model.safetensors.index.json``) into a model parallelized by torch_tp
-(1-D TP, or FSDP2 x TP): each rank opens only the files holding its tensors and reads only
-the bytes of its own slices, with the all-or-nothing guarantees of
+shards listed by ``model.safetensors.index.json``), in any layout transformers reads, into a
+model parallelized by torch_tp (TP, EP, FSDP2 x TP): each rank opens only the files holding
+its tensors and reads only the bytes of its own slices, converted as transformers' own
+conversion mapping says (``_hf_conversion``), with the all-or-nothing guarantees of
 :func:`torch_tp.checkpoint.load_full_state_dict`. :func:`save_pretrained` writes the model
-back as such a directory, one parameter gathered at a time, rank 0 writing.
+back as transformers writes it, one parameter gathered at a time, rank 0 writing.
 """
 
 from __future__ import annotations
@@ -197,17 +198,29 @@ def load_pretrained(
     """Load a Hugging Face ``save_pretrained`` directory into a parallelized model.
 
     The directory holds ``model.safetensors``, or shards listed by
-    ``model.safetensors.index.json``. Each rank opens the files holding its tensors and
-    reads only its slices of them (``safe_open(...).get_slice``), so no rank reads the whole
-    checkpoint. The names are the model's; two differences transformers' own loading also
-    takes care of are handled:
+    ``model.safetensors.index.json``, as the Hub has it or as transformers' own
+    ``save_pretrained`` writes it. Its keys are read as transformers' ``from_pretrained``
+    reads them, through the model's conversion mapping (transformers'
+    ``get_model_conversion_mapping``, its renamings and weight converters), so that every
+    layout transformers reads loads:
 
+    * renamed keys (GPT-NeoX's ``embed_out``, Mixtral's ``block_sparse_moe``);
+    * per-expert keys (``...experts.<e>.w1.weight``, ``gate_proj``/``up_proj``) merged into
+      a model's stacked ``...experts.gate_up_proj [E, 2I, H]`` and ``down_proj``, fused
+      tensors chunked into several parameters, transposed and interleaved tensors;
     * tied weights (GPT-2's ``lm_head.weight``, the embedding's) saved once: the alias is
-      loaded through the name the checkpoint holds;
-    * stacked experts: a model's ``...experts.gate_up_proj [E, 2I, H]`` (``down_proj``,
-      ungated ``up_proj``) read from the per-expert ``...experts.<e>.gate_proj.weight`` and
-      ``up_proj.weight`` keys that ``save_pretrained`` writes, each rank reading only its rows
-      of its experts.
+      loaded through the name the checkpoint holds.
+
+    Each rank opens the files holding its tensors and reads only its slices of them
+    (``safe_open(...).get_slice``), so no rank reads the whole checkpoint: for a converted
+    parameter, the indices of its shard are pushed back through the conversion's operations
+    to the checkpoint tensors they come from (an expert-parallel rank opens only its experts'
+    keys). An operation without such a rule (none of the causal LMs of transformers 5.23 uses
+    one) is applied to whole tensors, with a warning. A conversion that cannot be applied
+    (an expert missing, tensors of different shapes or dtypes to merge) is refused naming
+    the keys, their files and the conversion. As transformers does, the conversions applied
+    are kept on the model (``model._weight_conversions``), and :func:`save_pretrained`
+    reverts them.
 
     Any other difference is a missing or unexpected key, refused by name. As
     :func:`torch_tp.checkpoint.load_full_state_dict`, the load is all or nothing: names,
@@ -230,9 +243,9 @@ def load_pretrained(
     Raises:
         FileNotFoundError: the directory holds no checkpoint.
         CheckpointError: missing or unexpected keys, shapes or dtypes that do not fit, a
-            file that cannot be read, or a directory holding only pickled weights
-            (``pytorch_model.bin``: named, with how to convert it); the message names every
-            key at fault.
+            conversion that cannot be applied, a file that cannot be read, or a directory
+            holding only pickled weights (``pytorch_model.bin``: named, with how to convert
+            it); the message names every key at fault and its file.
         ValueError: the model has tensors on the meta device (named): give it memory with
             :func:`torch_tp.materialize` first.
 
@@ -333,10 +346,13 @@ def save_pretrained(
     Keyword Args:
         max_shard_size (int or str, optional): the most bytes per file, as an int or as
             transformers writes it (``"5GB"``, ``"100MB"``, ``"5GiB"``). Default: ``"5GiB"``.
+        layout (str, optional): ``"transformers"``, the keys transformers'
+            ``save_pretrained`` writes, or ``"model"``, the model's own state-dict names.
+            Default: ``"transformers"``.
 
     Raises:
-        ValueError: a ``max_shard_size`` that is not a size, or a model on the meta device
-            (before anything is written, on every rank).
+        ValueError: a ``max_shard_size`` that is not a size, a ``layout`` that is not one,
+            or a model on the meta device (before anything is written, on every rank).
         CheckpointError: the save failed on some rank (raised on every rank); the previous
             checkpoint is intact.
 
