@@ -119,9 +119,10 @@ def test_load_pretrained_reads_each_ranks_slices(family, ep, tmp_path):
 
 
 @pytest.mark.slow
-def test_load_pretrained_into_fsdp2_and_tp(tmp_path):
-    expected = _saved("llama", str(tmp_path))
-    for state, reads, mine in run_distributed(_load, 4, "llama", str(tmp_path), True):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_load_pretrained_into_fsdp2_and_tp(family, tmp_path):
+    expected = _saved(family, str(tmp_path))
+    for state, reads, mine in run_distributed(_load, 4, family, str(tmp_path), True):
         assert sum(reads.values()) == mine
         for name, value in expected.items():
             torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
