@@ -330,6 +330,7 @@ def _refused_mixtral(path: str) -> str:
         ("truncated", "is not a readable safetensors file"),
         ("unlisted", r"lists key\(s\) its files do not hold: 'model\.layers\.1\.block_sparse_moe"),
     ],
+    ids=["missing", "misshaped", "typed", "truncated", "unlisted"],
 )
 def test_a_damaged_hub_checkpoint_is_refused_on_every_rank(change, expected, tmp_path):
     import re

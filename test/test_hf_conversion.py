@@ -230,6 +230,7 @@ def test_an_operation_without_a_slice_rule_is_applied_whole_with_a_warning():
         ("dtype", r"one dtype: 'experts.2.w3.weight' has torch.float16, the others torch.float64"),
         ("F4", r"'experts.3.w1.weight' has the dtype F4, which cannot be loaded"),
     ],
+    ids=["gap", "shape", "dtype", "F4"],
 )
 def test_a_conversion_that_cannot_be_applied_is_named(change, expected):
     sources = {**_experts("experts.{}.w1.weight", 4, (6, 4)),
