@@ -477,6 +477,15 @@ def _pull(conversion: _Conversion, request: _Request) -> dict[_Address, _Request
 def _runs(src: Tensor, pos: Tensor) -> list[tuple[slice, slice]]:
     """``src`` and ``pos`` as pairs of slices, each pair a stretch where both advance by a
     constant positive step (sorted by source first, so that reads go forward)."""
+    if len(src) > 1:  # the common case, one stretch, found without a loop in Python
+        step_s, step_p = src[1:] - src[:-1], pos[1:] - pos[:-1]
+        if bool((step_s == step_s[0]).all() and (step_p == step_p[0]).all()):
+            if step_s[0] > 0 and step_p[0] > 0:
+                first, last = int(src[0]), int(src[-1])
+                at, end = int(pos[0]), int(pos[-1])
+                return [
+                    (slice(first, last + 1, int(step_s[0])), slice(at, end + 1, int(step_p[0])))
+                ]
     order = torch.argsort(src, stable=True)
     src, pos = src[order].tolist(), pos[order].tolist()
     out, i = [], 0
