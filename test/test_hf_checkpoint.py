@@ -333,3 +333,20 @@ def test_a_damaged_hub_checkpoint_is_refused_on_every_rank(change, expected, tmp
             assert "WeightConverter(['.experts.*.w1.weight', '.experts.*.w3.weight']" in message
         if change == "truncated":
             assert "model-0000" in message, message
+
+
+def test_a_loaded_model_is_saved_in_its_checkpoints_layout_as_transformers_does(tmp_path):
+    hub, stacked = tmp_path / "hub", tmp_path / "stacked"
+    _model("mixtral").save_pretrained(hub)  # per-expert keys
+    save_pretrained(_model("mixtral"), stacked, layout="model")  # the model's stacked names
+    for source in (hub, stacked):
+        ours = _model("mixtral", seed=1)
+        load_pretrained(ours, source)
+        save_pretrained(ours, tmp_path / f"ours_{source.name}")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(source))
+        theirs.save_pretrained(tmp_path / f"theirs_{source.name}")
+        written = _headers(tmp_path / f"ours_{source.name}")
+        assert written == _headers(tmp_path / f"theirs_{source.name}") == _headers(source)
+    fresh = _model("mixtral")
+    save_pretrained(fresh, tmp_path / "fresh")
+    assert not hasattr(fresh, "_weight_conversions")  # chosen for the save only

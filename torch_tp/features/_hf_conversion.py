@@ -23,11 +23,12 @@ names it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,13 +94,10 @@ def _converter_name(converter: Any) -> str:
 def conversion_mapping(model: nn.Module) -> list[Any] | None:
     """transformers' conversion mapping for ``model``, or ``None`` for a model that is not a
     transformers ``PreTrainedModel`` (or without transformers installed)."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:
+    if not _is_transformers(model):
         return None
-    if not isinstance(model, PreTrainedModel):
-        return None
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
     return get_model_conversion_mapping(model)
 
 
@@ -538,35 +536,57 @@ def save_groups(model: nn.Module, names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def _reverse_converters(model: nn.Module) -> list[Any]:
-    """The weight converters transformers' ``revert_weight_conversion`` applies on save."""
+@contextlib.contextmanager
+def conversions_chosen(model: nn.Module) -> Iterator[None]:
+    """Within, ``model._weight_conversions`` holds the conversions transformers'
+    ``revert_weight_conversion`` reverts, chosen once rather than at each call; the model is
+    left as it was."""
+    if not _is_transformers(model) or getattr(model, "_weight_conversions", None) is not None:
+        yield
+        return
+    model._weight_conversions = _chosen_conversions(model)
+    try:
+        yield
+    finally:
+        del model._weight_conversions
+
+
+def _chosen_conversions(model: nn.Module) -> list[Any]:
+    """The conversions ``revert_weight_conversion`` reverts, chosen as it chooses them: those
+    the load applied, else the model's mapping without legacy renamings and prefix changes."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is not None:
+        return conversions
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    mapping = get_model_conversion_mapping(model, add_legacy=False)
+    return [c for c in mapping if not isinstance(c, PrefixChange)]
+
+
+def _is_transformers(model: nn.Module) -> bool:
     try:
         from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightConverter
     except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _reverse_converters(model: nn.Module) -> list[Any]:
+    """The weight converters transformers' ``revert_weight_conversion`` applies on save."""
+    if not _is_transformers(model):
         return []
-    if not isinstance(model, PreTrainedModel):
-        return []
-    conversions = getattr(model, "_weight_conversions", None)
-    if conversions is None:  # as revert_weight_conversion chooses them
-        conversions = [
-            c
-            for c in get_model_conversion_mapping(model, add_legacy=False)
-            if not isinstance(c, PrefixChange)
-        ]
-    reverse = [c.reverse_transform() for c in conversions[::-1]]
+    from transformers.core_model_loading import WeightConverter
+
+    reverse = [c.reverse_transform() for c in _chosen_conversions(model)[::-1]]
     return [c for c in reverse if isinstance(c, WeightConverter)]
 
 
 def revert(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (the model's names) as transformers' ``save_pretrained`` writes it: its own
     ``revert_weight_conversion``, or ``state`` for a model it does not convert."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
+    if not _is_transformers(model):
         return state
-    if not isinstance(model, PreTrainedModel):
-        return state
+    from transformers.core_model_loading import revert_weight_conversion
+
     return revert_weight_conversion(model, state)

@@ -25,6 +25,7 @@ from torch_tp._torch_compat import IncompatibleKeys
 from torch_tp.features._hf_conversion import (
     CheckpointLayout,
     conversion_mapping,
+    conversions_chosen,
     revert,
     save_groups,
 )
@@ -361,6 +362,13 @@ def save_pretrained(
         >>> torch_tp.checkpoint.save_pretrained(model, "out", max_shard_size="2GB")
         >>> AutoModelForCausalLM.from_pretrained("out")  # on one device
     """
+    with conversions_chosen(model):  # once, not at every parameter group
+        _save_pretrained(model, directory, max_shard_size, layout)
+
+
+def _save_pretrained(
+    model: nn.Module, directory: str | os.PathLike, max_shard_size: int | str, layout: str
+) -> None:
     from safetensors.torch import save_file
 
     final = Path(directory)
