@@ -350,3 +350,33 @@ def test_a_loaded_model_is_saved_in_its_checkpoints_layout_as_transformers_does(
     fresh = _model("mixtral")
     save_pretrained(fresh, tmp_path / "fresh")
     assert not hasattr(fresh, "_weight_conversions")  # chosen for the save only
+
+
+def _load_swapping(path: str) -> list[str]:
+    """Load into a TP model while holding a view of one parameter's memory: the view's
+    parameter is copied into (the view sees the loaded values), the others take the staged
+    buffers as their memory (no second copy); every value is the checkpoint's."""
+    from torch.distributed.tensor import DTensor
+
+    from torch_tp import _torch_compat as compat
+
+    def memory(p):
+        return compat.local_tensor(p) if isinstance(p, DTensor) else p
+
+    model = _model("llama", seed=1)
+    parallelize_module(model, tp_mesh(), plan_for(model))
+    params = dict(model.named_parameters())
+    before = {n: memory(p).data_ptr() for n, p in params.items()}
+    held = memory(params["model.norm.weight"]).detach().view(-1)
+    load_pretrained(model, path)
+    torch.testing.assert_close(held, memory(params["model.norm.weight"]).view(-1))
+    moved = [n for n, p in params.items() if memory(p).data_ptr() != before[n]]
+    assert "model.norm.weight" not in moved
+    return moved
+
+
+def test_load_pretrained_hands_its_buffers_to_the_model(tmp_path):
+    expected = _saved("llama", str(tmp_path))
+    for moved in run_distributed(_load_swapping, 2, str(tmp_path)):
+        assert len(moved) == len(expected) - 1, moved
+    # the values are the checkpoint's: test_load_pretrained_reads_each_ranks_slices

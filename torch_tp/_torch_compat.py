@@ -28,6 +28,7 @@ torch_tp name                               torch's (2.13.0 and 2.15.0)
                                             public from 2.15 (``torch.autograd.graph``), used
                                             where it exists
 ``version``                                 ``torch.Tensor._version``
+``sole_owner``                              ``torch._C._storage_Use_Count``
 ``IncompatibleKeys``                        ``torch.nn.modules.module._IncompatibleKeys``
 ``direct_parameters``,                      ``nn.Module._parameters``
 ``swap_direct_parameters``
@@ -246,6 +247,20 @@ def own_alias(value: torch.Tensor) -> torch.Tensor:
     for the same purpose. Only for a ``value`` whose memory no other tensor reads (the fresh
     result of a collective): autograd no longer sees the two as aliases."""
     return torch.ops.aten._unsafe_view(value, value.shape)
+
+
+_SOLE_USE_COUNT: list[int] = []
+
+
+def sole_owner(value: torch.Tensor) -> bool:
+    """Whether no other tensor shares ``value``'s memory (no view of it, no base it views):
+    the use count of its storage is that of a fresh tensor's (measured once, so that a torch
+    counting its own references otherwise stays right). Private, and the only one."""
+    if not _SOLE_USE_COUNT:
+        fresh = torch.empty(1)
+        _SOLE_USE_COUNT.append(torch._C._storage_Use_Count(fresh.untyped_storage()._cdata))
+    count = torch._C._storage_Use_Count(value.untyped_storage()._cdata)
+    return count == _SOLE_USE_COUNT[0]
 
 
 def version(value: torch.Tensor) -> int:

@@ -257,42 +257,76 @@ def load_full_state_dict(
 
 
 def _stage_local(
-    source: _Source, targets: Mapping[str, Tensor], result: IncompatibleKeys
+    source: _Source,
+    targets: Mapping[str, Tensor],
+    result: IncompatibleKeys,
+    threads: int = 1,
 ) -> dict[str, Tensor]:
     """Read this rank's part of every present tensor into new buffers; raise naming every
-    tensor that could not be read."""
-    staged: dict[str, Tensor] = {}
-    failed: list[str] = []
+    tensor that could not be read. With ``threads`` > 1, that many tensors are read at a
+    time (for a source whose ``copy_to`` may run in several threads at once: reads from
+    files release the GIL)."""
     skip = set(result.missing_keys)
+    work = []
     for name, target in targets.items():
         if name in skip:
             continue
         local = target.to_local() if isinstance(target, DTensor) else target
-        buffer = torch.empty_like(local)
         pieces = _local_pieces(name, target) if isinstance(target, DTensor) else None
+        work.append((name, pieces, torch.empty_like(local)))
+
+    def read(item: tuple[str, list[_Piece] | None, Tensor]) -> str | None:
+        name, pieces, buffer = item
         try:
             source.copy_to(name, pieces, buffer)
         except Exception as exc:  # noqa: BLE001 - collected, raised below with every key
             found = getattr(source, "describe", lambda name: "")(name)
-            failed.append(f"{name!r}{f' ({found})' if found else ''}: {_first_line(exc)}")
-            continue
-        staged[name] = buffer
+            return f"{name!r}{f' ({found})' if found else ''}: {_first_line(exc)}"
+        return None
+
+    if threads > 1 and len(work) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            outcomes = list(pool.map(read, work))
+    else:
+        outcomes = [read(item) for item in work]
+    failed = [outcome for outcome in outcomes if outcome is not None]
     if failed:
         raise CheckpointError(
             f"could not read from {source.description}: " + "; ".join(failed) + ". The "
             "model is unchanged."
         )
-    return staged
+    return {name: buffer for name, _, buffer in work}
 
 
 def _copy_staged(targets: Mapping[str, Tensor], staged: dict[str, Tensor]) -> None:
-    """Copy every staged buffer into the model, freeing each once copied (so that the
-    peak stays near one copy of the shard when the model's memory is untouched)."""
+    """Put every staged buffer into the model, freeing each once in (so that the peak stays
+    near one copy of the shard when the model's memory is untouched).
+
+    A buffer becomes the model's memory itself (``set_``, no copy) where ``targets`` holds
+    the model's own tensors (``state_dict(keep_vars=True)``) and the tensor's memory is its
+    alone, of the buffer's layout: nothing else can see the memory swapped out (no view of
+    it, no FSDP2 shard inside a padded flat buffer). Elsewhere it is copied."""
     with torch.no_grad():
         for name in list(staged):
             target = targets[name]
-            local = target.to_local() if isinstance(target, DTensor) else target
-            local.copy_(staged.pop(name))
+            local = compat.local_tensor(target) if isinstance(target, DTensor) else target
+            buffer = staged.pop(name)
+            if _alone(local) and _alone(buffer) and local.stride() == buffer.stride():
+                local.set_(buffer)
+            else:
+                local.copy_(buffer)
+
+
+def _alone(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor on its memory, and spans all of it."""
+    storage = tensor.untyped_storage()
+    return (
+        tensor.storage_offset() == 0
+        and storage.nbytes() == tensor.numel() * tensor.element_size()
+        and compat.sole_owner(tensor)
+    )
 
 
 def _stage_broadcast(

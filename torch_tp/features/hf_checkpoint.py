@@ -58,6 +58,8 @@ from torch_tp.features.checkpoint import (
 __all__ = ["load_pretrained", "save_pretrained"]
 
 _INDEX = "model.safetensors.index.json"
+# tensors read at a time: a read waits on the disk (or the page cache) with the GIL released
+_READERS = min(4, os.cpu_count() or 1)
 _SINGLE = "model.safetensors"
 _PICKLED = ("pytorch_model.bin.index.json", "pytorch_model.bin")
 
@@ -258,7 +260,11 @@ def load_pretrained(
         >>> torch_tp.materialize(model)
         >>> torch_tp.checkpoint.load_pretrained(model, "path/to/checkpoint")
     """
-    targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
+    # the model's own tensors (not detached copies): a staged buffer becomes a tensor's memory
+    # where nothing else sees it (see _copy_staged)
+    state = model.state_dict(keep_vars=True)
+    targets = {_single_device_name(k): v for k, v in state.items()}
+    del state
     _refuse_nested_packed(targets)  # on every rank, before any communication
     error: Exception | None = None
     result, staged = IncompatibleKeys([], []), {}
@@ -273,7 +279,7 @@ def load_pretrained(
             if not (k in aliases and k not in source.shapes and aliases[k] in source.shapes)
         }
         result = _check_keys(model, wanted, source, strict)
-        staged = _stage_local(source, wanted, result)
+        staged = _stage_local(source, wanted, result, threads=_READERS)
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = exc
     if _distributed() and any(isinstance(t, DTensor) for t in targets.values()):
