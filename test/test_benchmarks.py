@@ -35,6 +35,7 @@ from torch_tp.testing import run_distributed
 # import this module too, so they get the same path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_hf_checkpoint  # noqa: E402
 import bench_meta_init  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_pipeline  # noqa: E402
@@ -416,3 +417,24 @@ def test_meta_init_script_quick_mode() -> None:
         assert row.peak_mib == row.peak_mib or not os.access("/proc/self/clear_refs", os.W_OK)
     text = bench_meta_init.table(list(rows.values()), args, markdown=True)
     assert text.count("\n| ") == 3  # the header and two rows
+
+
+@pytest.mark.slow  # writes two checkpoints, then loads and saves each with both libraries
+def test_hf_checkpoint_script_tiny(tmp_path: Path) -> None:
+    """Both libraries load and save both tiny Hub-layout checkpoints at TP=2, each torch_tp
+    rank reading about half of the checkpoint's bytes; the table has a row each and the goals."""
+    pytest.importorskip("transformers")
+    argv = ["--size", "tiny", "--in-process", "--dir", str(tmp_path)]
+    args = bench_hf_checkpoint.parse(argv)
+    rows = {(r.model, r.library): r for r in bench_hf_checkpoint.bench(args)}
+    assert list(rows) == [
+        (m, lib) for m in ("llama", "mixtral") for lib in ("torch_tp", "transformers")
+    ]
+    for model in ("llama", "mixtral"):
+        row = rows[model, "torch_tp"]
+        assert not row.error and row.save_s, (model, row.error, row.save_error)
+        shares = [read / row.checkpoint.total_bytes for read in row.read]
+        assert shares == pytest.approx([0.5, 0.5], abs=0.05), (model, shares)
+    text = bench_hf_checkpoint.table(list(rows.values()), args, markdown=True)
+    assert text.count("\n| ") == 5  # the header and four rows
+    assert len(re.findall(r": (not )?met\b", text)) == 6  # 4 memory goals, 2 load-time goals
