@@ -229,6 +229,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "read from its sources in reverse order: `up_proj` rows as `gate_proj`'s",
     ),
     Mutation(
+        name="hf_save_in_the_models_layout",
+        file="torch_tp/features/hf_checkpoint.py",
+        old='written = revert(model, gathered) if layout == "transformers" else gathered',
+        new="written = gathered",
+        tests=("test/test_hf_checkpoint.py::test_save_pretrained_loads_with_from_pretrained",),
+        description="`save_pretrained` writes the model's own names (stacked experts) where "
+        "transformers writes the Hub's per-expert keys",
+    ),
+    Mutation(
+        name="hf_load_swaps_shared_memory",
+        file="torch_tp/features/checkpoint.py",
+        old="if _alone(local) and _alone(buffer) and local.stride() == buffer.stride():",
+        new="if local.stride() == buffer.stride():",
+        tests=("test/test_hf_checkpoint.py::test_load_pretrained_hands_its_buffers_to_the_model",),
+        description="a loaded buffer replaces a tensor's memory that another tensor also "
+        "views (the view keeps the old values)",
+    ),
+    Mutation(
         name="pipeline_gradients_unscaled",
         file="torch_tp/features/pipeline.py",
         old="""        loss_fn=loss_fn,
