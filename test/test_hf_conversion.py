@@ -254,3 +254,16 @@ def test_a_conversion_that_cannot_be_applied_is_named(change, expected):
     assert "'experts.0.w1.weight'" in error, error
     assert pytest.importorskip("re").search(expected, error), error
     assert "experts.gate_up_proj" not in layout.shapes
+
+
+def test_a_key_renamed_to_nothing_in_the_model_is_unexpected_by_its_own_name():
+    renaming = WeightRenaming(".block_sparse_moe.", ".mlp.")
+    sources = {"layers.0.block_sparse_moe.bias": torch.zeros(2), "layers.0.norm": torch.zeros(2)}
+    layout = CheckpointLayout(
+        nn.Module(),
+        {"layers.0.norm": torch.empty(2)},
+        {k: tuple(v.shape) for k, v in sources.items()},
+        {k: v.dtype for k, v in sources.items()},
+        [renaming],
+    )
+    assert sorted(layout.shapes) == ["layers.0.block_sparse_moe.bias", "layers.0.norm"]

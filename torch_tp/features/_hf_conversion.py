@@ -157,6 +157,8 @@ class CheckpointLayout:
             if name not in targets and key in targets:  # a renaming that leaves the model
                 name, pattern = rename_source_key(key, [], [], prefix, targets)
             if pattern is None:
+                if name not in targets:  # read by nothing: unexpected, by its own name
+                    name = key
                 if name in self.plain:
                     self.errors.append(
                         f"{self._key(self.plain[name])} and {self._key(key)} are both read as "
