@@ -352,7 +352,7 @@ def _preload(checkpoint: Checkpoint) -> None:
         "transformers.distributed.tensor_parallel",
         "torch_tp.checkpoint",
         "torch_tp.plans.hf",
-        "torch_tp.features._hf_conversion",
+        "torch_tp.checkpoint._hf_conversion",
     ):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

@@ -90,7 +90,7 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="partial_gradients_not_reduced",
-        file="torch_tp/core/_layouts.py",
+        file="torch_tp/_layouts.py",
         old="flat = _regions.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)",
         new="flat = torch.cat([t.reshape(-1) for t in locals_])",
         tests=("test/test_style.py::test_sequence_parallel_norms[rmsnorm-2]",),
@@ -99,7 +99,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="copy_to_region_backward_not_reduced",
-        file="torch_tp/core/_regions.py",
+        file="torch_tp/_regions.py",
         old="""    def backward(ctx, grad: torch.Tensor):
         return all_reduce(grad, ctx.mesh), None""",
         new="""    def backward(ctx, grad: torch.Tensor):
@@ -109,7 +109,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="rowwise_linear_wrong_shard_dim",
-        file="torch_tp/core/style.py",
+        file="torch_tp/style.py",
         old="in_dim = 1 if isinstance(module, nn.Linear) else 0",
         new="in_dim = 0 if isinstance(module, nn.Linear) else 0",
         tests=("test/test_style.py::test_rowwise_linear[True-2]",),
@@ -117,7 +117,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="vocab_embedding_rotated",
-        file="torch_tp/core/style.py",
+        file="torch_tp/style.py",
         old="start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)",
         new="start, stop = _layouts.chunk_range(module.num_embeddings, rt.mesh.size(), "
         "(rt.mesh.get_local_rank() + 1) % rt.mesh.size())",
@@ -127,7 +127,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="loss_parallel_vocab_rotated",
-        file="torch_tp/features/loss.py",
+        file="torch_tp/loss.py",
         old="vocab_start, _ = chunk_range(vocab_size, mesh.size(tp_dim), "
         "mesh.get_local_rank(tp_dim))",
         new="vocab_start, _ = chunk_range(vocab_size, mesh.size(tp_dim), "
@@ -138,7 +138,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="loss_parallel_sum_not_reduced",
-        file="torch_tp/features/loss.py",
+        file="torch_tp/loss.py",
         old='totals = compat.functional_collectives.all_reduce(torch.stack(sums, dim=1), "sum", '
         "group)",
         new="totals = torch.stack(sums, dim=1)",
@@ -148,7 +148,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="loss_parallel_max_not_reduced",
-        file="torch_tp/features/loss.py",
+        file="torch_tp/loss.py",
         old="shift, flag = reduced[:-1], reduced[-1:]",
         new="shift, flag = local_max, reduced[-1:]",
         tests=("test/test_loss.py::test_options[mean-0.0-all_tokens]",),
@@ -156,7 +156,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="replicate_sum_gradients_ignored",
-        file="torch_tp/core/style.py",
+        file="torch_tp/style.py",
         old="""        swapped = _swap_in_local_parameters(inner, rt, self.sum_gradients)
         try:
             return _run_on_local_parameters(
@@ -175,7 +175,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="partial_sum_inner_gradients_not_summed",
-        file="torch_tp/core/style.py",
+        file="torch_tp/style.py",
         old="swapped = _swap_in_local_parameters(inner, rt, True)",
         new="swapped = _swap_in_local_parameters(inner, rt, False)",
         tests=(
@@ -187,7 +187,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="clip_norm_not_reduced",
-        file="torch_tp/features/clip.py",
+        file="torch_tp/clip.py",
         old="""        dist.all_reduce(part, op=op, group=group)
         norms = norms.index_copy(0, index, part)""",
         new="""        norms = norms.index_copy(0, index, part)""",
@@ -211,7 +211,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="rng_tp_seed_off_by_one",
-        file="torch_tp/core/random.py",
+        file="torch_tp/random.py",
         old="return (self.seed + _TP_SEED_OFFSET + tp_rank) % _SEED_MODULUS",
         new="return (self.seed + _TP_SEED_OFFSET + tp_rank + 1) % _SEED_MODULUS",
         tests=(
@@ -221,7 +221,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="hf_checkpoint_gate_up_swapped",
-        file="torch_tp/features/_hf_conversion.py",
+        file="torch_tp/checkpoint/_hf_conversion.py",
         old="                for p, e in inputs:",
         new="                for p, e in reversed(inputs):",
         tests=("test/test_hf_checkpoint.py::test_load_pretrained_reads_each_ranks_slices[moe]",),
@@ -230,7 +230,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="hf_save_in_the_models_layout",
-        file="torch_tp/features/hf_checkpoint.py",
+        file="torch_tp/checkpoint/hf.py",
         old='written = revert(model, gathered) if layout == "transformers" else gathered',
         new="written = gathered",
         tests=("test/test_hf_checkpoint.py::test_save_pretrained_loads_with_from_pretrained",),
@@ -239,7 +239,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="hf_load_swaps_shared_memory",
-        file="torch_tp/features/checkpoint.py",
+        file="torch_tp/checkpoint/__init__.py",
         old="if _alone(local) and _alone(buffer) and local.stride() == buffer.stride():",
         new="if local.stride() == buffer.stride():",
         tests=("test/test_hf_checkpoint.py::test_load_pretrained_hands_its_buffers_to_the_model",),
@@ -248,7 +248,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="pipeline_gradients_unscaled",
-        file="torch_tp/features/pipeline.py",
+        file="torch_tp/pipeline.py",
         old="""        loss_fn=loss_fn,
         **schedule_kwargs,
     )""",
@@ -261,7 +261,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="expert_tokens_misrouted",
-        file="torch_tp/core/style.py",
+        file="torch_tp/style.py",
         old="expert = torch.arange(len(counts), device=rows.device) % local_experts",
         new="expert = (torch.arange(len(counts), device=rows.device) + 1) % local_experts",
         tests=(
@@ -271,7 +271,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="expert_all_to_all_backward_skipped",
-        file="torch_tp/core/_regions.py",
+        file="torch_tp/_regions.py",
         old="back = _all_to_all(grad, ctx.mesh, ctx.input_splits, ctx.output_splits)",
         new="back = grad",
         tests=(
@@ -282,7 +282,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="sequence_gather_backward_local_slice",
-        file="torch_tp/core/_regions.py",
+        file="torch_tp/_regions.py",
         old="""    def backward(ctx, grad: torch.Tensor):
         return _reduce_scatter(grad, ctx.mesh, ctx.dim), None, None""",
         new="""    def backward(ctx, grad: torch.Tensor):
@@ -484,9 +484,9 @@ from torch_tp.testing import run_distributed
 
 
 def _where() -> list[str]:
-    import torch_tp.core.style
+    import torch_tp.style
 
-    return [torch_tp.__file__, torch_tp.core.style.__file__]
+    return [torch_tp.__file__, torch_tp.style.__file__]
 
 
 def test_probe():

@@ -29,7 +29,7 @@ from torch_tp import (
     RowwiseParallel,
     TensorParallelExperts,
 )
-from torch_tp.core.plan import planned_placement
+from torch_tp.plan import planned_placement
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plan import from_dict, resolve_plan, to_dict
 from torch_tp.plans.auto import ReplicatedModulesWarning, auto

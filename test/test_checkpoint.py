@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 import torch_tp
-from torch_tp.features import checkpoint
+from torch_tp import checkpoint
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import device_type, run_distributed

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from torch_tp.checkpoint import CheckpointError
-from torch_tp.features import checkpoint
+from torch_tp import checkpoint
 from torch_tp.testing import RankError, run_distributed
 
 # --------------------------------------------------------------------------- helpers
@@ -416,7 +416,7 @@ def _save_pretrained_and_die(path: str, out_dir: str, point: str) -> None:
     from helpers import tp_mesh
 
     from torch_tp import parallelize_module
-    from torch_tp.features import hf_checkpoint
+    from torch_tp.checkpoint import hf as hf_checkpoint
     from torch_tp.plans.hf import plan_for
 
     model = _hf_llama(seed=0)
@@ -499,7 +499,7 @@ def _save_pretrained_and_die(path: str, out_dir: str, point: str) -> None:
 )
 def test_killed_save_pretrained_keeps_a_checkpoint(tmp_path, point, victim, kept):
     pytest.importorskip("transformers")
-    from torch_tp.features.hf_checkpoint import load_pretrained, save_pretrained
+    from torch_tp.checkpoint.hf import load_pretrained, save_pretrained
 
     path, out = tmp_path / "hf", tmp_path / "out"
     out.mkdir()
@@ -537,7 +537,7 @@ def test_killed_save_pretrained_keeps_a_checkpoint(tmp_path, point, victim, kept
 def _one_bad_rank(root: str) -> list[str]:
     """Each check that guards a collective of a save or load, failing on rank 1 only,
     raises the same error on every rank (no rank is left in a collective)."""
-    from torch_tp.features import hf_checkpoint
+    from torch_tp.checkpoint import hf as hf_checkpoint
 
     bad = dist.get_rank() == 1
     model = meta_llama(1, 2)

@@ -18,8 +18,8 @@ from helpers import tp_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from torch_tp import ColwiseParallel, ParallelStyle, RowwiseParallel, StyleContract
-from torch_tp.core.contract import Boundary, Layout
-from torch_tp.core.registry import STYLE_REGISTRY
+from torch_tp.contract import Boundary, Layout
+from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.plan import from_dict, to_dict
 from torch_tp.report import plan_report
 from torch_tp.testing import check_parity, run_distributed
@@ -164,10 +164,10 @@ def test_user_style_parity():
 
 # the modules that read contracts instead of style classes
 _READERS = (
-    "torch_tp/tools/report/__init__.py",
-    "torch_tp/tools/report/trace.py",
-    "torch_tp/core/plan.py",
-    "torch_tp/core/_names.py",
+    "torch_tp/report/__init__.py",
+    "torch_tp/report/trace.py",
+    "torch_tp/plan.py",
+    "torch_tp/_names.py",
 )
 
 
@@ -175,7 +175,7 @@ _READERS = (
 def test_no_reader_names_a_concrete_style_class(path):
     """The report, the plan checks and the plain-data form dispatch on contracts only."""
     builtin = {
-        cls.__name__ for cls in STYLE_REGISTRY.classes() if cls.__module__ == "torch_tp.core.style"
+        cls.__name__ for cls in STYLE_REGISTRY.classes() if cls.__module__ == "torch_tp.style"
     }
     tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
     named = sorted(
@@ -196,10 +196,10 @@ def test_no_reader_names_a_concrete_style_class(path):
 
 
 def test_every_built_in_style_is_exported():
-    """``torch_tp.core.style.__all__`` (which ``torch_tp`` re-exports) lists every style the
+    """``torch_tp.style.__all__`` (which ``torch_tp`` re-exports) lists every style the
     module defines: the one line a new style adds there, beside its class."""
     import torch_tp
-    from torch_tp.core import style
+    from torch_tp import style
 
     defined = [cls.__name__ for cls in STYLE_REGISTRY.classes() if cls.__module__ == style.__name__]
     assert sorted(style.__all__) == sorted(["ParallelStyle", *defined])

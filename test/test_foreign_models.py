@@ -190,7 +190,7 @@ def test_shape_check_sends_back_what_the_rules_miss(monkeypatch):
 def test_shape_problem_elsewhere_is_refused(monkeypatch):
     # a problem outside any attention or MLP (here made up, at the root module) has no
     # fallback: refused with the problem
-    import torch_tp.core.shapes as shapes
+    import torch_tp.shapes as shapes
 
     problem = shapes.ShapeProblem("", "model.py:1", "view", (2, 8), (2, 4), "a made-up problem")
     monkeypatch.setattr(shapes, "check_shapes", lambda *args, **kwargs: [problem])

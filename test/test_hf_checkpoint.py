@@ -215,7 +215,7 @@ def test_save_pretrained_loads_with_from_pretrained(family, world_size, tmp_path
 def test_max_shard_size_reads_transformers_sizes_and_refuses_others(tmp_path):
     from transformers.utils.hub import convert_file_size_to_int
 
-    from torch_tp.features.hf_checkpoint import _shard_bytes
+    from torch_tp.checkpoint.hf import _shard_bytes
 
     for size in ("5GB", "100KB", "5GiB", "500MB", "3MiB", "7KiB", "8Mb", "2gb", 12345):
         assert _shard_bytes(size) == convert_file_size_to_int(size), size

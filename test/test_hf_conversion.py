@@ -1,5 +1,5 @@
 """A rank's slices of a converted parameter, read through transformers' own weight converters
-(``torch_tp.features._hf_conversion``): for every operation transformers' conversion mappings
+(``torch_tp.checkpoint._hf_conversion``): for every operation transformers' conversion mappings
 use, and chains of them, the elements a shard holds are read from the checkpoint tensors they
 come from, and only those. The expected values are transformers' operations applied to the
 whole tensors; the shards are the index sets DTensor layouts give (blocks, strided halves,
@@ -29,8 +29,8 @@ from transformers.core_model_loading import (  # noqa: E402
     WeightRenaming,
 )
 
-from torch_tp.features._hf_conversion import CheckpointLayout  # noqa: E402
-from torch_tp.features.checkpoint import _runs  # noqa: E402
+from torch_tp.checkpoint._hf_conversion import CheckpointLayout  # noqa: E402
+from torch_tp.checkpoint import _runs  # noqa: E402
 
 
 def _whole(converter, sources, model, layer_name=""):

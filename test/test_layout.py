@@ -1,13 +1,21 @@
-"""The package layout is the architecture: core, features and tools, dependencies one way.
+"""The package layout is the architecture: each public module holds its code, and the imports
+between modules point one way, with no cycles.
 
-* ``torch_tp/core/``: applying a plan (``api``, ``plan``, the styles, their contracts and
-  registry, layouts and regions, the RNG tracker the styles draw dropout masks from);
-* ``torch_tp/features/``: what training needs beside it (``loss``, ``checkpoint``, ``clip``);
-* ``torch_tp/tools/``: what helps to write and check plans (the report, the CLI, the demo).
+The layers are named by module, not by folder (``LAYERS``):
 
-The core imports neither features nor tools; features do not import tools. The public module
-paths (``torch_tp.plan``, ``torch_tp.checkpoint``, ...) are one-line re-exports, and nothing
-inside the package imports them.
+* the core applies a plan: ``api``, ``plan``, the styles (``style``) with their contracts and
+  registry, layouts and regions, the shape check, and the RNG tracker the styles draw dropout
+  masks from;
+* the features are what training needs beside it: ``loss``, ``clip``, ``meta``,
+  ``checkpoint``, ``pipeline``. Each imports the core, never another feature;
+* the tools help to write and check plans: the dry-run ``report`` and the command line
+  (``cli``, ``__main__``). They import the core and the features;
+* ``plans``, ``models`` and ``testing`` are leaves: nothing in the layers above imports them.
+
+Every module of the package is in exactly one layer (a new module must be placed), every
+module is under 1,000 lines, no module but a package's ``__init__`` is only a re-export, and the
+graph of all imports (lazy ones inside functions included, ``TYPE_CHECKING`` blocks aside) has
+no cycle.
 """
 
 from __future__ import annotations
@@ -20,81 +28,199 @@ import pytest
 import torch_tp
 
 PACKAGE = Path(torch_tp.__file__).resolve().parent
-# the public module paths, each re-exporting one module of core, features or tools
-PUBLIC_ALIASES = (
-    "api",
-    "plan",
-    "style",
-    "contract",
-    "random",
-    "loss",
-    "checkpoint",
-    "report",
-)
-# what each layer may not import
-FORBIDDEN = {
-    "core": ("torch_tp.features", "torch_tp.tools", "torch_tp.plans", "torch_tp.models"),
-    "features": ("torch_tp.tools", "torch_tp.plans", "torch_tp.models"),
+
+# each layer: the module names (dotted, under torch_tp) it is made of; a name covers its
+# submodules
+LAYERS = {
+    "core": (
+        "api",
+        "plan",
+        "_names",
+        "style",
+        "contract",
+        "registry",
+        "random",
+        "shapes",
+        "_layouts",
+        "_regions",
+        "_torch_compat",
+    ),
+    "features": ("loss", "clip", "meta", "checkpoint", "pipeline"),
+    "tools": ("report", "cli", "__main__"),
+    "leaves": ("plans", "models", "testing"),
+}
+# the layers each layer may import (a feature, of its own layer, only its own modules); the
+# tools and the leaves use the public API as users do, the package root included
+ALLOWED = {
+    "core": ("core",),
+    "features": ("core", "features"),
+    "tools": ("core", "features", "tools", "leaves"),
+    "leaves": ("core", "features", "tools", "leaves"),
+}
+MAX_LINES = 1000
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {
+    _module_name(path): path
+    for path in sorted(PACKAGE.rglob("*.py"))
+    if "__pycache__" not in path.parts
 }
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """Every module ``path`` imports (at any depth), absolute, with its line."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    found = []
-    for node in ast.walk(tree):
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported(module: str, path: Path) -> list[tuple[int, str]]:
+    """The torch_tp modules ``module`` imports, at any depth outside ``TYPE_CHECKING`` blocks,
+    with their lines. ``from a import b`` imports ``a.b`` where that is a module, else ``a``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if sub in MODULES else base))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    torch_tp_only = [(line, name) for line, name in found if name.split(".")[0] == "torch_tp"]
+    return sorted(set(torch_tp_only))
+
+
+def _layer(module: str) -> tuple[str, str] | None:
+    """(layer, top-level name) of a torch_tp module; None for the package itself."""
+    if module == "torch_tp":
+        return None
+    top = module.split(".")[1]
+    for layer, names in LAYERS.items():
+        if top in names:
+            return layer, top
+    raise AssertionError(f"{module} is in no layer of test_layout.LAYERS: place it")
+
+
+GRAPH = {module: _imported(module, path) for module, path in MODULES.items()}
+
+
+def test_every_module_is_in_one_layer():
+    placed = [name for names in LAYERS.values() for name in names]
+    assert len(placed) == len(set(placed))
+    for module in MODULES:
+        _layer(module)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_dependencies_point_one_way(layer):
+    bad = []
+    for module, imports in GRAPH.items():
+        if module == "torch_tp" or _layer(module)[0] != layer:
+            continue
+        own = _layer(module)[1]
+        for line, target in imports:
+            if target == "torch_tp":
+                if layer in ("tools", "leaves"):
+                    continue
+                bad.append(f"{module}:{line} imports the package root; import the module")
+                continue
+            target_layer, target_top = _layer(target)
+            if target_layer not in ALLOWED[layer]:
+                bad.append(f"{module}:{line} ({layer}) imports {target} ({target_layer})")
+            elif layer == "features" and target_layer == "features" and target_top != own:
+                bad.append(f"{module}:{line} imports another feature, {target}")
+    assert not bad, "\n".join(bad)
+
+
+def _cycles() -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), and
+    modules that import themselves."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for _, target in GRAPH.get(node, ()):
+            if target not in GRAPH:
+                continue
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or any(t == node for _, t in GRAPH[node]):
+                found.append(sorted(component))
+
+    for node in GRAPH:
+        if node not in index:
+            connect(node)
     return found
 
 
-def _layer_files(layer: str) -> list[Path]:
-    return sorted((PACKAGE / layer).rglob("*.py"))
+def test_no_import_cycles():
+    cycles = _cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_dependencies_point_one_way(layer):
-    files = _layer_files(layer)
-    assert files, f"torch_tp/{layer}/ is empty"
-    aliases = tuple(f"torch_tp.{name}" for name in PUBLIC_ALIASES)
-    bad = [
-        f"{path.relative_to(PACKAGE)}:{line} imports {module}"
-        for path in files
-        for line, module in _imports(path)
-        if module.startswith(FORBIDDEN[layer]) or module in aliases
-    ]
-    assert not bad, "\n".join(bad)
+def test_the_cycle_check_finds_a_cycle():
+    """The check itself: two modules importing each other are one cycle."""
+    saved = dict(GRAPH)
+    try:
+        GRAPH["torch_tp.api"] = [*GRAPH["torch_tp.api"], (0, "torch_tp.report")]
+        GRAPH["torch_tp.report"] = [*GRAPH["torch_tp.report"], (0, "torch_tp.api")]
+        assert any({"torch_tp.api", "torch_tp.report"} <= set(c) for c in _cycles())
+    finally:
+        GRAPH.clear()
+        GRAPH.update(saved)
 
 
-def test_tools_import_no_public_alias():
-    aliases = {f"torch_tp.{name}" for name in PUBLIC_ALIASES}
-    bad = [
-        f"{path.relative_to(PACKAGE)}:{line} imports {module}"
-        for path in _layer_files("tools")
-        for line, module in _imports(path)
-        if module in aliases
-    ]
-    assert not bad, "\n".join(bad)
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_is_past_one_sitting(module):
+    lines = len(MODULES[module].read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[module].relative_to(PACKAGE)} has {lines} lines"
 
 
-@pytest.mark.parametrize("name", PUBLIC_ALIASES)
-def test_public_paths_are_re_exports(name):
-    """``torch_tp.<name>`` re-exports one module, all of its public names, and holds no code."""
-    path = PACKAGE / f"{name}.py"
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    body = [n for n in tree.body if not isinstance(n, ast.Expr)]  # the docstring aside
-    stars = [n.module for n in body if isinstance(n, ast.ImportFrom) and n.names[0].name == "*"]
-    assert len(stars) == 1, f"{path.name} re-exports from {stars}"
-    (source,) = stars
-    assert source.startswith(("torch_tp.core.", "torch_tp.features.", "torch_tp.tools."))
-    assert all(isinstance(n, (ast.ImportFrom, ast.Assign)) for n in body), path.name
-    public = __import__(f"torch_tp.{name}", fromlist=["__all__"])
-    origin = __import__(source, fromlist=["__all__"])
-    assert public.__all__ == origin.__all__
-    assert all(getattr(public, item) is getattr(origin, item) for item in origin.__all__)
+@pytest.mark.parametrize(
+    "module", sorted(m for m, p in MODULES.items() if p.name != "__init__.py")
+)
+def test_no_module_is_only_a_re_export(module):
+    """A module that is not a package's ``__init__`` defines something of its own."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    own = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    assert any(isinstance(node, own) for node in tree.body), module
 
 
 @pytest.mark.slow  # a Python process of its own
@@ -104,7 +230,7 @@ def test_public_paths_come_with_the_package():
     import subprocess
     import sys
 
-    names = ", ".join(repr(name) for name in PUBLIC_ALIASES)
-    code = f"import torch_tp; [getattr(torch_tp, name) for name in ({names})]"
+    names = ("api", "plan", "style", "contract", "random", "loss", "checkpoint", "report")
+    code = f"import torch_tp; [getattr(torch_tp, name) for name in {names!r}]"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

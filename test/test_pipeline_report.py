@@ -50,7 +50,7 @@ def test_parameter_bytes_per_rank_follow_the_plan():
     for stage, row, plain_row in zip(
         split_model(_meta_llama(), 2), sharded.stages, plain.stages, strict=True
     ):
-        from torch_tp.features.pipeline import _plan_for_stage
+        from torch_tp.pipeline import _plan_for_stage
 
         shape = (1, 8) if stage.first else (1, 8, CONFIG.dim)
         dtype = torch.long if stage.first else torch.float32

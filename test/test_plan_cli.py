@@ -73,7 +73,7 @@ def test_plan_model_path_errors_name_the_path(tmp_path, capsys):
 @pytest.mark.slow  # imports T5
 def test_a_family_without_a_causal_lm_head_is_built_as_its_base_model(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from torch_tp.tools.plan_cli import _build_model
+    from torch_tp.cli.plan import _build_model
 
     transformers.T5Config(
         d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, vocab_size=64

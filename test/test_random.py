@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
-import torch_tp.core.random as tp_random
+import torch_tp.random as tp_random
 from torch_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch_tp.models import Llama, LlamaConfig
 from torch_tp.plans.llama import llama_plan

@@ -637,7 +637,7 @@ def test_unsharded_layers_are_noted_with_their_size():
 
 
 def test_llama3_8b_at_tp16_cannot_split_kv_heads():
-    from torch_tp.tools.plan_cli import llama3_8b_config
+    from torch_tp.cli.plan import llama3_8b_config
 
     report = plan_report(_meta(llama3_8b_config()), llama_plan(), 16, batch_size=1, seq_len=64)
     assert "8 heads do not divide by the TP degree 16" in _messages(report)

@@ -120,7 +120,7 @@ def test_an_in_place_change_between_readers_is_seen():
 
 
 def _gathered_input_is_not_kept() -> None:
-    from torch_tp.core import _layouts
+    from torch_tp import _layouts
 
     mesh = tp_mesh()
     plan = {name: ColwiseParallel(input_layouts=Shard(1)) for name in ("q", "k")}

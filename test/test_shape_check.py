@@ -1,4 +1,4 @@
-"""The shape check (:mod:`torch_tp.core.shapes`): a plan's model traced on the meta device as
+"""The shape check (:mod:`torch_tp.shapes`): a plan's model traced on the meta device as
 one device and as one rank, paired op by op; and where it runs (the report, ``plan_for``,
 ``parallelize_module(example_inputs=...)``)."""
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import torch_tp
 from torch_tp import AttentionHeads, ColwiseParallel, PackedColwiseParallel, RowwiseParallel
-from torch_tp.core.shapes import ShapeCheckError, check_shapes
+from torch_tp.shapes import ShapeCheckError, check_shapes
 from torch_tp.testing import run_distributed
 
 EMBD, HEADS, B, T = 128, 4, 2, 16

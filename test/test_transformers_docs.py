@@ -15,8 +15,8 @@ from pathlib import Path
 import test_zoo
 import test_zoo_auto
 
-from torch_tp.core import _names
-from torch_tp.core.registry import STYLE_REGISTRY
+from torch_tp import _names
+from torch_tp.registry import STYLE_REGISTRY
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "transformers.md"
 SECTIONS = ("names", "zoo", "zoo-auto")

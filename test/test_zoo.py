@@ -11,7 +11,7 @@ the same 8 tokens sampled with ``generate(do_sample=True, top_p=0.9)`` after the
 (on every rank).
 
 Sharded as planned: every parameter a style of the plan lays out must have the placement
-that style's contract declares (:func:`torch_tp.core.plan.planned_placements`, as the dry-run
+that style's contract declares (:func:`torch_tp.plan.planned_placements`, as the dry-run
 report reads it), a parameter no style lays out must not be sharded, and each rank must hold
 the parameter bytes :func:`torch_tp.report.plan_report` predicts. The same values: within
 ``rtol=1e-10`` in a float64 model (:data:`TOLERANCES`; float32's tolerance in a float32 one,
@@ -442,14 +442,14 @@ def _planned(model: nn.Module, plan: Any) -> tuple[dict[str, Any], int, int]:
     """What the plan promises for ``model`` (not yet parallelized), read from its styles'
     contracts as the dry-run report reads them: every parameter a style lays out (by its
     name in the model) with the placement the style's contract declares for it
-    (:func:`torch_tp.core.plan.planned_placements`) and the plan key and style that lay
+    (:func:`torch_tp.plan.planned_placements`) and the plan key and style that lay
     it out; and the parameter bytes on the rank with the largest shards and on one device,
     as :func:`torch_tp.report.plan_report` predicts them (its ``per_rank_bytes`` and
     ``unsharded_bytes``: sums of its parameter table, computed here without its meta trace,
     which costs about a second a model)."""
-    from torch_tp.core import _names
-    from torch_tp.core.plan import planned_placements, resolve_plan
-    from torch_tp.tools.report import _parameter_groups
+    from torch_tp import _names
+    from torch_tp.plan import planned_placements, resolve_plan
+    from torch_tp.report import _parameter_groups
 
     entries = resolve_plan(model, plan)
     names = {id(param): name for name, param in model.named_parameters()}

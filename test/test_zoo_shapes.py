@@ -1,4 +1,4 @@
-"""The shape check (:func:`torch_tp.core.shapes.check_shapes`) over the transformers zoo.
+"""The shape check (:func:`torch_tp.shapes.check_shapes`) over the transformers zoo.
 
 Every architecture of ``test/test_zoo.py``, built tiny on the meta device, planned by
 :func:`~torch_tp.plans.hf.plan_for` (which runs the check itself and refuses a plan that fails
@@ -26,7 +26,7 @@ def _shape_check(model_type: str) -> dict[str, str]:
     ``"cannot trace: ..."``, or ``"refused: ..."`` (by the planner, for another reason)."""
     import transformers
 
-    from torch_tp.core.shapes import ShapeCheckError, check_shapes
+    from torch_tp.shapes import ShapeCheckError, check_shapes
     from torch_tp.plans.auto import auto
     from torch_tp.plans.hf import plan_for
 

@@ -31,11 +31,11 @@ __all__ = ["main"]
 # name -> (module providing configure_parser, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "torch_tp.tools.demo",
+        "torch_tp.cli.demo",
         "train a tiny Llama tensor-parallel and on one device, and compare the losses",
     ),
     "plan": (
-        "torch_tp.tools.plan_cli",
+        "torch_tp.cli.plan",
         "dry-run a plan on the meta device: memory per rank, collectives per step, problems",
     ),
 }

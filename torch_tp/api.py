@@ -1,9 +1,158 @@
-"""``torch_tp.api``: applying a plan: :func:`parallelize_module`.
+"""``parallelize_module``: resolve a plan, check all of it, then apply it."""
 
-The public path of :mod:`torch_tp.core.api`, which holds the code.
-"""
+from __future__ import annotations
 
-from torch_tp.core import api as _impl
-from torch_tp.core.api import *  # noqa: F403
+import warnings
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = _impl.__all__
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torch_tp import _layouts
+from torch_tp import _torch_compat as compat
+from torch_tp.plan import is_style, mark_applied, resolve_plan, validate_plan
+from torch_tp.random import _ensure_tracker
+from torch_tp.shapes import check_shapes
+from torch_tp.style import ParallelStyle, planning
+
+__all__ = ["parallelize_module"]
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+    strict: bool = True,
+    example_inputs: Any = None,
+) -> nn.Module:
+    """Apply tensor parallelism to ``module`` and its submodules according to a plan.
+
+    The plan is one :class:`ParallelStyle`, applied to ``module`` itself, or a dict from
+    module paths to styles or style names (``"colwise"``, ``"rowwise"``, ...; see
+    :mod:`torch_tp.plan`). A path is dotted, each segment may hold :mod:`fnmatch`
+    wildcards matched against the child names at that level (``"layers.*.attention.wq"``),
+    and ``""`` names ``module`` itself. The whole plan is resolved and every
+    ``(module, style)`` pair is checked before the first module changes: after an error the
+    model is exactly as it was.
+
+    Args:
+        module (:class:`nn.Module`): the module to parallelize, in place.
+        device_mesh (:class:`DeviceMesh`, optional): the 1-D tensor-parallel mesh. For a 2-D
+            or N-D mesh pass its tensor-parallel dimension (``mesh["tp"]``). If not given,
+            the call must be inside a ``with device_mesh:`` context.
+        parallelize_plan (Union[:class:`ParallelStyle`, Dict[str, :class:`ParallelStyle`]],
+            optional): the plan. If not given, nothing happens (with a warning).
+
+    Keyword Args:
+        src_data_rank (int, optional): the rank whose values are scattered or broadcast when
+            parameters become DTensors, so that the result equals the single-device model
+            whatever the other ranks hold. ``None`` keeps each rank's local values and skips
+            that communication. Default: 0.
+        strict (bool, optional): raise ``ValueError`` for a plan key that matches no
+            submodule, and for a style that would untie a weight shared with another module
+            (tied weights: the other module not in the plan, or laid out differently).
+            ``False`` warns instead and goes on as ``torch.distributed.tensor.parallel``
+            does: it skips such keys (for one plan applied to several model variants) and
+            unties such weights (for code that parallelizes tied modules in separate calls
+            and ties them again afterwards; a later call that lays the other module's weight
+            out alike on the same mesh shares the same parameter again). Default: ``True``.
+        example_inputs (optional): inputs of ``module``'s forward (a tensor, a tuple of
+            positional inputs or a dict of keyword inputs; only their shapes and dtypes are
+            used). When given, the plan is shape-checked before anything changes
+            (:func:`torch_tp.shapes.check_shapes`: the forward traced on the meta device
+            as one device and as one rank of the plan): a rank's shape other than one
+            device's with the planned dimension divided, or a rank's forward that raises, is
+            refused. For a new model or a hand-written plan; finish with
+            :func:`torch_tp.testing.check_parity`. Default: ``None`` (no shape check).
+
+    The environment variable ``TORCH_TP_RUNTIME``, read once per call, selects how the
+    parallelized modules change layouts at run time: ``fast`` (the default: Megatron-style
+    regions, shared entries and one end-of-backward reduction of partial gradients) or
+    ``dtensor`` (every layout change through plain DTensor: the reference, to tell a wrong
+    result apart from a wrong fast path). Both give the same results.
+
+    Returns:
+        The parallelized :class:`nn.Module` (``module`` itself, or what a single style's
+        ``_apply`` returns).
+
+    Raises:
+        TypeError: the plan is not a style or a dict, or a plan value is not a style.
+        ValueError: a key matches no submodule or a tied weight would come apart (when
+            ``strict``), two keys match one module, a module was parallelized before, a
+            style name is unknown, the mesh is not 1-D, or ``TORCH_TP_RUNTIME`` names no
+            runtime, or (with ``example_inputs``) the shape check finds a problem (the
+            message names each module, source line, op and both shapes).
+        ShapeCheckError: (with ``example_inputs``) the forward cannot be traced on the meta
+            device; the message says where and why.
+        NotImplementedError: a style does not support the type of the module it names, or a
+            style name has no torch_tp style yet.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, ColwiseParallel, RowwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # with "w1" and "w2" nn.Linear submodules
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> m = parallelize_module(m, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+    .. note:: For an attention block or an MLP, compose :class:`ColwiseParallel` and
+        :class:`RowwiseParallel` so that the pair needs a single reduction.
+    """
+    compat.log_api_usage_once("torch_tp.parallelize_module")
+    device_mesh = _resolve_mesh(device_mesh)
+    if parallelize_plan is None:
+        warnings.warn(
+            "No parallelize_plan is provided, so this parallelize_module call does nothing.",
+            stacklevel=2,
+        )
+        return module
+
+    entries = resolve_plan(module, parallelize_plan, strict=strict)
+    # styles that read the model's config find it; a partial-sum region, the modules the
+    # plan gives a style
+    styled = frozenset(id(entry.module) for entry in entries)
+    with planning(module, styled):
+        validate_plan(entries, device_mesh, module, strict=strict)
+    _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
+    if example_inputs is not None:
+        _check_shapes(module, parallelize_plan, device_mesh.size(), example_inputs)
+    # dropout in a fork() region works out of the box; this never reseeds the default stream
+    _ensure_tracker(device_mesh)
+
+    result = module
+    # every style of this call gets the runtime TORCH_TP_RUNTIME selects now
+    with _layouts.applying(), planning(module, styled):
+        for entry in entries:
+            entry.style.src_data_rank = src_data_rank
+            applied = entry.style._apply(entry.module, device_mesh)
+            mark_applied(entry)
+            if is_style(parallelize_plan):
+                result = applied
+    return result
+
+
+def _check_shapes(module: nn.Module, plan: Any, degree: int, example_inputs: Any) -> None:
+    """Refuse a plan under which a rank computes a shape one device would not."""
+    problems = check_shapes(module, plan, degree, example_inputs=example_inputs)
+    if problems:
+        listed = "\n".join(f"  {problem}" for problem in problems)
+        raise ValueError(
+            f"the plan's shape check failed at {degree} ranks (nothing was changed):\n{listed}"
+        )
+
+
+def _resolve_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
+    if device_mesh is None:
+        device_mesh = compat.current_mesh()  # RuntimeError when there is none
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a DeviceMesh, found {type(device_mesh)}")
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_module takes a 1-D tensor-parallel mesh, found {device_mesh.ndim}-D "
+            f"mesh with dims {device_mesh.mesh_dim_names}: pass its tensor-parallel dimension, "
+            'e.g. mesh["tp"]'
+        )
+    return device_mesh

@@ -1,9 +1,866 @@
-"""``torch_tp.plan``: resolving and checking plans, and their plain-data form.
+"""Plans as data: resolving a plan to ``(path, module, style)`` and checking it whole.
 
-The public path of :mod:`torch_tp.core.plan`, which holds the code.
+A plan is one :class:`ParallelStyle` (applied to the module itself) or a dict from module
+paths to styles. A path is dotted; each segment is matched against the names of the
+children at that level with :mod:`fnmatch` wildcards (``layers.*.attention.wq``), and the
+empty path ``""`` names the module itself. Nothing here touches a module: resolution and
+validation only read, so a plan can be checked before anything changes.
+
+A key whose last segment names *parameters* of the modules the rest names (transformers'
+``"layers.*.mlp.experts.gate_up_proj": "packed_colwise"``, next to ``"layers.*.mlp.experts":
+"moe_tp_experts"``) states how a parameter is laid out, not a style to apply: the module's
+own style places it. Such an entry is checked against that style's contract and then has
+nothing left to do; one that disagrees, or whose module has no style placing the parameter,
+is refused.
 """
 
-from torch_tp.core import plan as _impl
-from torch_tp.core.plan import *  # noqa: F403
+from __future__ import annotations
 
-__all__ = _impl.__all__
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from torch_tp import _layouts, _names
+from torch_tp._torch_compat import StridedShard
+from torch_tp.registry import STYLE_REGISTRY
+from torch_tp.style import (
+    MODULE_PATH_ATTR,
+    STYLE_REPR_LIMIT,
+    ParallelStyle,
+    short_repr,
+)
+
+__all__ = ["PlanEntry", "from_dict", "resolve_plan", "to_dict", "validate_plan"]
+
+# set on every module a style was applied to; a second style on it is refused
+_APPLIED_STYLE = "_torch_tp_style"
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One module a plan applies a style to.
+
+    Attributes:
+        key: the plan key that matched (may hold wildcards).
+        path: the module's dotted path from the root (``""`` for the root itself).
+        module: the module.
+        style: the style to apply.
+    """
+
+    key: str
+    path: str
+    module: nn.Module
+    style: ParallelStyle
+
+
+def is_style(value: object) -> bool:
+    """A :class:`ParallelStyle`, or an object honouring the same contract.
+
+    The duck-typed case (an ``_apply`` method and a ``src_data_rank`` attribute) admits styles
+    written against ``torch.distributed.tensor.parallel``'s own ``ParallelStyle`` base, so
+    that switching the import is the whole migration. Modules (which have an unrelated
+    ``_apply``) and classes are not styles.
+    """
+    if isinstance(value, ParallelStyle):
+        return True
+    if isinstance(value, (type, nn.Module)):
+        return False
+    return callable(getattr(value, "_apply", None)) and hasattr(value, "src_data_rank")
+
+
+def _describe(path: str) -> str:
+    return f"'{path}'" if path else "the root module ('')"
+
+
+def _style(style: object) -> str:
+    """A style as error messages show it: its repr, bounded (a user's may be anything)."""
+    return short_repr(style, STYLE_REPR_LIMIT)
+
+
+def _check_keys(plan: Mapping[Any, Any]) -> None:
+    for key in plan:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"plan key {short_repr(key)}: module paths must be str, found {type(key).__name__}"
+            )
+
+
+def _match(root: nn.Module, key: str) -> tuple[list[tuple[str, nn.Module]], str | None]:
+    """All ``(path, module)`` that ``key`` names, or why it names none."""
+    if key == "":
+        return [("", root)], None
+    frontier = [("", root)]
+    for segment in key.split("."):
+        found = [
+            (f"{path}.{name}" if path else name, child)
+            for path, module in frontier
+            for name, child in module.named_children()
+            if fnmatchcase(name, segment)
+        ]
+        if not found:
+            path, module = frontier[0]
+            children = [name for name, _ in module.named_children()]
+            shown = ", ".join(children[:12]) + (", ..." if len(children) > 12 else "")
+            return [], (
+                f"segment {short_repr(segment)} matches no child of {_describe(path)} "
+                f"(children: {shown or 'none'})"
+            )
+        frontier = found
+    return frontier, None
+
+
+def resolve_plan(
+    module: nn.Module,
+    parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle],
+    *,
+    strict: bool = True,
+) -> list[PlanEntry]:
+    """Resolve a plan's keys to the modules they name, in plan order.
+
+    Args:
+        module: the root module the plan's paths are relative to.
+        parallelize_plan: a :class:`ParallelStyle` for ``module`` itself, or a dict from
+            module paths (with ``fnmatch`` wildcards per dotted segment) to styles.
+        strict: raise for a key that matches no submodule; when ``False``, warn and skip it.
+
+    Returns:
+        One :class:`PlanEntry` per matched module, in the order of the plan's keys and, for
+        a wildcard key, of :meth:`nn.Module.named_children`.
+
+    A key whose last segment names parameters of the modules the rest of it names (a
+    parameter entry, as transformers writes ``"layers.*.mlp.experts.gate_up_proj":
+    "packed_colwise"``) yields no entry of its own: it must agree with the placement the
+    style of the parameter's module gives that parameter (see :func:`parameter_entry_placement`
+    for what a style on a parameter means), and is refused otherwise, whatever ``strict``.
+
+    Raises:
+        TypeError: the plan is neither a style nor a dict, a key is not a string, or a value
+            is not a :class:`ParallelStyle`.
+        ValueError: a key matches no submodule (``strict=True``), two keys name the same
+            module, a value is an unknown style name, or a parameter entry names a parameter
+            that no style of the plan places, or places otherwise.
+        NotImplementedError: a value is a transformers style name that no torch_tp style
+            expresses yet.
+    """
+    if is_style(parallelize_plan):
+        return [PlanEntry("", "", module, parallelize_plan)]
+    if not isinstance(parallelize_plan, Mapping):
+        raise TypeError(
+            "Expect Union[ParallelStyle, Dict[str, ParallelStyle]] for parallelize_plan, "
+            f"{type(parallelize_plan)} found!"
+        )
+    _check_keys(parallelize_plan)
+    parallelize_plan = _names.resolve_names(parallelize_plan)
+    for key, style in parallelize_plan.items():
+        if not is_style(style):
+            raise TypeError(
+                f"plan key {short_repr(key)}: expected a ParallelStyle (e.g. ColwiseParallel()) "
+                f"or a style name (e.g. 'colwise'), found {type(style).__name__} "
+                f"{short_repr(style)}"
+            )
+
+    entries: list[PlanEntry] = []
+    owner: dict[int, PlanEntry] = {}
+    # (key, style, (module path, module, parameter name)...): checked once every module's
+    # style is known, since transformers writes a parameter's key before its module's
+    parameter_entries: list[tuple[str, ParallelStyle, list[tuple[str, nn.Module, str]]]] = []
+    for key, style in parallelize_plan.items():
+        matches, why = _match(module, key)
+        # a wildcard that names modules names only them (not also a direct parameter that
+        # happens to match); a plain name is both where it is both (a child here, a
+        # parameter there), so that no part of an entry goes unchecked
+        wildcard = any(c in key.rpartition(".")[2] for c in "*?[")
+        parameters = [] if matches and wildcard else _match_parameters(module, key)
+        if parameters:
+            parameter_entries.append((key, style, parameters))
+        if not matches and parameters:
+            continue
+        if not matches:
+            message = f"parallelize_plan key {short_repr(key)} matches no submodule: {why}"
+            if strict:
+                raise ValueError(message)
+            warnings.warn(message + "; skipping it (strict=False)", stacklevel=3)
+            continue
+        for path, submodule in matches:
+            if id(submodule) in owner:
+                first = owner[id(submodule)]
+                raise ValueError(
+                    f"module {_describe(path)} is matched by plan keys {short_repr(first.key)} "
+                    f"({_style(first.style)}) and {short_repr(key)} ({_style(style)}); a module "
+                    "takes one style"
+                )
+            entry = PlanEntry(key, path, submodule, style)
+            owner[id(submodule)] = entry
+            entries.append(entry)
+    # styles that take their placements from the entries (local_params) get them first
+    stated: dict[int, dict[str, Placement]] = {}
+    for key, style, parameters in parameter_entries:
+        for path, submodule, name in parameters:
+            entry = owner.get(id(submodule))
+            if entry is not None and _takes_entries(entry.style):
+                found = parameter_entry_placement(style, getattr(submodule, name))
+                if found is None:
+                    raise ValueError(
+                        f"plan key {short_repr(key)} ({_style(style)}) names the parameter "
+                        f"{name!r} of {_describe(path)}, whose style {_style(entry.style)} "
+                        "takes its placement from this entry, but the entry states none: use "
+                        "a style that lays out a Linear weight ('colwise', 'rowwise', ...)"
+                    )
+                stated.setdefault(id(submodule), {})[name] = found
+    for i, entry in enumerate(entries):
+        if _takes_entries(entry.style):
+            contract = entry.style.contract
+            style = contract.with_parameter_entries(entry.style, stated.get(id(entry.module), {}))
+            entries[i] = owner[id(entry.module)] = replace(entry, style=style)
+    for key, style, parameters in parameter_entries:
+        for path, submodule, name in parameters:
+            _check_parameter_entry(key, style, path, submodule, name, owner.get(id(submodule)))
+    _check_partial_sum_regions(entries)
+    return entries
+
+
+def _partial_sum(style: object) -> str | None:
+    contract = getattr(style, "contract", None)
+    return None if contract is None else contract.partial_sum(style)
+
+
+# the styles that compute on local shards with no collective (for the message)
+_REGION_PARTS = (
+    "'local_colwise', 'local_rowwise', 'local_packed_rowwise', 'local', 'local_params' or "
+    "'replicated_with_grad_allreduce'"
+)
+
+
+def _check_partial_sum_regions(entries: list[PlanEntry]) -> None:
+    """Refuse a style inside a partial-sum region (``"all_reduce"``, ``"gather"``) that
+    issues collectives of its own, and a style that computes one part of a sum
+    (``"local_colwise"``, ...) outside every region: either way the result would be wrong
+    (counted once per rank, or never summed)."""
+    regions = [e for e in entries if _partial_sum(e.style) == "region"]
+    if not regions and not any(_partial_sum(e.style) == "part" for e in entries):
+        return
+    for entry in entries:
+        role = _partial_sum(entry.style)
+        around = [
+            r
+            for r in regions
+            if r is not entry and (r.path == "" or entry.path.startswith(r.path + "."))
+        ]
+        here = (
+            f"plan key {short_repr(entry.key)} ({_style(entry.style)}) on {_describe(entry.path)}"
+        )
+        if around and role not in ("part", "either"):
+            region = around[0]
+            raise ValueError(
+                f"{here} is inside {_describe(region.path)}, whose style {_style(region.style)} "
+                f"(plan key {short_repr(region.key)}) sums what is computed inside it: a style "
+                "there must compute on its shards with no collective of its own "
+                f"({_REGION_PARTS}), or the sum would count its results once per rank"
+            )
+        if not around and role == "part":
+            raise ValueError(
+                f"{here} computes one part of a sum with no collective of its own: it must be "
+                "inside a module planned 'gather' or 'all_reduce' (PartialSumParallel), which "
+                "sums the parts, and none of the modules around it is"
+            )
+
+
+def _takes_entries(style: object) -> bool:
+    contract = getattr(style, "contract", None)
+    return contract is not None and contract.with_parameter_entries is not None
+
+
+def _match_parameters(root: nn.Module, key: str) -> list[tuple[str, nn.Module, str]]:
+    """Every ``(module path, module, parameter name)`` that ``key`` names as a parameter: its
+    last segment matched against the direct parameters of the modules the rest names."""
+    parent, _, pattern = key.rpartition(".")
+    if not pattern:
+        return []
+    modules, _ = _match(root, parent)
+    return [
+        (path, module, name)
+        for path, module in modules
+        for name, _ in module.named_parameters(recurse=False)
+        if fnmatchcase(name, pattern)
+    ]
+
+
+def parameter_entry_placement(style: object, parameter: torch.Tensor) -> Placement | None:
+    """The placement a plan entry ``style`` states for ``parameter`` when its key names a
+    parameter rather than a module (``None``: the style lays out no Linear weight).
+
+    As in transformers' plans, the parameter is taken as a Linear's weight whose last two
+    dims are ``(out_features, in_features)``, any leading dims batching it (stacked experts
+    ``[n_experts, out, in]``), or, when 1-D, as a Linear's bias: ``"colwise"`` shards dim
+    -2 (a bias: dim -1), ``"rowwise"`` dim -1 (a bias is replicated), ``"packed_colwise"``
+    strides dim -2. What the style does to a Linear is read from its contract's
+    ``parameters``, unless the contract says what it states about a parameter itself
+    (``parameter_entry``: ``"grouped_gemm"`` splits stacked experts on dim 0).
+    """
+    contract = getattr(style, "contract", None)
+    if contract is None or parameter.ndim == 0:
+        return None
+    if contract.parameter_entry is not None:
+        return contract.parameter_entry(style, parameter)
+    stand_in = nn.Linear(1, 1, device="meta")  # meta: nothing is allocated
+    if not contract.accepts(stand_in):
+        return None
+    try:
+        placements = contract.parameters(style, stand_in) or {}
+    except (AttributeError, NotImplementedError):
+        return None
+    placement = placements.get("weight" if parameter.ndim >= 2 else "bias")
+    if isinstance(placement, (Shard, StridedShard)) and parameter.ndim >= 2:
+        # a dim of the 2-D weight, counted from the end, is the same dim of the parameter
+        placement = _layouts.normalize(placement, 2)
+        dim = placement.dim - 2 + parameter.ndim
+        if isinstance(placement, StridedShard):
+            return StridedShard(dim, split_factor=placement.split_factor)
+        return Shard(dim)
+    return placement
+
+
+def _same_placement(a: Placement | None, b: Placement) -> bool:
+    # a strided shard is a Shard subclass: compare the kinds too
+    return type(a) is type(b) and a == b
+
+
+def _placement(placement: Placement) -> str:
+    """``Shard(1)``, ``StridedShard(1, split_factor=2)``: as plans write placements."""
+    try:
+        return _names.placement_to_str(placement)
+    except TypeError:
+        return repr(placement)
+
+
+def _check_parameter_entry(
+    key: str,
+    style: ParallelStyle,
+    path: str,
+    module: nn.Module,
+    name: str,
+    owner: PlanEntry | None,
+) -> None:
+    """Refuse a parameter entry unless the style of the parameter's module places the
+    parameter as the entry states."""
+    parameter = getattr(module, name)
+    where = (
+        f"plan key {short_repr(key)} ({_style(style)}) names the parameter {name!r} of "
+        f"{_describe(path)} ({type(module).__name__}), not a module"
+    )
+    if owner is None:
+        raise ValueError(
+            f"{where}; a parameter entry states how the style of the parameter's module lays "
+            f"it out, and no plan key gives {_describe(path)} a style: add one that places "
+            f"{name!r} (for stacked experts, 'moe_tp_experts'), or name a module"
+        )
+    expected = planned_placement(owner, name)
+    module_style = f"{_style(owner.style)} (plan key {short_repr(owner.key)})"
+    if expected is None:
+        raise ValueError(
+            f"{where}; the style of that module, {module_style}, does not place {name!r}, so "
+            "the entry would do nothing: remove it, or give the module a style that places it"
+        )
+    found = parameter_entry_placement(style, parameter)
+    expected = _layouts.normalize(expected, parameter.ndim)
+    if found is None:
+        raise ValueError(
+            f"{where}; {module_style} places it {_placement(expected)}, and {_style(style)} "
+            "lays out no Linear weight, so it states no placement for a parameter: use a style "
+            "that does, or remove the key"
+        )
+    if not _same_placement(found, expected):
+        # the first name that states it (a name's aliases come after it)
+        names = [
+            n
+            for n in STYLE_REGISTRY.names()
+            if _same_placement(
+                parameter_entry_placement(STYLE_REGISTRY.style(n), parameter), expected
+            )
+        ]
+        hint = f" (as {names[0]!r} does)" if names else ""
+        raise ValueError(
+            f"{where}; it would place it {_placement(found)}, but {module_style} places it "
+            f"{_placement(expected)}: the entry must state that placement{hint}, or be removed"
+        )
+
+
+def validate_plan(
+    entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Module, *, strict: bool = True
+) -> None:
+    """Check every entry before any is applied; raise on the first that cannot apply.
+
+    Each style's :meth:`ParallelStyle._validate` is asked about its module; its error is
+    re-raised with the same type and a message naming the module path and the style. A
+    module that already carries a style from an earlier :func:`parallelize_module` call is
+    refused, and so is a built-in style that would replace a parameter other modules share
+    (tied weights would silently come apart): with ``strict=False`` that one only warns, and
+    the weights come apart as with ``torch.distributed.tensor.parallel``. A module whose
+    replicated parameters would get a different, partial gradient on each rank (see
+    :func:`unsummed_gradients`) is refused too (``strict=False``: a warning).
+    """
+    owners = parameter_owners(root) if entries else {}
+    by_path = {entry.path: entry for entry in entries}
+    untying: list[str] = []  # warned about once the whole plan is known to apply
+    for entry in entries:
+        where = f"{_style(entry.style)} on {_describe(entry.path)} ({type(entry.module).__name__})"
+        previous = getattr(entry.module, _APPLIED_STYLE, None)
+        if previous is not None:
+            raise ValueError(
+                f"cannot apply {where}: the module was already parallelized with "
+                f"{_style(previous)}; a module takes one style"
+            )
+        untied = _untied_parameter(entry, owners, by_path)
+        if untied is not None:
+            untying.append(_refuse_untying(entry, where, untied, strict))
+        validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
+        try:
+            if validate is not None:
+                validate(entry.module, device_mesh)
+        except (NotImplementedError, ValueError, TypeError) as err:
+            raise type(err)(f"cannot apply {where}: {err}") from err
+    for _, _, message in unsummed_gradients(entries):
+        if strict:
+            raise ValueError(message)
+        untying.append(f"{message.removeprefix('cannot apply ')}; strict=False: applied as planned")
+    for message in untying:
+        warnings.warn(message, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------
+# Gradient agreement: a replicated parameter must end every backward with the same gradient on
+# every rank
+# ------------------------------------------------------------------------------------------
+
+
+def unsummed_gradients(entries: list[PlanEntry]) -> list[tuple[PlanEntry, tuple[str, ...], str]]:
+    """The modules whose replicated parameters the plan leaves with a partial gradient on each
+    rank: ``(entry, parameter names, why)`` for each, read from the styles' contracts alone.
+
+    The rule. A style that replicates some of its module's own parameters, does not list them
+    among its partial gradients (it does not sum them over the ranks), and declares no input
+    layout (the module computes on its inputs as they come: ``ReplicateParallel()``) gets the
+    same gradient on every rank only if the module is handed the same, whole activation on
+    every rank. What its parent hands it is read off the modules planned beside it (the
+    parent's other children with a style): when one of their styles declares that it is given
+    an input as a local shard (``given`` a ``Shard``) that none of the others declares it
+    produces, that shard comes from the parent's caller, and the parent computes on a shard
+    of the data (dispatch expert parallelism, ``ExpertParallel()`` with its ``Shard(0)``
+    tokens, under sequence parallelism: the router sees this rank's tokens only). A shard
+    that a planned sibling produces (a column-parallel output taken by a row-parallel layer)
+    says nothing about the parent's input, so a module next to such a pair is not refused.
+    Where no sibling says, the parent's own siblings are asked, up to an ancestor whose own
+    style declares the layout of its inputs (which then fixes what arrives below it).
+
+    Each rank's gradient of such a parameter would cover its own shard of the data only, and
+    nothing would sum them: the ranks would train on different, partial gradients. The fix
+    named is the first registered style that replicates the same parameters, takes its
+    inputs as they come and sums their gradients (``ReplicateParallel(sum_gradients=True)``,
+    ``"replicated_with_grad_allreduce"``). This is a plan-level check: the dry-run report
+    (:func:`torch_tp.report.plan_report`) follows the tensors themselves and also finds a
+    replicated parameter computing on a shard that no sibling reveals.
+
+    Example::
+        >>> from torch_tp import ReplicateParallel
+        >>> from torch_tp.models import MoEConfig, MoELlama
+        >>> from torch_tp.plans.moe import moe_llama_plan
+        >>> plan = moe_llama_plan(experts="ep", sequence_parallel=True)
+        >>> plan["layers.*.feed_forward.router"] = ReplicateParallel()  # not summed
+        >>> model = MoELlama(MoEConfig(n_layers=1))
+        >>> [(e.path, names) for e, names, _ in unsummed_gradients(resolve_plan(model, plan))]
+        [('layers.0.feed_forward.router', ('weight',))]
+    """
+    found = []
+    for entry in entries:
+        names = replicated_unsummed(entry)
+        if not names:
+            continue
+        evidence = _sharded_arrival(entries, entry)
+        if evidence is None:
+            continue
+        found.append((entry, names, _unsummed_message(entry, names, evidence)))
+    return found
+
+
+def _try(call: Any, *args: Any) -> Any:
+    """A contract's answer, or ``None`` for a module it does not describe (the style's own
+    validation says why)."""
+    try:
+        return call(*args)
+    except (AttributeError, NotImplementedError, ValueError, TypeError):
+        return None
+
+
+def _input_layouts(entry: PlanEntry) -> list[tuple[str, Any]]:
+    """``(what, Layout)`` for each input layout ``entry``'s style declares."""
+    contract = getattr(entry.style, "contract", None)
+    boundary = None if contract is None else _try(contract.inputs, entry.style, entry.module)
+    if boundary is None:
+        return []
+    layouts = [(f"input {i}", layout) for i, layout in enumerate(boundary.args)]
+    layouts += [(f"keyword input {name!r}", layout) for name, layout in boundary.kwargs.items()]
+    return [(what, layout) for what, layout in layouts if layout is not None]
+
+
+def _output_placements(entry: PlanEntry) -> list[Placement]:
+    """Where ``entry``'s style leaves each output it declares."""
+    contract = getattr(entry.style, "contract", None)
+    boundary = None if contract is None else _try(contract.outputs, entry.style, entry.module)
+    if boundary is None:
+        return []
+    layouts = [*boundary.args, *boundary.kwargs.values()]
+    return [
+        layout.given if layout.to is None else layout.to
+        for layout in layouts
+        if layout is not None and (layout.given is not None or layout.to is not None)
+    ]
+
+
+def replicated_unsummed(entry: PlanEntry) -> tuple[str, ...]:
+    """The parameters ``entry``'s style replicates without summing their gradients (as its
+    contract names them: a submodule's dotted), on a module that computes on its inputs as
+    they come (its style declares none); a style in a partial-sum region is accounted for
+    by the region."""
+    contract = getattr(entry.style, "contract", None)
+    if contract is None or _input_layouts(entry) or contract.partial_sum(entry.style) is not None:
+        return ()
+    placements = _try(contract.parameters, entry.style, entry.module) or {}
+    partial = set(_try(contract.partial_gradients, entry.style, entry.module) or ())
+    trained = {name for name, p in entry.module.named_parameters() if p.requires_grad}
+    return tuple(
+        name
+        for name, placement in placements.items()
+        if isinstance(placement, Replicate) and name not in partial and name in trained
+    )
+
+
+def _is_shard(placement: Placement | None) -> bool:
+    return isinstance(placement, (Shard, StridedShard))
+
+
+def _may_be(made: Placement, taken: Placement) -> bool:
+    """Whether a tensor left ``made`` may be the one taken as ``taken`` (``Shard(-1)`` and
+    ``Shard(2)`` may be the same dim: the rank of the tensor is not known here)."""
+    if type(made) is not type(taken):
+        return False
+    return made.dim == taken.dim or (made.dim < 0) != (taken.dim < 0)
+
+
+def _sharded_arrival(
+    entries: list[PlanEntry], entry: PlanEntry
+) -> tuple[PlanEntry, str, Placement, str] | None:
+    """``(sibling, which input, its layout, parent path)``: a module planned beside
+    ``entry``'s (or beside an ancestor's without an input layout of its own) whose style takes
+    an input as a local shard that no other module planned there produces."""
+    by_path = {e.path: e for e in entries}
+    path = entry.path
+    while path:
+        parent = path.rpartition(".")[0]
+        siblings = [
+            e for e in entries if e.path and e.path != path and e.path.rpartition(".")[0] == parent
+        ]
+        for sibling in siblings:
+            made = [
+                m for other in siblings if other is not sibling for m in _output_placements(other)
+            ]
+            for what, layout in _input_layouts(sibling):
+                taken = layout.given
+                if _is_shard(taken) and not any(_may_be(m, taken) for m in made if _is_shard(m)):
+                    return sibling, what, taken, parent
+        owner = by_path.get(parent)
+        if owner is not None and _input_layouts(owner):
+            return None  # the parent's style lays out what arrives below it
+        path = parent
+    return None
+
+
+def summing_style(entry: PlanEntry, names: tuple[str, ...]) -> str:
+    """The first registered style that replicates ``names`` alike, takes its inputs as they
+    come and sums their gradients, as plans write it."""
+    for plan_name in STYLE_REGISTRY.names():
+        style = _try(STYLE_REGISTRY.style, plan_name)
+        contract = getattr(style, "contract", None)
+        if contract is None or not contract.accepts(entry.module):
+            continue
+        candidate = PlanEntry(entry.key, entry.path, entry.module, style)
+        if _input_layouts(candidate):
+            continue
+        placements = _try(contract.parameters, style, entry.module) or {}
+        partial = set(_try(contract.partial_gradients, style, entry.module) or ())
+        if all(isinstance(placements.get(n), Replicate) and n in partial for n in names):
+            return f"{_style(style)} ({plan_name!r})"
+    return "a style that sums these gradients over the ranks"
+
+
+def _unsummed_message(
+    entry: PlanEntry,
+    names: tuple[str, ...],
+    evidence: tuple[PlanEntry, str, Placement, str],
+) -> str:
+    sibling, what, taken, parent = evidence
+    where = f"{_style(entry.style)} on {_describe(entry.path)} ({type(entry.module).__name__})"
+    params = ", ".join(repr(_join(entry.path, n)) for n in names)
+    plural = len(names) > 1
+    return (
+        f"cannot apply {where}: it replicates {'parameters' if plural else 'parameter'} "
+        f"{params} without summing {'their gradients' if plural else 'its gradient'} over the "
+        f"ranks, and the module computes on what {_describe(parent)} hands it, which arrives "
+        f"sharded: {_style(sibling.style)} on {_describe(sibling.path)} (plan key "
+        f"{short_repr(sibling.key)}) takes its {what} as a local {_placement(taken)} that no "
+        "module planned beside it produces. Each rank's gradient would cover its own shard of "
+        "the data only, and the ranks would train on different, partial gradients. Plan it "
+        f"{summing_style(entry, names)} instead, which sums them at the end of backward (if "
+        "the module computes on whole, replicated activations only, strict=False applies the "
+        "plan with a warning)"
+    )
+
+
+def _refuse_untying(entry: PlanEntry, where: str, untied: _Untied, strict: bool) -> str:
+    """Raise (``strict``) or return the warning that applying ``entry`` unties the weight
+    ``untied``.
+
+    Upstream distributes each module's parameters on its own, so code written for it
+    parallelizes tied modules in separate calls and ties the weights again afterwards
+    (PyTorch's test ``Transformer.parallelize``); ``strict=False`` lets that code run.
+    """
+    name, _, layouts = untied
+    here = _join(entry.path, name)
+    paths = list(dict.fromkeys([entry.path, *(other.rpartition(".")[0] for other in layouts)]))
+    modules = " and ".join(
+        filter(None, [", ".join(map(_describe, paths[:-1])), _describe(paths[-1])])
+    )
+    retie = "; ".join(f"{_attribute(other)} = {_attribute(here)}" for other in layouts)
+    if strict:
+        raise ValueError(
+            f"cannot apply {where}: {_untied_message(untied)}. Two ways out: parallelize "
+            f"{modules} in one parallelize_module call with such styles, which keeps the "
+            "weight tied (one DTensor parameter); or pass strict=False to parallelize them in "
+            "separate calls with such styles, as code written for "
+            "torch.distributed.tensor.parallel does, and re-tie the weights after the last "
+            f"call ({retie})"
+        )
+    names = ", ".join(map(repr, layouts))
+    return (
+        f"{where}: {_shared_with(untied)}. strict=False: {name!r} is distributed as this "
+        f"style lays it out and {names} no longer {'shares' if len(layouts) == 1 else 'share'} "
+        "it (the weights are untied, as with torch.distributed.tensor.parallel). A later "
+        f"parallelize_module call that gives {names} the same layout on the same mesh shares "
+        f"this parameter again, and re-tying by hand after the last call ({retie}) is then a "
+        "no-op; weights laid out differently cannot be re-tied (each style computes on the "
+        "local shard of the layout it gave the weight)"
+    )
+
+
+def _attribute(parameter_path: str) -> str:
+    """Python that names the parameter at ``parameter_path`` of a root called ``model``."""
+    module, _, name = parameter_path.rpartition(".")
+    if not module:
+        return f"model.{name}"
+    if all(part.isidentifier() for part in module.split(".")):
+        return f"model.{module}.{name}"
+    return f"model.get_submodule({module!r}).{name}"  # e.g. "layers.0"
+
+
+def planned_placements(entry: PlanEntry) -> Mapping[str, Placement]:
+    """The placement ``entry``'s style gives each of its module's own parameters, as its
+    contract declares (empty: the style distributes none, or declares no contract)."""
+    contract = getattr(entry.style, "contract", None)
+    if contract is None:
+        return {}
+    try:
+        return contract.parameters(entry.style, entry.module) or {}
+    except (AttributeError, NotImplementedError):
+        return {}  # a module type the style refuses: its own validation says so
+
+
+def planned_placement(entry: PlanEntry, name: str) -> Placement | None:
+    """The placement ``entry``'s style gives its module's parameter ``name`` (``None``: the
+    style leaves it alone)."""
+    return planned_placements(entry).get(name)
+
+
+# a parameter a style would untie: its name, its placement under the style, and every other
+# path it is reachable by, with the placement the plan gives it there (None: not in the plan)
+_Untied = tuple[str, Placement, dict[str, Placement | None]]
+
+
+def tied_parameters(
+    entry: PlanEntry, owners: dict[int, list[str]], by_path: Mapping[str, PlanEntry]
+) -> str | None:
+    """Why ``entry`` would untie a weight shared with another module (``None`` if it would
+    not); ``owners`` is :func:`parameter_owners` of the root, ``by_path`` the plan's entries
+    by module path.
+
+    A tied weight may be distributed when every module holding it is in the plan with a
+    style that lays it out the same way (GPT-2's vocabulary-sharded ``wte`` and
+    column-parallel ``lm_head``, both ``Shard(0)``): it is then distributed once and stays
+    tied.
+    """
+    untied = _untied_parameter(entry, owners, by_path)
+    return None if untied is None else _untied_message(untied)
+
+
+def _untied_parameter(
+    entry: PlanEntry, owners: dict[int, list[str]], by_path: Mapping[str, PlanEntry]
+) -> _Untied | None:
+    """The first parameter of ``entry``'s module that applying it would untie, if any."""
+    placements = planned_placements(entry)
+    for name, param in entry.module.named_parameters(recurse=False):
+        placement = placements.get(name)
+        if placement is None:
+            continue
+        others = [p for p in owners[id(param)] if p != _join(entry.path, name)]
+        if not others:
+            continue
+        layouts = {}
+        for other in others:
+            path, _, other_name = other.rpartition(".")
+            other_entry = by_path.get(path)
+            layouts[other] = (
+                None if other_entry is None else planned_placement(other_entry, other_name)
+            )
+        if all(layout == placement for layout in layouts.values()):
+            continue
+        return name, placement, layouts
+    return None
+
+
+def _shared_with(untied: _Untied) -> str:
+    name, placement, layouts = untied
+    found = ", ".join(
+        f"{other!r} ({'not in the plan' if layout is None else repr(layout)})"
+        for other, layout in layouts.items()
+    )
+    return f"its parameter {name!r} ({placement!r} here) is shared with {found} (tied weights)"
+
+
+def _untied_message(untied: _Untied) -> str:
+    return (
+        f"{_shared_with(untied)}; sharding it differently, or in one place only, would untie "
+        "them: give every module holding it a style that lays it out alike"
+    )
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def parameter_owners(root: nn.Module) -> dict[int, list[str]]:
+    """Every path each parameter object is reachable by (several for tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(_join(path, name))
+    return owners
+
+
+def mark_applied(entry: PlanEntry) -> None:
+    """Record on the module that ``entry.style`` was applied to it, and by which path."""
+    setattr(entry.module, _APPLIED_STYLE, entry.style)
+    setattr(entry.module, MODULE_PATH_ATTR, entry.path)
+
+
+# ------------------------------------------------------------------------------------------
+# Style names and plans as plain data
+# ------------------------------------------------------------------------------------------
+
+
+def to_dict(plan: ParallelStyle | Mapping[str, ParallelStyle | str]) -> dict[str, str | dict]:
+    """Write a plan as plain, JSON-able data: to print, diff or store it.
+
+    Each style becomes its name when it equals a named style (``"colwise"``, ``"rowwise"``,
+    ``"sequence_parallel"``, ...: the table is in the "Writing plans" guide), else a dict of
+    its class and the arguments that differ from their defaults, with placements as strings
+    (``"Shard(1)"``, ``"Replicate()"``, ``"Partial()"``). A plan that is one style becomes
+    ``{"": ...}``. Name values are checked and written under their canonical name.
+
+    Args:
+        plan: a style, or a dict from module paths to styles or style names.
+
+    Returns:
+        A dict from module paths to names or dicts, which :func:`from_dict` turns back into an
+        equal plan (``from_dict(to_dict(plan)) == plan``).
+
+    Raises:
+        TypeError: a value is not a built-in style (a user-defined style has no data form).
+        ValueError: a value is an unknown style name.
+
+    Example::
+        >>> from torch_tp.plans.llama import llama_plan
+        >>> data = to_dict(llama_plan())
+        >>> data["layers.*.attention.wq"], data["output"]
+        ('colwise', 'colwise_gather_output')
+        >>> import json
+        >>> from_dict(json.loads(json.dumps(data))) == llama_plan()
+        True
+    """
+    if is_style(plan):
+        plan = {"": plan}
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"expected a ParallelStyle or a dict of them, found {type(plan).__name__} "
+            f"{short_repr(plan)}"
+        )
+    _check_keys(plan)
+    return {
+        key: _names.style_to_data(style, key) for key, style in _names.resolve_names(plan).items()
+    }
+
+
+def from_dict(data: Mapping[str, str | Mapping[str, Any]]) -> dict[str, ParallelStyle]:
+    """Read a plan written by :func:`to_dict` (or by hand, or a transformers ``tp_plan``).
+
+    Args:
+        data: a dict from module paths to style names (``"colwise"``) or to dicts
+            ``{"style": "RowwiseParallel", "output_layouts": "Shard(1)", ...}``.
+
+    Returns:
+        A dict from module paths to style objects, for :func:`parallelize_module`.
+
+    The data is checked as strictly as the styles' own arguments: flags must be JSON
+    booleans (``"false"`` is not false), placements must read as one, and every error names
+    the plan key and the style and shows a bounded prefix of the offending value. Whether a
+    ``Shard`` dim exists is checked where the tensor is known: parameters when
+    :func:`parallelize_module` validates the plan, activations at the forward.
+
+    Raises:
+        ValueError: an unknown style name, class or placement string, a ``StridedShard``
+            whose ``split_factor`` is not positive, or data nested deeper than 32 levels.
+        NotImplementedError: a transformers style name that no torch_tp style expresses yet.
+        TypeError: a key is not a string, a value is neither a name nor a dict whose
+            ``"style"`` entry is a class name, or its arguments do not fit the style (a flag
+            that is not a ``bool``, a dim that is not an ``int``, an unknown argument).
+
+    Example::
+        >>> wo = {"style": "RowwiseParallel", "output_layouts": "Shard(1)"}
+        >>> plan = from_dict({"wq": "colwise", "wo": wo})
+        >>> plan["wq"] == ColwiseParallel(), plan["wo"] == RowwiseParallel(output_layouts=Shard(1))
+        (True, True)
+    """
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"expected a dict from module paths to styles, found {type(data).__name__} "
+            f"{short_repr(data)}"
+        )
+    _check_keys(data)
+    return {key: _names.style_from_data(value, key) for key, value in data.items()}
+
+
+def names_something(key: str, paths: list[list[str]]) -> bool:
+    """Whether the plan key (``fnmatch`` wildcards per dotted segment) names one of
+    ``paths`` (module and parameter paths, split into segments)."""
+    if key == "":  # the model itself
+        return True
+    segments = key.split(".")
+    return any(
+        len(path) == len(segments)
+        and all(fnmatchcase(name, pattern) for name, pattern in zip(path, segments, strict=True))
+        for path in paths
+    )

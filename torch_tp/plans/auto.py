@@ -183,7 +183,7 @@ def auto(
        a module of its own, such as T5's relative-position bias, ...).
 
     **The shape check.** The plan is then traced on the meta device as one device and as one
-    rank (:func:`torch_tp.core.shapes.check_shapes`, at ``tp_degree``, or 2 without one) with
+    rank (:func:`torch_tp.shapes.check_shapes`, at ``tp_degree``, or 2 without one) with
     ``example_inputs`` (token ids of shape ``(2, 8)`` by default). An attention or MLP in
     which a rank's shapes are not one device's with the planned dimension divided is
     computed whole instead (weights sharded, as above; the warning gives the problem), and
@@ -352,7 +352,7 @@ def _shape_problems(
 ) -> list:
     """The shape check's problems with ``plan`` at ``degree`` (a warning and ``[]`` where it
     cannot run)."""
-    from torch_tp.core.shapes import ShapeCheckError, check_shapes
+    from torch_tp.shapes import ShapeCheckError, check_shapes
 
     try:
         return check_shapes(

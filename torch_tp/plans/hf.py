@@ -55,7 +55,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from torch_tp.core.plan import names_something
+from torch_tp.plan import names_something
 from torch_tp.style import (
     AttentionHeads,
     ColwiseParallel,
@@ -229,7 +229,7 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     ``act_fn.alpha_p``) gets its module replicated with its gradient summed
     (``replicated_with_grad_allreduce``), any other one is refused.
 
-    Every plan it returns is shape-checked first (:func:`torch_tp.core.shapes.check_shapes`,
+    Every plan it returns is shape-checked first (:func:`torch_tp.shapes.check_shapes`,
     on meta copies of the model at two ranks, on token ids): a plan under which a rank's
     forward raises, or computes a shape other than one device's with the planned dimension
     divided, is refused.
@@ -285,7 +285,7 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
 
 
 def _shape_checked(model: nn.Module, plan: dict) -> dict:
-    """``plan``, once the shape check (:func:`torch_tp.core.shapes.check_shapes`, at two
+    """``plan``, once the shape check (:func:`torch_tp.shapes.check_shapes`, at two
     ranks, on token ids) finds that every rank computes one device's shapes with at most the
     planned dimension divided.
 
@@ -299,7 +299,7 @@ def _shape_checked(model: nn.Module, plan: dict) -> dict:
     """
     import torch
 
-    from torch_tp.core.shapes import ShapeCheckError, check_shapes
+    from torch_tp.shapes import ShapeCheckError, check_shapes
 
     ids = torch.zeros(2, 8, dtype=torch.long)
     inputs = {"input_ids": ids}
@@ -405,7 +405,7 @@ def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[s
 
     import torch
 
-    from torch_tp.tools.report import plan_report
+    from torch_tp.report import plan_report
 
     memo: dict[int, object] = {}
     for tensor in [*model.parameters(), *model.buffers()]:

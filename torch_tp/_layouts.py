@@ -12,7 +12,7 @@ the same methods and the same results:
   Function and no deferred reduction. It is the reference: a result that differs between the
   two runtimes is a bug of the fast one.
 * :class:`FastRuntime` (``TORCH_TP_RUNTIME=fast``, the default): the common boundaries of a
-  tensor-parallel block go through Megatron's regions (:mod:`torch_tp.core._regions`), column-
+  tensor-parallel block go through Megatron's regions (:mod:`torch_tp._regions`), column-
   parallel layers reading one tensor share one entry into the region, the partial gradients
   of replicated parameters are summed in one all-reduce at the end of backward
   (:class:`PartialGradientReduction`), and the hot paths build DTensors with DTensor's C++
@@ -26,7 +26,7 @@ Caches (the fast runtime's; the DTensor runtime has none):
 
 * ``_torch_tp_region_entry``, on a plain tensor (its ``__dict__``): the alias of it that
   entered a column-parallel region
-  (:func:`~torch_tp.core._regions.copy_to_tensor_parallel_region`), keyed by the mesh, the
+  (:func:`~torch_tp._regions.copy_to_tensor_parallel_region`), keyed by the mesh, the
   tensor's ``_version``, grad mode and, under grad mode, the tensor's ``grad_fn``. An
   in-place change of the tensor, another mesh, grad mode or a new graph (the next step)
   invalidate it.
@@ -44,7 +44,7 @@ Caches (the fast runtime's; the DTensor runtime has none):
 * ``_regions._SIZES``: the size of each mesh, by ``id(mesh)``; dropped with the mesh.
 * ``_torch_tp_partial_gradients``, on a :class:`DeviceMesh`: not a cache but the mesh's
   :class:`PartialGradientReduction`, made by the first fast runtime on the mesh.
-* ``_torch_tp_distributed_as`` (set by :func:`torch_tp.core.style._distribute_parameters`, both
+* ``_torch_tp_distributed_as`` (set by :func:`torch_tp.style._distribute_parameters`, both
   runtimes): on an original parameter, the DTensor parameter that replaced it, so that the
   other modules a tied weight belongs to register the same object; used only when the mesh
   and placement match.
@@ -65,9 +65,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from torch_tp import _regions
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import DTensorSpec, StridedShard, TensorMeta
-from torch_tp.core import _regions
 
 __all__: list[str] = []  # private module
 

@@ -7,7 +7,7 @@ model) issues, by kind, count and bytes; and the problems a plan has: dimensions
 divide by the TP degree, ``nn.Linear``/``nn.Embedding`` layers left unsharded, and layouts that
 do not chain from one module to the next.
 
-How the collectives are predicted (:mod:`torch_tp.tools.report.trace`): the *unparallelized*
+How the collectives are predicted (:mod:`torch_tp.report.trace`): the *unparallelized*
 model runs once on meta tensors, with hooks on the plan's modules and a
 :class:`~torch.overrides.TorchFunctionMode` that follows every tensor between them. Each tensor
 is given the form it would have in the parallelized model (a local tensor of a known layout,
@@ -20,7 +20,7 @@ replicated DTensor made by a ``PrepareModuleInput(use_local_output=False)`` shar
 reduction, and the partial gradients of replicated parameters used on shards
 (sequence-parallel norms, the bias of a row-parallel layer with a sharded output) are summed
 by one coalesced all-reduce at the end of the backward. The result and its printed form are
-in :mod:`torch_tp.tools.report.render`.
+in :mod:`torch_tp.report.render`.
 
 Example::
 
@@ -47,9 +47,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from torch_tp import _names
 from torch_tp._torch_compat import StridedShard, tree_leaves
-from torch_tp.core import _names
-from torch_tp.core.plan import (
+from torch_tp.plan import (
     PlanEntry,
     parameter_owners,
     planned_placements,
@@ -57,9 +57,7 @@ from torch_tp.core.plan import (
     tied_parameters,
     unsummed_gradients,
 )
-from torch_tp.core.shapes import MeshOfSize, ShapeCheckError, check_shapes
-from torch_tp.core.style import ParallelStyle, planning, short_repr
-from torch_tp.tools.report.render import (
+from torch_tp.report.render import (
     _SEVERITIES,
     Collective,
     ParameterGroup,
@@ -69,7 +67,9 @@ from torch_tp.tools.report.render import (
     _shape,
     _size,
 )
-from torch_tp.tools.report.trace import _backward, _generalize, _group, _Node, _run, _Trace
+from torch_tp.report.trace import _backward, _generalize, _group, _Node, _run, _Trace
+from torch_tp.shapes import MeshOfSize, ShapeCheckError, check_shapes
+from torch_tp.style import ParallelStyle, planning, short_repr
 
 # after plan_report's names: the pipeline report uses them
 
@@ -236,7 +236,7 @@ def plan_report(
 
 
 def _shape_problems(model: nn.Module, plan: Any, n: int, inputs: tuple[tuple, dict]):
-    """The shape check's problems (:func:`torch_tp.core.shapes.check_shapes`): a rank's
+    """The shape check's problems (:func:`torch_tp.shapes.check_shapes`): a rank's
     shape that is not one device's with the planned dimension divided, or a rank's forward
     that raises, as errors; a model the check cannot trace, as a note saying why."""
     try:
@@ -294,7 +294,7 @@ def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[i
 
 def _unsummed_gradients(entries: list[PlanEntry], trace: _Trace) -> list[Problem]:
     """What :func:`torch_tp.plan.validate_plan` refuses as replicated parameters left with
-    partial gradients (:func:`~torch_tp.core.plan.unsummed_gradients`), where the trace did
+    partial gradients (:func:`~torch_tp.plan.unsummed_gradients`), where the trace did
     not already find those parameters computing on a shard (it says more: the op and where
     the shard came from)."""
     problems: dict[str, Problem] = {}
@@ -433,4 +433,4 @@ def _unsharded(model: nn.Module, entries: list[PlanEntry]) -> list[Problem]:
     ]
 
 
-from torch_tp.tools.report.pipeline import PipelineReport, StageRow, pipeline_report  # noqa: E402
+from torch_tp.report.pipeline import PipelineReport, StageRow, pipeline_report  # noqa: E402

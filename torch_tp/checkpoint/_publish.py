@@ -1,5 +1,5 @@
 """Staging and publishing checkpoints: the one routine every writer of
-:mod:`torch_tp.features.checkpoint` (DCP steps, Hugging Face directories) publishes through.
+:mod:`torch_tp.checkpoint` (DCP steps, Hugging Face directories) publishes through.
 
 A checkpoint ``final`` is written whole into ``final.partial``, its files and directories
 fsynced, and made visible by one rename; a ``final`` it replaces is first moved aside to

@@ -26,25 +26,25 @@ import torch.nn as nn
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
+from torch_tp import _names
+from torch_tp._layouts import normalize
 from torch_tp._torch_compat import StridedShard, tree_leaves
-from torch_tp.core import _names
-from torch_tp.core._layouts import normalize
-from torch_tp.core.contract import Boundary, Layout, StyleContract
-from torch_tp.core.plan import (
+from torch_tp.contract import Boundary, Layout, StyleContract
+from torch_tp.plan import (
     PlanEntry,
     replicated_unsummed,
     summing_style,
 )
-from torch_tp.core.shapes import VALUE_READS, VALUE_TESTS, meta_value, on_meta
-from torch_tp.tools.report.render import (
+from torch_tp.report.render import (
     BACKWARD,
     FORWARD,
     REPLICATED_PARAMETERS,
     Collective,
     Problem,
 )
+from torch_tp.shapes import VALUE_READS, VALUE_TESTS, meta_value, on_meta
 
-__all__: list[str] = []  # private to torch_tp.tools.report
+__all__: list[str] = []  # private to torch_tp.report
 
 # ------------------------------------------------------------------------------------------
 # Layouts and the collectives that move between them
@@ -626,7 +626,7 @@ def _broadcast_dropped(
     rotary table ``(1, T, 1, D/2, 2)`` times a head-sharded query, DistilBERT's mask
     expanded to the per-head scores): each rank uses them whole against its shard. Whether
     the broadcast dimensions are the sharded ones is a question of shapes, which the shape
-    check (:func:`torch_tp.core.shapes.check_shapes`) answers op by op."""
+    check (:func:`torch_tp.shapes.check_shapes`) answers op by op."""
     local = [(t, s) for t, s in zip(inputs, states, strict=True) if isinstance(s, _Local)]
     if not any(isinstance(s.layout, (Shard, StridedShard)) for _, s in local):
         return [s for _, s in local]

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from torch_tp.core.contract import StyleContract
+from torch_tp.contract import StyleContract
 
 if TYPE_CHECKING:
-    from torch_tp.core.style import ParallelStyle
+    from torch_tp.style import ParallelStyle
 
 __all__ = ["STYLE_REGISTRY", "StyleRegistry"]
 

@@ -22,22 +22,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from torch_tp._torch_compat import IncompatibleKeys
-from torch_tp.features._hf_conversion import (
-    CheckpointLayout,
-    conversion_mapping,
-    conversions_chosen,
-    revert,
-    save_groups,
-)
-from torch_tp.features._publish import (
-    _old_name,
-    _publish,
-    _recover_one,
-    _staged_name,
-    _staging,
-    _visible,
-)
-from torch_tp.features.checkpoint import (
+from torch_tp.checkpoint import (
     _SAFETENSORS_DTYPES,
     CheckpointError,
     _agree,
@@ -53,6 +38,21 @@ from torch_tp.features.checkpoint import (
     _refuse_nested_packed,
     _single_device_name,
     _stage_local,
+)
+from torch_tp.checkpoint._hf_conversion import (
+    CheckpointLayout,
+    conversion_mapping,
+    conversions_chosen,
+    revert,
+    save_groups,
+)
+from torch_tp.checkpoint._publish import (
+    _old_name,
+    _publish,
+    _recover_one,
+    _staged_name,
+    _staging,
+    _visible,
 )
 
 __all__ = ["load_pretrained", "save_pretrained"]
@@ -74,7 +74,7 @@ class _PretrainedSource:
 
     ``shapes``/``dtypes`` are by the model's names: the checkpoint's keys as transformers'
     conversion mapping for the model reads them (renamed, merged, split; see
-    :class:`~torch_tp.features._hf_conversion.CheckpointLayout`), and under their own names
+    :class:`~torch_tp.checkpoint._hf_conversion.CheckpointLayout`), and under their own names
     the keys nothing in the model reads. Only the files' headers are read up front.
     """
 

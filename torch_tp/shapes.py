@@ -46,11 +46,11 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from torch_tp import _torch_compat as compat
+from torch_tp._layouts import normalize
 from torch_tp._torch_compat import StridedShard, tree_leaves
-from torch_tp.core._layouts import normalize
-from torch_tp.core.contract import Layout
-from torch_tp.core.plan import PlanEntry, planned_placements, resolve_plan
-from torch_tp.core.style import (
+from torch_tp.contract import Layout
+from torch_tp.plan import PlanEntry, planned_placements, resolve_plan
+from torch_tp.style import (
     ParallelStyle,
     _project,
     _uses_stock_forward,
@@ -351,7 +351,7 @@ def _as_one_rank(
 # ------------------------------------------------------------------------------------------
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # reading a value of a meta tensor: answered with a stand-in, alike in both traces
 VALUE_READS = {

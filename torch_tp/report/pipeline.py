@@ -22,7 +22,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import Shard
 
 from torch_tp._torch_compat import tree_leaves
-from torch_tp.tools.report.render import Problem, _size, _table
+from torch_tp.report.render import Problem, _size, _table
 
 __all__ = ["PipelineReport", "StageRow", "pipeline_report"]
 
@@ -203,8 +203,8 @@ def pipeline_report(
         >>> print(pipeline_report(model, pp_degree=4, n_microbatches=8, batch_size=16,
         ...                       seq_len=2048, tp_degree=2, plan=llama_plan()))
     """
-    from torch_tp.features.pipeline import _plan_for_stage, split_model
-    from torch_tp.tools.report import plan_report
+    from torch_tp.pipeline import _plan_for_stage, split_model
+    from torch_tp.report import plan_report
 
     for name, value in (
         ("pp_degree", pp_degree),
@@ -378,7 +378,7 @@ def pipeline_report(
 def _first_inputs(stage: nn.Module, micro: int, seq_len: int) -> Any:
     """The first stage's meta inputs: token ids, and for a transformers decoder a padding
     mask too (its mask functions read the position ids' values when given none)."""
-    from torch_tp.features.pipeline import _DecoderStage
+    from torch_tp.pipeline import _DecoderStage
 
     ids = torch.zeros(micro, seq_len, dtype=torch.long, device="meta")
     if isinstance(stage, _DecoderStage):
@@ -413,7 +413,7 @@ def _describe(stage: nn.Module) -> str:
 
 def _describe_view(name: str, module: nn.Module) -> str:
     """A transformers stage's view of the base model: its blocks and other modules."""
-    from torch_tp.features.pipeline import _Skipped
+    from torch_tp.pipeline import _Skipped
 
     parts = []
     for child_name, child in module.named_children():

@@ -207,7 +207,7 @@ def _build_model(spec: str, seq_len: int) -> nn.Module:
 
 
 def _plan(args: argparse.Namespace, model: nn.Module) -> Any:
-    from torch_tp.core.plan import from_dict
+    from torch_tp.plan import from_dict
 
     spec = args.plan
     if spec is None and args.model in BUILT_IN_MODELS:
@@ -266,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
     device print one error line on stderr, with no traceback. A reader that closes the pipe
     early (``| head``) ends the command quietly, with the report's exit status.
     """
-    from torch_tp.tools.report import plan_report
+    from torch_tp.report import plan_report
 
     try:
         model = _build_model(args.model, args.seq_len)

@@ -65,13 +65,13 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from torch_tp import _torch_compat as compat
+from torch_tp import random as tp_random
 from torch_tp._torch_compat import (
     IncompatibleKeys,
     StridedShard,
     compute_local_shape_and_global_offset,
 )
-from torch_tp.core import random as tp_random
-from torch_tp.features._publish import (
+from torch_tp.checkpoint._publish import (
     _OLD,
     _publish,
     _recover_one,
@@ -1504,4 +1504,4 @@ def _single_process_is_intended() -> Iterator[None]:
 
 
 # Hugging Face directories, built on the pieces above (imported last: it imports them)
-from torch_tp.features.hf_checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from torch_tp.checkpoint.hf import load_pretrained, save_pretrained  # noqa: E402
