@@ -239,7 +239,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="hf_load_swaps_shared_memory",
-        file="torch_tp/checkpoint/__init__.py",
+        file="torch_tp/checkpoint/_staging.py",
         old="if _alone(local) and _alone(buffer) and local.stride() == buffer.stride():",
         new="if local.stride() == buffer.stride():",
         tests=("test/test_hf_checkpoint.py::test_load_pretrained_hands_its_buffers_to_the_model",),

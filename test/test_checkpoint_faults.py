@@ -34,8 +34,10 @@ from helpers import (
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from torch_tp.checkpoint import CheckpointError
 from torch_tp import checkpoint
+from torch_tp.checkpoint import CheckpointError
+from torch_tp.checkpoint import dcp as tp_dcp
+from torch_tp.checkpoint import safetensors as tp_safetensors
 from torch_tp.testing import RankError, run_distributed
 
 # --------------------------------------------------------------------------- helpers
@@ -125,7 +127,7 @@ def _save_and_die(ckpt_dir: str, out_dir: str, point: str) -> None:
 
         patches.append(mock.patch.object(os, "rename", rename_and_die))
     elif point == "agree" and rank == 3:
-        agree = checkpoint._agree
+        agree = tp_dcp._agree
         calls = []
 
         def agree_or_die(*args, **kwargs):
@@ -134,7 +136,7 @@ def _save_and_die(ckpt_dir: str, out_dir: str, point: str) -> None:
                 _die()
             return agree(*args, **kwargs)
 
-        patches.append(mock.patch.object(checkpoint, "_agree", agree_or_die))
+        patches.append(mock.patch.object(tp_dcp, "_agree", agree_or_die))
     try:
         for patch in patches:
             patch.start()
@@ -242,14 +244,14 @@ def _load_failing_on_one_rank(path: str) -> None:
     model = meta_llama(1, 2)
     checkpoint.load_full_state_dict(model, checkpoint_llama(seed=3).state_dict())
     before = _snapshot(model)
-    copy_to = checkpoint._Source.copy_to
+    copy_to = tp_safetensors._Source.copy_to
 
     def fail_on_rank_1(self, name, pieces, dst):
         if dist.get_rank() == 1 and name == "layers.1.feed_forward.w2.weight":
             raise OSError("Input/output error")
         return copy_to(self, name, pieces, dst)
 
-    with mock.patch.object(checkpoint._Source, "copy_to", fail_on_rank_1):
+    with mock.patch.object(tp_safetensors._Source, "copy_to", fail_on_rank_1):
         for source in (path, checkpoint_llama().state_dict()):
             # rank 0 read everything it needed, rank 1 did not: nobody copies anything
             with pytest.raises(CheckpointError, match="Input/output error") as info:
@@ -258,7 +260,7 @@ def _load_failing_on_one_rank(path: str) -> None:
             _assert_unchanged(before, model)
 
     # rank 0 fails reading the third tensor it broadcasts: the others are not left waiting
-    read, calls = checkpoint._Source.read, []
+    read, calls = tp_safetensors._Source.read, []
 
     def fail_third(self, name):
         calls.append(name)
@@ -266,7 +268,7 @@ def _load_failing_on_one_rank(path: str) -> None:
             raise OSError("Input/output error")
         return read(self, name)
 
-    with mock.patch.object(checkpoint._Source, "read", fail_third):
+    with mock.patch.object(tp_safetensors._Source, "read", fail_third):
         with pytest.raises(CheckpointError, match="Input/output error") as info:
             source = path if dist.get_rank() == 0 else None
             checkpoint.load_full_state_dict(model, source, broadcast_from_rank0=True)

@@ -164,7 +164,7 @@ def test_user_style_parity():
 
 # the modules that read contracts instead of style classes
 _READERS = (
-    "torch_tp/report/__init__.py",
+    "torch_tp/report/plan.py",
     "torch_tp/report/trace.py",
     "torch_tp/plan.py",
     "torch_tp/_names.py",

@@ -30,7 +30,7 @@ from transformers.core_model_loading import (  # noqa: E402
 )
 
 from torch_tp.checkpoint._hf_conversion import CheckpointLayout  # noqa: E402
-from torch_tp.checkpoint import _runs  # noqa: E402
+from torch_tp.checkpoint._staging import _runs  # noqa: E402
 
 
 def _whole(converter, sources, model, layer_name=""):

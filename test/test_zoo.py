@@ -449,7 +449,7 @@ def _planned(model: nn.Module, plan: Any) -> tuple[dict[str, Any], int, int]:
     which costs about a second a model)."""
     from torch_tp import _names
     from torch_tp.plan import planned_placements, resolve_plan
-    from torch_tp.report import _parameter_groups
+    from torch_tp.report.plan import _parameter_groups
 
     entries = resolve_plan(model, plan)
     names = {id(param): name for name, param in model.named_parameters()}

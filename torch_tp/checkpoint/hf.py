@@ -22,8 +22,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from torch_tp._torch_compat import IncompatibleKeys
-from torch_tp.checkpoint import (
-    _SAFETENSORS_DTYPES,
+from torch_tp.checkpoint._hf_conversion import (
+    CheckpointLayout,
+    conversion_mapping,
+    conversions_chosen,
+    revert,
+    save_groups,
+)
+from torch_tp.checkpoint._staging import (
     CheckpointError,
     _agree,
     _check_keys,
@@ -32,27 +38,21 @@ from torch_tp.checkpoint import (
     _first_line,
     _load_failed,
     _meta_error,
+    _old_name,
     _Piece,
+    _publish,
     _raise,
     _rank,
+    _recover_one,
     _refuse_nested_packed,
     _single_device_name,
     _stage_local,
-)
-from torch_tp.checkpoint._hf_conversion import (
-    CheckpointLayout,
-    conversion_mapping,
-    conversions_chosen,
-    revert,
-    save_groups,
-)
-from torch_tp.checkpoint._publish import (
-    _old_name,
-    _publish,
-    _recover_one,
     _staged_name,
     _staging,
     _visible,
+)
+from torch_tp.checkpoint.safetensors import (
+    _SAFETENSORS_DTYPES,
 )
 
 __all__ = ["load_pretrained", "save_pretrained"]

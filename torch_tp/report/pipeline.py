@@ -204,7 +204,7 @@ def pipeline_report(
         ...                       seq_len=2048, tp_degree=2, plan=llama_plan()))
     """
     from torch_tp.pipeline import _plan_for_stage, split_model
-    from torch_tp.report import plan_report
+    from torch_tp.report.plan import plan_report
 
     for name, value in (
         ("pp_degree", pp_degree),

@@ -1,0 +1,639 @@
+"""Staging, agreeing and publishing: what every reader and writer of :mod:`torch_tp.checkpoint`
+shares.
+
+* **Publishing** (one routine every writer, DCP steps and Hugging Face directories, goes
+  through): a checkpoint ``final`` is written whole into ``final.partial``, its files and
+  directories fsynced, and made visible by one rename; a ``final`` it replaces is first moved
+  aside to ``final.old`` and deleted only once the new one is visible. So at any point
+  ``final``, or ``final.old`` while ``final`` is missing, is a complete checkpoint: readers
+  look there (:func:`_visible`), and the next save finishes what a crash left
+  (:func:`_recover_one`).
+* **Staging**: a load reads into buffers (:func:`_stage_local`, :func:`_stage_broadcast`)
+  after checking every key, shape and dtype (:func:`_check_keys`), and copies them into the
+  model (:func:`_copy_staged`) only once every rank has read everything.
+* **Pieces**: the regions of a whole tensor a rank's shard holds (:func:`_local_pieces`),
+  strided-shard (packed) placements included.
+* **Agreement**: :class:`CheckpointError`, and :func:`_agree`, by which every rank learns
+  whether any failed before anything changes, over a gloo group of the checkpoints' own.
+
+Private: no public names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pickle
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+from torch_tp import _torch_compat as compat
+from torch_tp._torch_compat import (
+    IncompatibleKeys,
+    StridedShard,
+    compute_local_shape_and_global_offset,
+)
+
+if TYPE_CHECKING:
+    from torch_tp.checkpoint.safetensors import _Source
+
+__all__: list[str] = []
+
+# ``torch.compile`` wraps a module and holds it under this name; the single-device name has no
+# such part
+_WRAPPER_PARTS = (compat.COMPILED_MODULE_NAME,)
+
+
+def _stage_local(
+    source: _Source,
+    targets: Mapping[str, Tensor],
+    result: IncompatibleKeys,
+    threads: int = 1,
+) -> dict[str, Tensor]:
+    """Read this rank's part of every present tensor into new buffers; raise naming every
+    tensor that could not be read. With ``threads`` > 1, that many tensors are read at a
+    time (for a source whose ``copy_to`` may run in several threads at once: reads from
+    files release the GIL)."""
+    skip = set(result.missing_keys)
+    work = []
+    for name, target in targets.items():
+        if name in skip:
+            continue
+        local = target.to_local() if isinstance(target, DTensor) else target
+        pieces = _local_pieces(name, target) if isinstance(target, DTensor) else None
+        work.append((name, pieces, torch.empty_like(local)))
+
+    def read(item: tuple[str, list[_Piece] | None, Tensor]) -> str | None:
+        name, pieces, buffer = item
+        try:
+            source.copy_to(name, pieces, buffer)
+        except Exception as exc:  # noqa: BLE001 - collected, raised below with every key
+            found = getattr(source, "describe", lambda name: "")(name)
+            return f"{name!r}{f' ({found})' if found else ''}: {_first_line(exc)}"
+        return None
+
+    if threads > 1 and len(work) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            outcomes = list(pool.map(read, work))
+    else:
+        outcomes = [read(item) for item in work]
+    failed = [outcome for outcome in outcomes if outcome is not None]
+    if failed:
+        raise CheckpointError(
+            f"could not read from {source.description}: " + "; ".join(failed) + ". The "
+            "model is unchanged."
+        )
+    return {name: buffer for name, _, buffer in work}
+
+
+def _copy_staged(targets: Mapping[str, Tensor], staged: dict[str, Tensor]) -> None:
+    """Put every staged buffer into the model, freeing each once in (so that the peak stays
+    near one copy of the shard when the model's memory is untouched).
+
+    A buffer becomes the model's memory itself (``set_``, no copy) where ``targets`` holds
+    the model's own tensors (``state_dict(keep_vars=True)``) and the tensor's memory is its
+    alone, of the buffer's layout: nothing else can see the memory swapped out (no view of
+    it, no FSDP2 shard inside a padded flat buffer). Elsewhere it is copied."""
+    with torch.no_grad():
+        for name in list(staged):
+            target = targets[name]
+            local = compat.local_tensor(target) if isinstance(target, DTensor) else target
+            buffer = staged.pop(name)
+            if _alone(local) and _alone(buffer) and local.stride() == buffer.stride():
+                local.set_(buffer)
+            else:
+                local.copy_(buffer)
+
+
+def _alone(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor on its memory, and spans all of it."""
+    storage = tensor.untyped_storage()
+    return (
+        tensor.storage_offset() == 0
+        and storage.nbytes() == tensor.numel() * tensor.element_size()
+        and compat.sole_owner(tensor)
+    )
+
+
+def _check_keys(
+    model: nn.Module, targets: Mapping[str, Tensor], source: _Source, strict: bool
+) -> IncompatibleKeys:
+    """Compare the names, shapes and dtypes of ``source`` with the model's; raise naming
+    every key at fault, warn once for lossy conversions."""
+    shapes = source.shapes
+    describe = getattr(source, "describe", lambda name: "")
+
+    def where(name: str) -> str:
+        found = describe(name)
+        return f"{name} ({found})" if found else name
+
+    missing = [name for name in targets if name not in shapes]
+    unexpected = [name for name in shapes if name not in targets]
+    mismatched, unreadable, lossy = [], [], []
+    for name, target in targets.items():
+        if name not in shapes:
+            continue
+        if tuple(shapes[name]) != tuple(target.shape):
+            mismatched.append(
+                f"{where(name)}: the checkpoint has shape {list(shapes[name])}, the model "
+                f"{list(target.shape)}"
+            )
+            continue
+        dtype = source.dtypes[name]
+        if isinstance(dtype, str):
+            unreadable.append(
+                f"{where(name)}: the checkpoint's dtype {dtype!r} cannot be loaded into "
+                f"{target.dtype}"
+            )
+        elif not _convertible(dtype, target.dtype):
+            unreadable.append(f"{where(name)}: {dtype} cannot be converted to {target.dtype}")
+        elif _lossy(dtype, target.dtype):
+            lossy.append(f"{name} ({dtype} to {target.dtype})")
+    errors = []
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: " + ", ".join(map(repr, missing)) + ".")
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: " + ", ".join(map(repr, unexpected)) + ".")
+    if mismatched:
+        errors.append("Size mismatch: " + "; ".join(mismatched) + ".")
+    if unreadable:
+        errors.append("Unreadable dtype: " + "; ".join(unreadable) + ".")
+    _raise_or_warn(errors, lossy, source.description, type(model).__name__)
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _raise_or_warn(errors: list[str], lossy: list[str], source: str, model_name: str) -> None:
+    """Raise one error naming everything wrong with ``source``, or warn once of the lossy
+    conversions it needs."""
+    if errors:
+        raise CheckpointError(
+            f"Error(s) in loading {source} into {model_name} (nothing was changed):\n\t"
+            + "\n\t".join(errors)
+        )
+    if lossy:
+        warnings.warn(
+            f"loading {source} converts with a loss of precision or range: " + ", ".join(lossy),
+            stacklevel=4,
+        )
+
+
+def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    try:
+        torch.empty(1, dtype=src).to(dst)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _lossy(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether converting ``src`` values to ``dst`` can lose precision or range."""
+    if src == dst or src == torch.bool:
+        return False
+    if dst == torch.bool or (src.is_complex and not dst.is_complex):
+        return True
+    if not (src.is_floating_point or src.is_complex):  # integers
+        if dst.is_floating_point or dst.is_complex:
+            return True  # large integers do not survive
+        s, d = torch.iinfo(src), torch.iinfo(dst)
+        return d.min > s.min or d.max < s.max
+    if not (dst.is_floating_point or dst.is_complex):
+        return True  # floating point to integer
+    s = torch.finfo(src.to_real() if src.is_complex else src)
+    d = torch.finfo(dst.to_real() if dst.is_complex else dst)
+    return d.eps > s.eps or d.max < s.max or d.tiny > s.tiny
+
+
+# A piece: a region of the whole tensor and the region of the local shard it is copied to.
+_Piece = tuple[tuple[slice, ...], tuple[slice, ...]]
+
+
+def _local_pieces(name: str, target: DTensor) -> list[_Piece]:
+    """The regions of the whole tensor that this rank's shard of ``target`` holds, and where.
+
+    One piece for a shard that is one block of the whole tensor; for a packed parameter
+    (a strided shard, e.g. a packed part's slice or each expert's gate and up slices), one
+    piece per block of the index sets it holds along each dim (see :func:`_strided_pieces`).
+    """
+    if any(isinstance(p, Partial) for p in target.placements):
+        raise NotImplementedError(
+            f"{name}: cannot load a full tensor into a Partial DTensor ({target.placements})"
+        )
+    local_shape = tuple(target.to_local().shape)
+    everything = tuple(slice(0, s) for s in local_shape)
+    if _packed_placement(target) is not None:
+        return _strided_pieces(name, target, local_shape)
+    shape, offset = compute_local_shape_and_global_offset(
+        target.shape, target.device_mesh, target.placements
+    )
+    if tuple(shape) != local_shape:
+        raise NotImplementedError(
+            f"{name}: the local shard of shape {list(local_shape)} is not one block of the "
+            f"{list(target.shape)} tensor with placements {target.placements}"
+        )
+    return [(tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True)), everything)]
+
+
+def _strided_pieces(name: str, target: DTensor, local_shape: tuple[int, ...]) -> list[_Piece]:
+    """The pieces of a shard with a packed (strided) placement.
+
+    Along each tensor dim, the indices this rank holds are found the way DTensor itself
+    splits: each mesh dim's placement on that tensor dim, in mesh order, applied to an
+    ``arange`` (so that the shard equals ``distribute_tensor(full, mesh, placements)``'s).
+    The shard is the product of those index sets (each dim's split is independent of the
+    others': :func:`_refuse_nested_packed` refuses a packed dim that another mesh dim splits
+    too), so its pieces are the products of each dim's runs of consecutive indices: for
+    tensor-parallel experts' ``gate_up_proj`` ``[E, 2I, H]``, one for its slice of every
+    expert's gate rows and one for its slice of their up rows, each over this rank's experts
+    (all of them, or its FSDP2 shard).
+    """
+    mesh = target.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: nothing to hold
+        return []
+    held = [torch.arange(size) for size in target.shape]
+    for mesh_dim, placement in enumerate(target.placements):
+        if not isinstance(placement, (Shard, StridedShard)):
+            continue  # Replicate (a Partial was refused by the caller)
+        dim = placement.dim % target.ndim
+        along = (
+            StridedShard(0, split_factor=placement.split_factor)
+            if isinstance(placement, StridedShard)
+            else Shard(0)
+        )
+        chunks = compat.shard_split_tensor(along, held[dim], mesh.size(mesh_dim), contiguous=False)
+        held[dim] = chunks[coordinate[mesh_dim]]
+    runs_per_dim: list[list[tuple[slice, slice]]] = []
+    for dim, indices in enumerate(held):
+        indices = indices.tolist()
+        if len(indices) != local_shape[dim]:
+            raise NotImplementedError(
+                f"{name}: the local shard of shape {list(local_shape)} does not match the "
+                f"{list(target.shape)} tensor with placements {target.placements}"
+            )
+        runs_per_dim.append(_runs(indices))
+    return [
+        (tuple(whole for whole, _ in runs), tuple(mine for _, mine in runs))
+        for runs in itertools.product(*runs_per_dim)
+    ]
+
+
+def _runs(indices: list[int]) -> list[tuple[slice, slice]]:
+    """The runs of consecutive values in ``indices``: ``(whole, mine)`` slices, ``whole`` of
+    the values and ``mine`` of their positions."""
+    runs = []
+    start = 0  # the position where the current run begins
+    for i in range(1, len(indices) + 1):
+        if i == len(indices) or indices[i] != indices[i - 1] + 1:
+            if i > start:
+                runs.append((slice(indices[start], indices[i - 1] + 1), slice(start, i)))
+            start = i
+    return runs  # none for an empty shard: nothing to read
+
+
+def _packed_mesh_dim(value: DTensor) -> int | None:
+    """The mesh dim of a packed parameter's strided-shard placement, or ``None``.
+
+    FSDP2 on top of tensor parallelism also uses strided shards: ``StridedShard(d)`` on
+    the data-parallel dim, followed by the tensor-parallel ``Shard(d)``; such a shard is one
+    block of the whole tensor. A strided shard that no later ``Shard`` of its dim follows
+    is a packed one: its rank holds one slice of each part.
+    """
+    placements = value.placements
+    for i, placement in enumerate(placements):
+        if not isinstance(placement, StridedShard):
+            continue
+        dim = placement.dim % value.ndim
+        if not any(
+            type(later) is Shard and later.dim % value.ndim == dim for later in placements[i + 1 :]
+        ):
+            return i
+    return None
+
+
+def _packed_placement(value: DTensor) -> StridedShard | None:
+    """The strided-shard placement of a packed parameter, or ``None``."""
+    mesh_dim = _packed_mesh_dim(value)
+    return None if mesh_dim is None else value.placements[mesh_dim]
+
+
+def _refuse_nested_packed(state: Any, path: str = "") -> None:
+    """Raise ``NotImplementedError`` for a packed parameter whose packed dim another mesh dim
+    splits too.
+
+    FSDP2 shards dim 0 of each tensor-parallel shard. Where the packed dim is another one
+    (tensor-parallel experts' ``gate_up_proj``, strided on dim 1; a packed row-parallel
+    weight, on dim 1), each mesh dim splits its own tensor dim and the placements say what
+    each rank holds. Where it is dim 0 too (a packed column-parallel weight), the
+    placements nest two strided shards that do not describe what each rank holds: values
+    read or written through them would be scrambled.
+    """
+    for name, value in _dtensors(state, path):
+        packed = _packed_mesh_dim(value)
+        if packed is None:
+            continue
+        dim = value.placements[packed].dim % value.ndim
+        others = [
+            i
+            for i, p in enumerate(value.placements)
+            if i != packed and isinstance(p, (Shard, StridedShard)) and p.dim % value.ndim == dim
+        ]
+        if others:
+            raise NotImplementedError(
+                f"{name}: a packed parameter (PackedColwiseParallel, PackedRowwiseParallel, "
+                f"TensorParallelExperts; placements {value.placements}) on a "
+                f"{value.device_mesh.ndim}-D mesh whose packed dim {dim} is split by mesh "
+                f"dim(s) {others} as well: a packed dim also sharded by FSDP2 is not "
+                "supported under FSDP2 yet, the placements do not describe what each rank "
+                "holds; checkpoint the model without FSDP2 (a 1-D tensor-parallel mesh)"
+            )
+
+
+def _dtensors(state: Any, path: str = "") -> Iterator[tuple[str, DTensor]]:
+    """Every DTensor in a nested state dict (dicts and lists), with its dotted path."""
+    if isinstance(state, DTensor):
+        yield path, state
+    elif isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from _dtensors(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _dtensors(value, f"{path}.{i}" if path else str(i))
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded.
+
+    Raised on every rank, with a message that names the files and every offending key.
+    Unlike DCP's ``CheckpointException`` (a ``BaseException``), ``except Exception``
+    catches it; DCP's exception, when there is one, is its ``__cause__``. A failed save
+    never removes the previous checkpoint; a failed load leaves the model and optimizer
+    as they were.
+    """
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, at most 500 characters (a DCP exception holds
+    every rank's traceback; only its first failure is worth repeating)."""
+    if isinstance(exc, dcp.api.CheckpointException) and exc.failures:
+        rank, (inner, _) = next(iter(sorted(exc.failures.items())))
+        return f"on rank {rank}, {_first_line(inner)}"
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return line if len(line) <= 500 else line[:500] + "..."
+
+
+def _agree(
+    error: Exception | None,
+    failed: Callable[[str], str],
+    *,
+    value: Any = None,
+    same: str | None = None,
+) -> list[Any]:
+    """Raise, on every rank, the first rank's error if any rank has one (one small
+    collective). On the rank that failed the original exception is raised, elsewhere a copy
+    of it (or a :class:`CheckpointError` with its message when it does not pickle).
+    ``failed(cause)`` words the error if the collective itself fails.
+
+    Each rank's ``value`` (picklable) travels with it; every rank's is returned. With
+    ``same`` (what the values are, for the message), values that differ between ranks are a
+    :class:`CheckpointError` on every rank: a check that guards a collective is agreed over
+    every rank that will enter it, so one rank's bad input is the same error everywhere."""
+    if not _distributed():
+        if error is not None:
+            raise error
+        return [value]
+    mine = (None if error is None else _sendable(error), value)
+    every: list[Any] = [None] * dist.get_world_size()
+    _coordinate(dist.all_gather_object, every, mine, failed=failed, group=_group())
+    if error is not None:
+        raise error
+    for other, _ in every:
+        if other is not None:
+            raise other
+    values = [v for _, v in every]
+    if same is not None and any(v != values[0] for v in values):
+        found = ", ".join(f"rank {rank}: {v!r}" for rank, v in enumerate(values))
+        raise CheckpointError(failed(f"the ranks do not agree on {same} ({found})"))
+    return values
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _meta_error(model: nn.Module, what: str) -> ValueError | None:
+    """The error for a model with tensors on the meta device (nothing to read into or
+    write from), naming the first few, or ``None``."""
+    seen: set[int] = set()
+    names = []
+    for name, value in itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers()
+    ):
+        if value.is_meta and id(value) not in seen:
+            seen.add(id(value))
+            names.append(_single_device_name(name))
+    if not names:
+        return None
+    shown = ", ".join(map(repr, names[:4])) + (
+        f" and {len(names) - 4} more" if len(names) > 4 else ""
+    )
+    return ValueError(
+        f"{what}: {len(names)} of the model's parameters and buffers are on the meta device "
+        f"({shown}), which holds no data. Give this rank's shards memory first, after "
+        "parallelize_module: torch_tp.materialize(model) (it also computes non-persistent "
+        "buffers such as rotary inv_freq again). Nothing was read or written."
+    )
+
+
+def _sendable(error: Exception) -> Exception:
+    """``error``, or a :class:`CheckpointError` with its message if it does not pickle."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - send what can be sent
+        return CheckpointError(f"{type(error).__name__}: {error}")
+    return error
+
+
+# ------------------------------------------------------------------------------------------
+# The coordination group. Saves and loads coordinate over a gloo group of their own (DCP's
+# plans and results, our agreements, CPU broadcasts), created by the first call that needs
+# it, on every rank, and reused while it lives. Being ours alone, it can be torn down when
+# one of its collectives fails: a rank blocked on a survivor that has given up would
+# otherwise wait for the group's timeout (30 minutes by default), while destroying the group
+# closes its connections, so that every rank blocked in it fails within moments. The user's
+# process groups are never touched. This is the one piece of state this module keeps.
+# ------------------------------------------------------------------------------------------
+
+_coordination: dict[str, dist.ProcessGroup] = {}
+
+
+def _group() -> dist.ProcessGroup:
+    """The coordination group (every rank of the default group; a collective to create)."""
+    group = _coordination.get("group")
+    if group is not None:
+        try:
+            dist.get_backend(group)  # raises once the group was destroyed (or the world was)
+            return group
+        except (ValueError, RuntimeError, KeyError):
+            _coordination.clear()
+    group = dist.new_group(backend="gloo")
+    _coordination["group"] = group
+    return group
+
+
+def _coordinate(
+    collective: Callable[..., Any], *args: Any, failed: Callable[[str], str], **kwargs: Any
+) -> Any:
+    """Run ``collective`` (a collective, or DCP's save or load) over the coordination group;
+    if a collective in it fails (a rank died, the network broke), tear that group down and
+    raise :class:`CheckpointError` (``failed(cause)``). DCP's own ``CheckpointException``,
+    which it raises on every rank alike, becomes a :class:`CheckpointError` too."""
+    try:
+        return collective(*args, **kwargs)
+    except dcp.api.CheckpointException as exc:  # agreed on every rank: the group is fine
+        raise CheckpointError(failed(_first_line(exc))) from exc
+    except Exception as exc:  # noqa: BLE001 - any failure of the collectives themselves
+        if not _distributed():
+            raise CheckpointError(failed(_first_line(exc))) from exc
+        cause = _first_line(exc)
+        # the traceback's frames (DCP's among them) hold the group: let them go first
+        exc.__traceback__ = None
+        _drop_group()
+        raise CheckpointError(
+            failed(
+                f"a collective failed, so a rank has probably died ({cause}); the job cannot "
+                "go on in this process group: restart it"
+            )
+        ) from exc
+
+
+def _drop_group() -> None:
+    group = _coordination.pop("group", None)
+    if group is not None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
+        del group
+
+
+def _single_device_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _load_failed(what: str) -> Callable[[str], str]:
+    return lambda cause: f"{what} failed: {cause}. Nothing was changed."
+
+
+# ------------------------------------------------------------------------------------------
+# Publishing
+# ------------------------------------------------------------------------------------------
+
+_PARTIAL = ".partial"  # a save in progress, or one that failed: never read
+_OLD = ".old"  # the previous checkpoint being replaced, until the new one is in
+
+
+def _staged_name(final: Path) -> Path:
+    return final.with_name(final.name + _PARTIAL)
+
+
+def _old_name(final: Path) -> Path:
+    return final.with_name(final.name + _OLD)
+
+
+def _staging(final: Path) -> Path:
+    """An empty staging directory for ``final``, the leftover of a failed save removed (one
+    rank only; call :func:`_recover_one` first)."""
+    partial = _staged_name(final)
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Make the complete checkpoint in ``partial`` visible as ``final`` (one rank only).
+
+    Every file under ``partial`` and every directory is fsynced first; then each step is
+    atomic and made durable before the next: a crash between two of them leaves ``final``,
+    or ``final.old`` with ``final`` missing, complete on disk.
+    """
+    _fsync_tree(partial)
+    old = _old_name(final)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        _fsync_dir(final.parent)
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover_one(final: Path, complete: Callable[[Path], bool]) -> None:
+    """Finish what a save of ``final`` that crashed while publishing left (one rank, before
+    the next save): an old checkpoint whose replacement never arrived goes back in place;
+    one whose replacement did is deleted."""
+    old = _old_name(final)
+    if not old.exists():
+        return
+    if complete(final):
+        shutil.rmtree(old)
+    elif not final.exists() and complete(old):
+        os.rename(old, final)
+        _fsync_dir(final.parent)
+
+
+def _visible(final: Path, complete: Callable[[Path], bool]) -> Path | None:
+    """The complete checkpoint published as ``final``: ``final``, or, while a save of it is
+    being published (or crashed while publishing), the ``.old`` one it replaces."""
+    for path in (final, _old_name(final)):
+        if complete(path):
+            return path
+    return None
+
+
+def _fsync_tree(path: Path) -> None:
+    """Make every file under ``path``, and the entries of every directory, durable."""
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(directory))
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable (where the platform allows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)

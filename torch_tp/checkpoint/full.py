@@ -1,0 +1,269 @@
+"""Full state dicts: ordinary ``{name: tensor}`` dicts with the names and values of the
+single-device model. :func:`full_state_dict` gathers one parameter at a time;
+:func:`load_full_state_dict` loads from memory or from a ``safetensors`` file, each rank
+reading only its own slices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from torch_tp._torch_compat import IncompatibleKeys
+from torch_tp.checkpoint._staging import (
+    CheckpointError,
+    _agree,
+    _check_keys,
+    _coordinate,
+    _copy_staged,
+    _distributed,
+    _first_line,
+    _group,
+    _load_failed,
+    _local_pieces,
+    _meta_error,
+    _raise,
+    _rank,
+    _refuse_nested_packed,
+    _single_device_name,
+    _stage_local,
+)
+from torch_tp.checkpoint.safetensors import _Source
+
+__all__ = ["full_state_dict", "load_full_state_dict"]
+
+# ------------------------------------------------------------------------------------------
+# Full state dicts
+# ------------------------------------------------------------------------------------------
+
+
+def full_state_dict(
+    model: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = True
+) -> dict[str, Tensor]:
+    """Gather the state of a TP or 2-D model into an ordinary, single-device state dict.
+
+    The names are those of the single-device model (what ``model.state_dict()`` would give
+    before parallelization) and the values are whole tensors. Parameters are gathered one
+    at a time (an all-gather each): a rank holds at most one gathered tensor beyond what it
+    returns, so a rank that returns nothing (``rank0_only``) never holds more than one whole
+    parameter (the all-gather stages it through a second buffer of its size). Must be
+    called on every rank.
+
+    Args:
+        model (:class:`nn.Module`): the model, parallelized by
+            :func:`torch_tp.parallelize_module` and possibly sharded by FSDP2 on top.
+
+    Keyword Args:
+        rank0_only (bool, optional): return the full dict on global rank 0 only and an
+            empty dict elsewhere. Default: ``False`` (every rank gets it).
+        cpu_offload (bool, optional): move every gathered tensor to the CPU as soon as it is
+            gathered. Default: ``True``.
+
+    Returns:
+        ``{name: tensor}`` with plain (not DTensor) tensors, or ``{}`` on ranks other than 0
+        with ``rank0_only``.
+
+    Raises:
+        NotImplementedError: a packed parameter whose packed dim FSDP2 shards too (see the
+            module docstring); raised on every rank before anything is gathered.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> state = torch_tp.checkpoint.full_state_dict(model, rank0_only=True)
+        >>> if dist.get_rank() == 0:
+        ...     safetensors.torch.save_file(state, "model.safetensors")
+    """
+    keep = not rank0_only or _rank() == 0
+    out: dict[str, Tensor] = {}
+    state = model.state_dict()
+    _refuse_nested_packed(state)
+    # agreed before any gather (it must be called on every rank): one rank's model on the
+    # meta device fails every rank alike
+    error = _meta_error(model, "full_state_dict")
+    if _distributed() and any(isinstance(t, DTensor) for t in state.values()):
+        _agree(error, lambda cause: f"full_state_dict failed: {cause}")
+    else:
+        _raise(error)
+    for name, value in state.items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # a collective: every rank, in the same order
+        if not keep:
+            continue
+        if isinstance(value, Tensor):
+            value = value.detach()
+            if cpu_offload:
+                value = value.cpu()
+        out[_single_device_name(name)] = value
+    return out
+
+
+def load_full_state_dict(
+    model: nn.Module,
+    state_dict: Mapping[str, Tensor] | str | os.PathLike | None,
+    *,
+    strict: bool = True,
+    broadcast_from_rank0: bool = False,
+) -> IncompatibleKeys:
+    """Load a full (single-device) state dict into a TP or 2-D model, all or nothing.
+
+    Each rank copies only its own slice of each tensor into its shard; nothing is
+    redistributed afterwards. The source is one of:
+
+    * a ``safetensors`` file (a path): every rank opens it and reads only its slices
+      (``safe_open(...).get_slice``), so no rank ever holds the whole checkpoint;
+    * a dict of tensors on every rank (e.g. ``torch.load(path, weights_only=True,
+      mmap=True)``): each rank slices it locally, without communication;
+    * a dict on rank 0 only, with ``broadcast_from_rank0=True``: rank 0 broadcasts one
+      tensor at a time and the other ranks may pass ``None``.
+
+    A load either completes or changes nothing. The names, the global shapes and the dtypes
+    (readable, and convertible to the parameter's) are checked against the model first;
+    then each rank reads its slices into staging buffers (as much memory as its shard);
+    the ranks agree that every one of them read everything (one small collective); and
+    only then are the buffers copied into the model, each freed as soon as it is copied.
+    Any failure raises the same exception on every rank (every error listed under
+    ``Raises``), and the model is left bit-identical. Values are
+    converted to each parameter's dtype; a lossy conversion (e.g. integer to floating
+    point, ``float64`` to ``float16``) warns once per call, naming the keys. The model may
+    have been built on the meta device, parallelized, and given memory for its shards by
+    :func:`torch_tp.materialize` (which also computes non-persistent buffers such as rotary
+    tables again; ``model.to_empty`` leaves them uninitialised). A model with tensors still
+    on the meta device is refused before anything is read.
+
+    With a process group, a model holding DTensors must be loaded on every rank (the
+    agreement is a collective over every rank of the default group); a model without
+    DTensors is loaded by each rank on its own.
+
+    Args:
+        model (:class:`nn.Module`): the parallelized model (and possibly FSDP2-sharded).
+        state_dict (Mapping[str, Tensor] or str or os.PathLike or None): the full state
+            dict, or the path of a ``.safetensors`` file; ``None`` on ranks other than 0 with
+            ``broadcast_from_rank0``.
+
+    Keyword Args:
+        strict (bool, optional): raise for missing and unexpected keys, as
+            :meth:`nn.Module.load_state_dict` does. Default: ``True``.
+        broadcast_from_rank0 (bool, optional): only global rank 0 holds ``state_dict``
+            (in memory, or a file only rank 0 can read). Default: ``False``.
+
+    Returns:
+        ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``, as
+        :meth:`nn.Module.load_state_dict` returns.
+
+    Raises:
+        CheckpointError: missing or unexpected keys (with ``strict``), shape mismatches,
+            dtypes that cannot be read or converted, a file that is not a readable
+            ``safetensors`` file, or a read that failed; the message names the file and
+            every offending key. It derives from ``RuntimeError``.
+        TypeError: ``state_dict`` is neither a mapping nor a path, or holds non-tensors.
+        FileNotFoundError: ``state_dict`` is a path with no file.
+        NotImplementedError: a parameter whose local shard is not one block of the whole
+            tensor (e.g. ``Partial``), or a packed parameter whose packed dim FSDP2 shards
+            too. Other packed parameters are loaded exactly: their shard is one block per
+            part (one ``get_slice`` read each from a ``safetensors`` file).
+        ValueError: the model has tensors on the meta device (named; on every rank).
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> with torch.device("meta"):
+        ...     model = Llama(config)
+        >>> parallelize_module(model, mesh["tp"], llama_plan())
+        >>> torch_tp.materialize(model)
+        >>> torch_tp.checkpoint.load_full_state_dict(model, "llama.safetensors")
+    """
+    targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
+    _refuse_nested_packed(targets)  # on every rank, before any communication
+    if broadcast_from_rank0:
+        result, staged = _stage_broadcast(model, targets, state_dict, strict)
+    else:
+        result, staged, error = None, {}, None
+        try:
+            _raise(_meta_error(model, "load_full_state_dict"))  # before reading anything
+            source = _Source(state_dict)
+            result = _check_keys(model, targets, source, strict)
+            staged = _stage_local(source, targets, result)
+        except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+            error = exc
+        if _distributed() and any(isinstance(t, DTensor) for t in targets.values()):
+            _agree(error, _load_failed("loading a full state dict"))
+        elif error is not None:
+            raise error
+    _copy_staged(targets, staged)
+    return result
+
+
+def _stage_broadcast(
+    model: nn.Module,
+    targets: dict[str, Tensor],
+    state_dict: Mapping[str, Tensor] | str | os.PathLike | None,
+    strict: bool,
+) -> tuple[IncompatibleKeys, dict[str, Tensor]]:
+    rank = _rank()
+    what = "loading a full state dict broadcast from rank 0"
+    # rank 0 opens and checks the source; every rank checks its model; every rank then
+    # raises the same error, or none does (one small collective)
+    error, verdict = None, None
+    try:
+        _raise(_meta_error(model, "load_full_state_dict"))
+        if rank == 0:
+            source = _Source(state_dict)
+            verdict = tuple(_check_keys(model, targets, source, strict))
+    except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+        error = exc
+    # the broadcasts below follow each rank's own names: they must be the same everywhere
+    layout = hashlib.sha256(
+        repr([(k, tuple(v.shape), str(v.dtype)) for k, v in targets.items()]).encode()
+    ).hexdigest()
+    values = _agree(error, _load_failed(what), value=(layout, verdict))
+    differ = [r for r, (other, _) in enumerate(values) if other != values[0][0]]
+    if differ:
+        raise CheckpointError(
+            _load_failed(what)(
+                f"the model's names, shapes or dtypes on rank(s) {differ} differ from rank 0's"
+            )
+        )
+    result = IncompatibleKeys(*values[0][1])
+    present = set(targets) - set(result.missing_keys)
+    # Rank 0 reads and broadcasts one whole tensor at a time. A read that fails on rank 0
+    # must not leave the others waiting in a broadcast: rank 0 keeps the protocol going
+    # (broadcasting empty buffers) and the failure is agreed on at the end.
+    error: Exception | None = None
+    staged: dict[str, Tensor] = {}
+    for name, target in targets.items():
+        if name not in present:
+            continue
+        local = target.to_local() if isinstance(target, DTensor) else target
+        full = None
+        if rank == 0 and error is None:
+            try:
+                full = source.read(name).to(device=local.device, dtype=local.dtype)
+            except Exception as exc:  # noqa: BLE001 - agreed on below
+                error = CheckpointError(
+                    f"could not read {name!r} from {source.description}: {_first_line(exc)}. "
+                    "The model is unchanged."
+                )
+        if full is None:
+            full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
+        if _distributed():
+            # one whole tensor at a time
+            group = _group() if full.device.type == "cpu" else None  # gloo moves CPU tensors
+            _coordinate(dist.broadcast, full, src=0, group=group, failed=_load_failed(what))
+        buffer = torch.empty_like(local)
+        if isinstance(target, DTensor):
+            for whole, mine in _local_pieces(name, target):
+                buffer[mine].copy_(full[whole])
+        else:
+            buffer.copy_(full)
+        staged[name] = buffer
+        del full
+    if _distributed():
+        _agree(error, _load_failed(what))
+    elif error is not None:
+        raise error
+    return result, staged

@@ -1,0 +1,424 @@
+"""The dry-run report of a tensor-parallel plan: what it costs and what is wrong with it, before
+anything runs.
+
+:func:`plan_report` takes a model built on the meta device, a plan and a TP degree, and needs
+no process group and no memory for weights. It reports, per plan key, the parameters' global
+and per-rank shapes and bytes; the collectives one training step (forward and backward of the
+model) issues, by kind, count and bytes; and the problems a plan has: dimensions that do not
+divide by the TP degree, ``nn.Linear``/``nn.Embedding`` layers left unsharded, and layouts that
+do not chain from one module to the next.
+
+How the collectives are predicted (:mod:`torch_tp.report.trace`): the *unparallelized*
+model runs once on meta tensors, with hooks on the plan's modules and a
+:class:`~torch.overrides.TorchFunctionMode` that follows every tensor between them. Each tensor
+is given the form it would have in the parallelized model (a local tensor of a known layout,
+or a DTensor), and each style's contract (:class:`torch_tp.contract.StyleContract`: the
+layout an input arrives in and the one it is moved to, the layout an output is computed in
+and handed on in, whether the receiver gets a local tensor, the partial gradients) says which
+collective it issues in the forward and which its backward will issue. The tests compare the
+predictions with measured runs: for instance the column-parallel layers that read one
+replicated DTensor made by a ``PrepareModuleInput(use_local_output=False)`` share one backward
+reduction, and the partial gradients of replicated parameters used on shards
+(sequence-parallel norms, the bias of a row-parallel layer with a sharded output) are summed
+by one coalesced all-reduce at the end of the backward. The result and its printed form are
+in :mod:`torch_tp.report.render`.
+
+Example::
+
+    >>> import torch
+    >>> from torch_tp.models import Llama, LlamaConfig
+    >>> from torch_tp.plans.llama import llama_plan
+    >>> from torch_tp.report import plan_report
+    >>> with torch.device("meta"):
+    ...     model = Llama(LlamaConfig(n_layers=2))
+    >>> report = plan_report(model, llama_plan(), 2, batch_size=2, seq_len=16)
+    >>> report.counts("forward")
+    {'all_reduce': 5, 'all_gather_into_tensor': 1}
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from torch_tp import _names
+from torch_tp._torch_compat import StridedShard, tree_leaves
+from torch_tp.plan import (
+    PlanEntry,
+    parameter_owners,
+    planned_placements,
+    resolve_plan,
+    tied_parameters,
+    unsummed_gradients,
+)
+from torch_tp.report.render import (
+    _SEVERITIES,
+    ParameterGroup,
+    PlanEntryRow,
+    PlanReport,
+    Problem,
+    _shape,
+    _size,
+)
+from torch_tp.report.trace import _backward, _generalize, _group, _Node, _run, _Trace
+from torch_tp.shapes import MeshOfSize, ShapeCheckError, check_shapes
+from torch_tp.style import ParallelStyle, planning, short_repr
+
+__all__ = ["plan_report"]
+
+# ------------------------------------------------------------------------------------------
+# The report
+# ------------------------------------------------------------------------------------------
+
+
+def plan_report(
+    model: nn.Module,
+    plan: ParallelStyle | Mapping[str, ParallelStyle | str],
+    tp_degree: int,
+    *,
+    batch_size: int,
+    seq_len: int,
+    dtype: torch.dtype | None = None,
+    example_inputs: Any = None,
+    device_type: str = "cuda",
+    input_layout: Placement | None = None,
+) -> PlanReport:
+    """Report what ``plan`` would do to ``model`` at ``tp_degree``, without running it.
+
+    Nothing is communicated and no process group is needed: ``model`` is built on the meta
+    device (``with torch.device("meta"): model = MyModel(config)``), and its unparallelized
+    forward runs once on meta tensors to find the activations' shapes and which tensor flows
+    where. The model is left as it was.
+
+    Args:
+        model (:class:`nn.Module`): the model, on the meta device.
+        plan: the plan, as for :func:`torch_tp.parallelize_module` (styles or style names).
+        tp_degree (int): the number of ranks each layer is split over.
+
+    Keyword Args:
+        batch_size (int): the batch size the collectives are sized for.
+        seq_len (int): the sequence length the collectives are sized for.
+        dtype (:class:`torch.dtype`, optional): cast the floating-point parameters (of a
+            copy) to this dtype first. Default: the model's own dtypes.
+        example_inputs (optional): the forward's inputs on the meta device: a tensor, a
+            tuple of positional inputs, a dict of keyword inputs, or a callable
+            ``(batch_size, seq_len) -> inputs`` called under ``torch.device("meta")``.
+            Default: token ids of shape ``(batch_size, seq_len)``.
+        device_type (str, optional): the device the plan will run on. It matters for one
+            thing: on ``"cpu"`` (gloo has no all-to-all) DTensor moves a shard to another
+            dimension with an all-gather. Default: ``"cuda"``.
+        input_layout (Placement, optional): how the inputs arrive on each rank: local
+            tensors of this layout of the example inputs (``Shard(1)``: a sequence shard,
+            as a pipeline stage after the first gets it under sequence parallelism).
+            Default: ``Replicate()``, the whole inputs on every rank.
+
+    Returns:
+        A :class:`PlanReport`; ``print(report)`` shows the tables. The collectives are those
+        of one training step of the model: its forward, and the backward of a loss on its
+        output (the loss's own collectives, e.g. under ``loss_parallel``, are not included).
+
+    Raises:
+        ValueError: the model is not on the meta device, ``tp_degree`` is not positive, or
+            the plan is invalid (as :func:`parallelize_module` would raise; a key that
+            matches no module is reported as a problem instead).
+        NotImplementedError: the plan names a style torch_tp does not have yet.
+        RuntimeError: the forward fails on the meta device.
+
+    Example::
+        >>> # xdoctest: +SKIP("prints a table")
+        >>> from torch_tp.models import Llama, LlamaConfig
+        >>> from torch_tp.plans.llama import llama_plan
+    >>> from torch_tp.report import plan_report
+        >>> with torch.device("meta"):
+        ...     model = Llama(LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8))
+        >>> report = plan_report(
+        ...     model, llama_plan(sequence_parallel=True), 8, batch_size=1, seq_len=4096
+        ... )
+        >>> print(report)
+    """
+    if not isinstance(tp_degree, int) or tp_degree < 1:
+        raise ValueError(f"tp_degree must be a positive int, found {tp_degree!r}")
+    not_meta = [
+        name
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.device.type != "meta"
+    ]
+    if not_meta:
+        raise ValueError(
+            f"plan_report takes a model on the meta device; {not_meta[0]!r} is on "
+            f"{dict([*model.named_parameters(), *model.named_buffers()])[not_meta[0]].device}. "
+            'Build it under `with torch.device("meta"):`'
+        )
+    if dtype is not None:
+        model = copy.deepcopy(model).to(dtype)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        entries = resolve_plan(model, plan, strict=False)
+    # what parallelize_module would raise for, reported all at once
+    matched = Counter(e.key for e in entries)
+    unmatched = [str(w.message) for w in caught if "matches no submodule" in str(w.message)]
+    keys = list(plan) if isinstance(plan, Mapping) else [""]
+    problems = [
+        Problem("error", key, message.removesuffix("; skipping it (strict=False)"))
+        for key in keys
+        if not matched[key]
+        # a key without entries matched nothing, or names parameters its module's style places
+        for message in unmatched
+        if message.startswith(f"parallelize_plan key {short_repr(key)} matches no submodule")
+    ]
+    styled = frozenset(id(e.module) for e in entries)
+    with planning(model, styled):  # styles that read the model's config find it
+        invalid, refused = _validate(model, entries, tp_degree)
+    problems += refused
+    valid = [e for e in entries if id(e.module) not in invalid]
+
+    inputs = _inputs(example_inputs, batch_size, seq_len)
+    trace = _Trace(valid, tp_degree, cpu=device_type == "cpu")
+    trace.watch_unplanned(model)
+    with torch.enable_grad(), planning(model, styled):
+        output = _run(model, trace, inputs, input_layout)
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and isinstance(trace.states.get(id(t)), _Node):
+            node = trace.states[id(t)]
+            node.grads.append(node.placement)  # the loss takes the output as it is
+    _backward(trace)
+
+    parameters = _parameter_groups(model, valid, tp_degree)
+    problems += list(trace.problems.values())
+    problems += _unsummed_gradients(valid, trace)
+    problems += _divisibility(model, parameters, trace, tp_degree)
+    problems += _unsharded(model, valid)
+    # what a rank's own code computes: once the plan has no error of its own (a shape
+    # downstream of a layout that does not chain is that error again)
+    errors = any(p.severity == "error" for p in problems)
+    if not errors and (input_layout is None or isinstance(input_layout, Replicate)):
+        problems += _shape_problems(model, plan, tp_degree, inputs)
+    problems += [
+        Problem("note", e.key, f"module {e.path!r} is not called by the forward")
+        for e in valid
+        if id(e.module) not in trace.called
+    ]
+    order = {severity: i for i, severity in enumerate(_SEVERITIES)}
+    problems.sort(key=lambda p: order[p.severity])
+
+    styles = _names.resolve_names(plan) if isinstance(plan, Mapping) else {"": plan}
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return PlanReport(
+        model=type(model).__name__,
+        num_parameters=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        tp_degree=tp_degree,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        dtype=Counter(floating).most_common(1)[0][0] if floating else torch.get_default_dtype(),
+        plan=[PlanEntryRow(key, _names.describe(styles[key]), matched[key]) for key in keys],
+        parameters=parameters,
+        collectives=_group(trace.events),
+        problems=problems,
+    )
+
+
+def _shape_problems(model: nn.Module, plan: Any, n: int, inputs: tuple[tuple, dict]):
+    """The shape check's problems (:func:`torch_tp.shapes.check_shapes`): a rank's
+    shape that is not one device's with the planned dimension divided, or a rank's forward
+    that raises, as errors; a model the check cannot trace, as a note saying why."""
+    try:
+        found = check_shapes(model, plan, n, example_inputs=inputs[0], example_kwargs=inputs[1])
+    except ShapeCheckError as err:
+        return [Problem("note", "", str(err))]
+    except ValueError:  # the plan does not apply: the problems above say why
+        return []
+    return [Problem("error", _generalize(p.module), str(p)) for p in found]
+
+
+def _inputs(example_inputs: Any, batch_size: int, seq_len: int) -> tuple[tuple, dict]:
+    """The forward's positional and keyword inputs."""
+    if example_inputs is None:
+        return (torch.zeros((batch_size, seq_len), dtype=torch.long, device="meta"),), {}
+    if callable(example_inputs):
+        with torch.device("meta"):
+            example_inputs = example_inputs(batch_size, seq_len)
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    return (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)), {}
+
+
+def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[int], list[Problem]]:
+    """The checks of :func:`torch_tp.plan.validate_plan` that need no mesh: the modules
+    refused, and why."""
+    invalid: set[int] = set()
+    problems = []
+    owners = parameter_owners(model)
+    by_path = {entry.path: entry for entry in entries}
+    for entry in entries:
+        tied = tied_parameters(entry, owners, by_path)
+        if tied is not None:
+            invalid.add(id(entry.module))
+            problems.append(Problem("error", entry.key, tied))
+        validate = getattr(entry.style, "_validate", None)
+        if validate is None or id(entry.module) in invalid:
+            continue
+        try:
+            validate(entry.module, MeshOfSize(n))
+        except (NotImplementedError, ValueError, TypeError) as err:
+            invalid.add(id(entry.module))
+            problems.append(
+                Problem(
+                    "error",
+                    entry.key,
+                    f"cannot apply {_names.describe(entry.style)} on {entry.path!r} "
+                    f"({type(entry.module).__name__}): {err}",
+                )
+            )
+        except Exception:  # noqa: BLE001 - a user style that needs a real mesh
+            pass
+    return invalid, problems
+
+
+def _unsummed_gradients(entries: list[PlanEntry], trace: _Trace) -> list[Problem]:
+    """What :func:`torch_tp.plan.validate_plan` refuses as replicated parameters left with
+    partial gradients (:func:`~torch_tp.plan.unsummed_gradients`), where the trace did
+    not already find those parameters computing on a shard (it says more: the op and where
+    the shard came from)."""
+    problems: dict[str, Problem] = {}
+    for entry, names, message in unsummed_gradients(entries):
+        if any(_join(entry.path, name) in trace.partial_found for name in names):
+            continue
+        problems.setdefault(entry.key, Problem("error", entry.key, message))
+    return list(problems.values())
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _placements(entry: PlanEntry) -> dict[str, Placement]:
+    """How the entry's style lays out its module's own parameters (none: left plain)."""
+    placements = planned_placements(entry)
+    return {
+        name: placements[name]
+        for name, _ in entry.module.named_parameters(recurse=False)
+        if name in placements
+    }
+
+
+def _largest_shard(shape: tuple[int, ...], placement: Placement | None, n: int):
+    if not isinstance(placement, (Shard, StridedShard)):
+        return shape
+    local = list(shape)
+    local[placement.dim] = math.ceil(shape[placement.dim] / n)
+    return tuple(local)
+
+
+def _parameter_groups(model: nn.Module, entries: list[PlanEntry], n: int):
+    entry_of = {id(e.module): e for e in entries}
+    groups: Counter[tuple] = Counter()
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        entry = entry_of.get(id(module))
+        placements = _placements(entry) if entry is not None else {}
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            placement = placements.get(name)
+            if entry is not None:
+                full = f"{entry.key}.{name}" if entry.key else name
+            else:
+                full = _generalize(f"{path}.{name}" if path else name)
+            shape = tuple(param.shape)
+            key = (
+                full,
+                _names.placement_to_str(placement) if placement is not None else None,
+                shape,
+                _largest_shard(shape, placement, n),
+                param.element_size(),
+            )
+            groups[key] += 1
+    return [
+        ParameterGroup(name, count, placement, shape, local, itemsize)
+        for (name, placement, shape, local, itemsize), count in groups.items()
+    ]
+
+
+def _divisibility(
+    model: nn.Module,
+    parameters: list[ParameterGroup],
+    trace: _Trace,
+    n: int,
+) -> list[Problem]:
+    problems = []
+    for key, (heads, head_dim) in trace.heads.items():
+        if heads % n:
+            fits = [d for d in range(1, n + 1) if heads % d == 0]
+            problems.append(
+                Problem(
+                    "error",
+                    key,
+                    f"its output is viewed as {heads} heads of {head_dim}, and {heads} heads "
+                    f"do not divide by the TP degree {n}: a rank would hold part of a head. "
+                    f"Use a TP degree that divides {heads}, such as {fits[-1]}",
+                )
+            )
+    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    for group in parameters:
+        if group.placement is None or not group.placement.startswith("Shard"):
+            continue
+        dim = _names.placement_from_str(group.placement).dim
+        size = group.global_shape[dim]
+        key = group.name.rpartition(".")[0]
+        if size % n == 0 or key in trace.heads:
+            continue
+        what = "the vocabulary" if size in vocab else f"dim {dim}"
+        chunk = math.ceil(size / n)
+        empty = n - math.ceil(size / chunk) if chunk else n
+        emptiness = f"; {empty} rank(s) hold nothing" if empty > 0 else ""
+        problems.append(
+            Problem(
+                "warning",
+                group.name,
+                f"{what} ({size}) does not divide by the TP degree {n}: shards of "
+                f"{chunk} and fewer (torch.chunk){emptiness}; the largest is reported. "
+                f"Pad it to {chunk * n} for even shards",
+            )
+        )
+    return problems
+
+
+def _unsharded(model: nn.Module, entries: list[PlanEntry]) -> list[Problem]:
+    sharded = {
+        id(e.module)
+        for e in entries
+        if any(isinstance(p, (Shard, StridedShard)) for p in _placements(e).values())
+    }
+    groups: dict[str, list[int]] = {}
+    shapes: dict[str, str] = {}
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or id(module) in sharded:
+            continue
+        params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        name = _generalize(path)
+        groups.setdefault(name, []).append(sum(p.numel() * p.element_size() for p in params))
+        weight = module.weight
+        shapes[name] = f"{type(module).__name__} {_shape(tuple(weight.shape))}"
+    return [
+        Problem(
+            "note",
+            name,
+            f"{shapes[name]} is not sharded: every rank holds all of it "
+            f"({len(sizes)} x {_size(sizes[0])})"
+            if len(sizes) > 1
+            else f"{shapes[name]} is not sharded: every rank holds all of it ({_size(sizes[0])})",
+        )
+        for name, sizes in groups.items()
+    ]
