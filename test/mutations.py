@@ -109,7 +109,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="rowwise_linear_wrong_shard_dim",
-        file="torch_tp/style.py",
+        file="torch_tp/style/linear.py",
         old="in_dim = 1 if isinstance(module, nn.Linear) else 0",
         new="in_dim = 0 if isinstance(module, nn.Linear) else 0",
         tests=("test/test_style.py::test_rowwise_linear[True-2]",),
@@ -117,7 +117,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="vocab_embedding_rotated",
-        file="torch_tp/style.py",
+        file="torch_tp/style/linear.py",
         old="start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)",
         new="start, stop = _layouts.chunk_range(module.num_embeddings, rt.mesh.size(), "
         "(rt.mesh.get_local_rank() + 1) % rt.mesh.size())",
@@ -156,7 +156,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="replicate_sum_gradients_ignored",
-        file="torch_tp/style.py",
+        file="torch_tp/style/sequence.py",
         old="""        swapped = _swap_in_local_parameters(inner, rt, self.sum_gradients)
         try:
             return _run_on_local_parameters(
@@ -175,7 +175,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="partial_sum_inner_gradients_not_summed",
-        file="torch_tp/style.py",
+        file="torch_tp/style/regions.py",
         old="swapped = _swap_in_local_parameters(inner, rt, True)",
         new="swapped = _swap_in_local_parameters(inner, rt, False)",
         tests=(
@@ -197,7 +197,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="auto_attention_unsharded",
-        file="torch_tp/plans/auto.py",
+        file="torch_tp/plans/auto/attention.py",
         old="""    for layer in group.layers:
         if layer.style is not None:
             result.styles[layer.name] = layer.style
@@ -261,7 +261,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="expert_tokens_misrouted",
-        file="torch_tp/style.py",
+        file="torch_tp/style/experts.py",
         old="expert = torch.arange(len(counts), device=rows.device) % local_experts",
         new="expert = (torch.arange(len(counts), device=rows.device) + 1) % local_experts",
         tests=(

@@ -29,9 +29,8 @@ from torch_tp import (
     RowwiseParallel,
     TensorParallelExperts,
 )
-from torch_tp.plan import planned_placement
 from torch_tp.models import Llama, tiny_config
-from torch_tp.plan import from_dict, resolve_plan, to_dict
+from torch_tp.plan import from_dict, planned_placement, resolve_plan, to_dict
 from torch_tp.plans.auto import ReplicatedModulesWarning, auto
 from torch_tp.plans.llama import llama_plan
 from torch_tp.testing import check_parity, run_distributed

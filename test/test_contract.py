@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from torch_tp import ColwiseParallel, ParallelStyle, RowwiseParallel, StyleContract
 from torch_tp.contract import Boundary, Layout
-from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.plan import from_dict, to_dict
+from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.report import plan_report
 from torch_tp.testing import check_parity, run_distributed
 
@@ -175,7 +175,9 @@ _READERS = (
 def test_no_reader_names_a_concrete_style_class(path):
     """The report, the plan checks and the plain-data form dispatch on contracts only."""
     builtin = {
-        cls.__name__ for cls in STYLE_REGISTRY.classes() if cls.__module__ == "torch_tp.style"
+        cls.__name__
+        for cls in STYLE_REGISTRY.classes()
+        if cls.__module__.startswith("torch_tp.style.")
     }
     tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
     named = sorted(
@@ -201,6 +203,10 @@ def test_every_built_in_style_is_exported():
     import torch_tp
     from torch_tp import style
 
-    defined = [cls.__name__ for cls in STYLE_REGISTRY.classes() if cls.__module__ == style.__name__]
+    defined = [
+        cls.__name__
+        for cls in STYLE_REGISTRY.classes()
+        if cls.__module__.startswith(f"{style.__name__}.")
+    ]
     assert sorted(style.__all__) == sorted(["ParallelStyle", *defined])
     assert set(style.__all__) <= set(torch_tp.__all__)

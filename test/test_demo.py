@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from torch_tp import __main__ as cli
-from torch_tp.testing import run_distributed
 from torch_tp.cli import demo as _demo
+from torch_tp.testing import run_distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

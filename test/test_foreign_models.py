@@ -168,7 +168,7 @@ def test_planned(name):
 def test_shape_check_sends_back_what_the_rules_miss(monkeypatch):
     # without the rule that finds nanoGPT reading C from x.size(), the shape check finds the
     # per-head view that fails on a rank, and auto() computes that attention whole
-    module = sys.modules["torch_tp.plans.auto"]  # (torch_tp.plans.auto is the function)
+    module = sys.modules["torch_tp.plans.auto.attention"]  # (torch_tp.plans.auto is the function)
     monkeypatch.setattr(module, "_unsplittable_heads", lambda *args: None)
     for name in ("nanogpt", "nanogpt_any_heads", "esm2", "meta_llama"):
         plan, replicated = _plan(name)

@@ -213,9 +213,7 @@ def test_no_module_is_past_one_sitting(module):
     assert lines <= MAX_LINES, f"{MODULES[module].relative_to(PACKAGE)} has {lines} lines"
 
 
-@pytest.mark.parametrize(
-    "module", sorted(m for m, p in MODULES.items() if p.name != "__init__.py")
-)
+@pytest.mark.parametrize("module", sorted(m for m, p in MODULES.items() if p.name != "__init__.py"))
 def test_no_module_is_only_a_re_export(module):
     """A module that is not a package's ``__init__`` defines something of its own."""
     tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))

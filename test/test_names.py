@@ -34,10 +34,10 @@ from torch_tp import (
     SequenceParallel,
 )
 from torch_tp._names import UNSUPPORTED_NAMES, describe
-from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.models import Llama, tiny_config
 from torch_tp.plan import from_dict, resolve_plan, to_dict
 from torch_tp.plans.llama import llama_plan
+from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.testing import check_parity, run_distributed
 
 # plan name -> a factory of the built-in style it stands for (other test files register
@@ -45,7 +45,7 @@ from torch_tp.testing import check_parity, run_distributed
 STYLE_NAMES = {
     name: functools.partial(STYLE_REGISTRY.style, name)
     for name in STYLE_REGISTRY.names()
-    if type(STYLE_REGISTRY.style(name)).__module__ == "torch_tp.style"
+    if type(STYLE_REGISTRY.style(name)).__module__.startswith("torch_tp.style.")
 }
 
 # The names transformers' Llama config and model use, exactly as there.

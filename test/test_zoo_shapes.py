@@ -26,9 +26,9 @@ def _shape_check(model_type: str) -> dict[str, str]:
     ``"cannot trace: ..."``, or ``"refused: ..."`` (by the planner, for another reason)."""
     import transformers
 
-    from torch_tp.shapes import ShapeCheckError, check_shapes
     from torch_tp.plans.auto import auto
     from torch_tp.plans.hf import plan_for
+    from torch_tp.shapes import ShapeCheckError, check_shapes
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(

@@ -4,8 +4,8 @@ A value crosses a module boundary in one of two forms: a local :class:`torch.Ten
 layout the plan declares (``Shard(-1)``, ``Replicate()``, ...), or a :class:`DTensor` that
 carries its layout with it. A *runtime* converts between the two and moves data between
 layouts for the styles; it is the only place where styles touch DTensor's layout machinery,
-so that ``style.py`` reads as a list of contracts rather than as plumbing. There are two, with
-the same methods and the same results:
+so that the styles (:mod:`torch_tp.style`) read as a list of contracts rather than as
+plumbing. There are two, with the same methods and the same results:
 
 * :class:`DTensorRuntime` (``TORCH_TP_RUNTIME=dtensor``): every layout change is plain
   DTensor (``DTensor.from_local``, ``to_local``, ``redistribute``), with no cache, no region
@@ -44,7 +44,7 @@ Caches (the fast runtime's; the DTensor runtime has none):
 * ``_regions._SIZES``: the size of each mesh, by ``id(mesh)``; dropped with the mesh.
 * ``_torch_tp_partial_gradients``, on a :class:`DeviceMesh`: not a cache but the mesh's
   :class:`PartialGradientReduction`, made by the first fast runtime on the mesh.
-* ``_torch_tp_distributed_as`` (set by :func:`torch_tp.style._distribute_parameters`, both
+* ``_torch_tp_distributed_as`` (set by :func:`torch_tp.style.base._distribute_parameters`, both
   runtimes): on an original parameter, the DTensor parameter that replaced it, so that the
   other modules a tied weight belongs to register the same object; used only when the mesh
   and placement match.

@@ -27,7 +27,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from torch_tp._torch_compat import StridedShard
 from torch_tp.registry import STYLE_REGISTRY
-from torch_tp.style import ParallelStyle, _arguments, short_repr
+from torch_tp.style.base import ParallelStyle, _arguments, short_repr
 
 __all__: list[str] = []  # private module: the public entry points are in torch_tp.plan
 

@@ -14,7 +14,7 @@ from torch_tp import _torch_compat as compat
 from torch_tp.plan import is_style, mark_applied, resolve_plan, validate_plan
 from torch_tp.random import _ensure_tracker
 from torch_tp.shapes import check_shapes
-from torch_tp.style import ParallelStyle, planning
+from torch_tp.style.base import ParallelStyle, planning
 
 __all__ = ["parallelize_module"]
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch_tp import _layouts, _names
 from torch_tp._torch_compat import StridedShard
 from torch_tp.registry import STYLE_REGISTRY
-from torch_tp.style import (
+from torch_tp.style.base import (
     MODULE_PATH_ATTR,
     STYLE_REPR_LIMIT,
     ParallelStyle,

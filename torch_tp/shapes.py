@@ -50,7 +50,7 @@ from torch_tp._layouts import normalize
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.contract import Layout
 from torch_tp.plan import PlanEntry, planned_placements, resolve_plan
-from torch_tp.style import (
+from torch_tp.style.base import (
     ParallelStyle,
     _project,
     _uses_stock_forward,

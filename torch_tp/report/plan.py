@@ -70,7 +70,7 @@ from torch_tp.report.render import (
 )
 from torch_tp.report.trace import _backward, _generalize, _group, _Node, _run, _Trace
 from torch_tp.shapes import MeshOfSize, ShapeCheckError, check_shapes
-from torch_tp.style import ParallelStyle, planning, short_repr
+from torch_tp.style.base import ParallelStyle, planning, short_repr
 
 __all__ = ["plan_report"]
 

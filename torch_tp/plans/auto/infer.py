@@ -1,0 +1,466 @@
+""":func:`auto`, the entry point: the plan of the whole model, and its shape check.
+
+:func:`auto` runs :func:`_infer` (the blocks, from :mod:`~torch_tp.plans.auto.blocks`; the
+input embedding and the output head outside them, found here), checks the plan's shapes on
+the meta device (:func:`_shape_problems`), sends the attentions and MLPs the check finds a
+problem in back to be computed whole (:func:`_fallbacks`), and warns of what it leaves whole
+(:class:`ReplicatedModulesWarning`) or could not check (:class:`UncheckedPlanWarning`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from torch_tp.plans.auto.blocks import (
+    _block_kinds,
+    _BlockPlan,
+    _check_degree,
+    _find_blocks,
+    _kind_prefix,
+    _merge,
+    _merged_paths,
+    _plan_block,
+)
+from torch_tp.plans.auto.groups import _hidden_size, _join, _linear_groups, _linear_shape
+from torch_tp.style import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+__all__ = ["ReplicatedModulesWarning", "UncheckedPlanWarning", "auto"]
+
+
+def auto(
+    model: nn.Module,
+    *,
+    tp_degree: int | None = None,
+    example_inputs: Any = None,
+    example_kwargs: dict[str, Any] | None = None,
+) -> dict[str, ParallelStyle]:
+    """Infer a Megatron-style tensor-parallel plan for a transformer, from its structure.
+
+    The model must be built from ``nn.Linear`` (or transformers' ``Conv1D``), ``nn.Embedding``
+    and norm modules, with mixtures of experts stacked in 3-D parameters. Nothing is changed
+    and nothing is computed: the plan is read from the module tree and the sources, then
+    shape-checked on the meta device (below); a model on the meta device works, and no
+    process group is needed. The rules, in order:
+
+    1. **Blocks.** The repeated blocks are the ``nn.ModuleList`` holding the most parameters
+       (or an ``nn.Sequential`` or ``nn.ModuleDict`` of two or more blocks of one class, as
+       timm, torchvision, mistral-inference and torchtitan keep them); no other such stack
+       outside it may hold Linear layers (an encoder and a decoder, a vision tower): else
+       refuse. Blocks of the same structure (module paths, types and
+       parameter shapes) are one *kind*, planned once. A key uses ``*`` for the block index
+       when every block holding that path gets the same style (a dense MLP's keys in a model
+       whose first layer only is dense: ``*`` names just it), else one key per block
+       (``layers.0.self_attn``, ``layers.1.self_attn``).
+    2. **Units.** Each child of a block holding Linear layers or stacked experts is planned on
+       its own:
+
+       * a *mixer auto() cannot split* (a convolution inside, parameters of its own such as a
+         state space's ``A_log``/``D``, not attention sinks, or a class named for Mamba,
+         linear attention, a delta rule, lightning attention, ...) is left out of the plan:
+         every rank computes it whole on the replicated residual stream, which is correct
+         but not sharded. :func:`auto` says so with a :class:`ReplicatedModulesWarning`
+         naming the modules (its ``modules`` attribute). So are Linear layers right in a
+         block that has an MLP child (Gemma's per-layer input gate), whose use forward
+         alone knows.
+       * a *mixture of experts* (a child holding ``gate_up_proj`` ``[E, 2I, H]`` and
+         ``down_proj`` ``[E, H, I]``, or both transposed, or ungated ``up_proj`` ``[E, I, H]``
+         and ``down_proj``): the experts get ``TensorParallelExperts()``; its routers and
+         gates stay whole (replicated, on the replicated tokens); a shared expert inside it
+         that is an MLP is planned as one (rule 3), one stacked as ``gate_proj``/``up_proj``
+         ``[n, I, H]`` and ``down_proj`` ``[n, H, I]`` gets ``PartialSumParallel`` with those
+         sharded on ``I``. Other stacked parameters, or experts of other shapes, are
+         refused. A child whose Linear layers all write the expert count (a router beside
+         the experts) stays whole too.
+       * anything else is planned by its groups of Linear layers (rule 3), or refused.
+    3. **Groups.** Inside a unit, the Linear-like layers are grouped by their parent module
+       (the attention, the MLP). The hidden size is the input embedding's width when a group
+       reads and writes it, else the width that every group both reads and writes. In a group,
+       the last registered layer writing the hidden size is row-parallel
+       (``RowwiseParallel()``); the other layers must read the hidden size, and are
+       column-parallel. The shapes must chain: the row-parallel layer reads what a
+       column-parallel sibling writes (``ColwiseParallel()``), or one part of a fused one:
+       ``PackedColwiseParallel(3)`` for a fused q/k/v writing 3 x the row-parallel's input
+       beside a square row-parallel layer (GPT-2's ``c_attn``), ``PackedColwiseParallel(2)``
+       for a fused pair writing 2 x it (a fused gate/up). A group whose column-parallel
+       layers make three parts (q, k and v: three layers, a fused one, or a query beside a
+       fused key/value) is an attention; its k and v may be narrower (grouped-query
+       attention), and its query may write twice the heads' width when forward views it per
+       head as ``(..., heads, self.head_dim * 2)`` (Qwen3-Next's gated query). One or two
+       parts, each writing exactly what the row-parallel layer reads, is an MLP.
+       **Multi-head latent attention** (DeepSeek-V2/V3, MiniCPM3): down-projections reading
+       the hidden size, each feeding an up-projection that reads all it writes (the query's
+       ``q_a_proj`` -> ``q_b_proj``) or all but a rotary part (``kv_a_proj_with_mqa`` ->
+       ``kv_b_proj``, the rotary width equal to ``qk_rope_head_dim``), and ``o_proj``: the
+       query's down-projection stays whole, the key/value one is
+       ``MLAKVAProjParallel(rope_dim)``, the up-projections (or a plain ``q_proj``) are
+       column-parallel. Anything else is refused (a group without a layer writing the hidden
+       size, layers reading another width, shapes that do not chain, a nested
+       ``nn.ModuleList`` of alike modules holding Linear layers, experts run in a loop;
+       an attention or MLP whose layers are spread over several children of its own, as
+       transformers' BERT's ``attention.self`` and ``attention.output``). A list of
+       sublayers of different classes (T5's ``block.layer``) is planned as other children.
+    4. **Heads.** An attention group's parent gets ``AttentionHeads(...)`` when the head
+       counts can be found: attributes of the attention module (``num_heads``, ``n_heads``,
+       ``n_local_heads`` as Meta's Llama and llama2.c name them, ``num_key_value_heads``,
+       ``n_local_kv_heads``, ...), of its ``config``, or of ``model.config``
+       (``num_attention_heads``/``n_head``, ``num_key_value_heads``), named by attribute
+       where the module has one and as numbers otherwise. They must fit the shapes (q writes
+       heads x head size, k and v kv-heads x head size), else refuse. The integer attributes
+       that the attention's ``forward`` (or a method of its class that forward calls) reads
+       as ``self.<name>``, found from the source (refused if it is unavailable), and that
+       equal the query width or a head count are divided by the TP degree
+       (``divide=...``) when their name says they are such a size (``num_heads``,
+       ``split_size``, ``embed_dim``, ...) or forward splits by them; ignored when their name
+       says otherwise (``head_dim``, ``layer_idx``, ``rotary_ndims``, the latent sizes of
+       multi-head latent attention, ...) or their value differs between blocks; refused
+       otherwise (a ``self.window`` equal to the width by chance). A name saying "attention"
+       or "attn" on a group shaped like an MLP is refused. **Attention sinks** (a parameter
+       ``sinks [heads]`` of the attention itself) shard with the heads: the attention gets
+       ``LocalParamsParallel({"sinks": Shard(0)})`` instead (refused if it also needs
+       ``divide``). **A norm over all the heads** at once inside the attention (OLMo-2's
+       ``q_norm`` of the whole query width) needs every head on every rank: q, k and v
+       become ``ColwiseParallel(output_layouts=Replicate())`` and the output projection
+       ``RowwiseParallel(input_layouts=Replicate())`` (weights sharded, attention computed
+       whole, as transformers plans OLMo-2), and the attention gets no style. **Heads that
+       no attribute can make per-rank** are computed whole the same way (a fused q/k/v
+       gathered whole too), and the :class:`ReplicatedModulesWarning` says why: when forward
+       reads the width of an input and computes with it (nanoGPT's and minGPT's
+       ``B, T, C = x.size()`` then ``view(B, T, self.n_head, C // self.n_head)``, timm's
+       ``B, N, C = x.shape``, fairseq's ``assert embed_dim == self.embed_dim``), or when the
+       attention holds tensors with a dimension of the head count that forward reads (Meta's
+       KV cache ``cache_k``).
+    5. **Fused projections.** A fused q/k/v needs head counts, as many key/value heads as
+       query heads, and a ``forward`` that splits it into ``[q | k | v]`` blocks: by an
+       attribute equal to one part's width (GPT-2's ``.split(self.split_size, dim=2)``,
+       that attribute is divided), by a list starting with it (gpt-fast's
+       ``.split([self.dim, kv_size, kv_size], dim=-1)``) or by
+       ``self.<fused>(x).chunk(3, ...)``; a reshape per
+       head first (GPT-NeoX, Bloom) is refused. A fused gate/up needs a ``forward`` that
+       calls ``.chunk(2, ...)`` and reads no attribute equal to one half's width.
+    6. **Embedding and head.** The input embedding (``model.get_input_embeddings()``, else
+       the ``nn.Embedding`` outside the blocks whose vocabulary is the head's output size)
+       is ``RowwiseParallel(input_layouts=Replicate())``; the output head (the one Linear
+       outside the blocks reading the embedding's width, the hidden size, and writing its
+       vocabulary; several candidates are refused) is
+       ``ColwiseParallel(output_layouts=Replicate())``. Tied embedding and head weights are
+       fine (both ``Shard(0)``; torch_tp keeps them tied). Other embeddings (positions) stay
+       out of the plan, as do all other modules outside the blocks.
+    7. **Everything else** in a block stays out of the plan (replicated): norms, dropouts,
+       any module whose parameters are scalars or 1-D of the hidden size, outside the
+       planned groups. Inside a sharded attention or MLP, what sees only this rank's share
+       sums its gradient over the ranks, ``ReplicateParallel(sum_gradients=True)``: a module
+       whose parameters are 1-D of the head size (per-head ``q_norm``/``k_norm``, as in
+       Qwen3) and an element-wise module with single-value parameters (Apertus's learned
+       activation). The latent norms of multi-head latent attention see whole latents and
+       stay replicated, as does a norm of the hidden size inside an MLP (its input or output,
+       both whole). Any other parameter in a block is refused (a bias of per-head values on
+       a module of its own, such as T5's relative-position bias, ...).
+
+    **The shape check.** The plan is then traced on the meta device as one device and as one
+    rank (:func:`torch_tp.shapes.check_shapes`, at ``tp_degree``, or 2 without one) with
+    ``example_inputs`` (token ids of shape ``(2, 8)`` by default). An attention or MLP in
+    which a rank's shapes are not one device's with the planned dimension divided is
+    computed whole instead (weights sharded, as above; the warning gives the problem), and
+    the plan checked again; a problem anywhere else is refused. Where the model does not run
+    on the meta device with those inputs, an :class:`UncheckedPlanWarning` says so.
+
+    With ``tp_degree``, the plan is refused when a head count, a column-parallel layer's
+    output (per part), a row-parallel layer's input, the experts' hidden size or a divided
+    attribute does not divide by it (vocabularies need not: uneven vocabulary shards are
+    supported).
+
+    The plan is communication-optimal in normal runs: column-parallel layers reading the same
+    tensor (q, k and v; gate and up) share one backward all-reduce at run time, so no
+    ``PrepareModuleInput`` is needed. The shape check finds a rank computing other shapes
+    than one device, not other values of the same shapes: verify a new model with
+    :func:`torch_tp.testing.check_parity` (``test/test_zoo_auto.py`` does so for every
+    transformers causal LM with a tensor-parallel plan, ``test/test_foreign_models.py`` for
+    models written as nanoGPT, Meta's Llama, timm and others write them).
+
+    Args:
+        model: the model to plan for (on any device, including meta).
+
+    Keyword Args:
+        tp_degree (int, optional): the tensor-parallel degree to check sizes against.
+            Default: ``None`` (no check of the sizes; the shapes are checked at degree 2).
+        example_inputs (optional): the model's inputs for the shape check: a tensor, a tuple
+            of positional inputs or a dict of keyword inputs (only shapes and dtypes are
+            used). Default: token ids of shape ``(2, 8)``.
+        example_kwargs (dict, optional): keyword inputs beside positional ones.
+
+    Returns:
+        A dict from module paths (``*`` over the blocks, or block indices where kinds of
+        blocks differ) to styles: the embedding, then each kind of block's units in
+        registration order (a group's layers, then the block's other styled modules), then
+        the head.
+
+    Raises:
+        ValueError: the structure is ambiguous or unsupported, a size does not divide by
+            ``tp_degree``, or the plan fails the shape check outside an attention or MLP it
+            can compute whole; the message names the module path and what was found.
+
+    Warns:
+        ReplicatedModulesWarning: some modules are left whole (mixers, rule 2; attentions
+            whose heads cannot be split, rule 4, or that failed the shape check); the
+            warning's ``modules`` lists their plan-key paths, its message the reasons.
+        UncheckedPlanWarning: the shape check could not run.
+
+    Example::
+        >>> import torch
+        >>> from torch_tp.models import Llama, tiny_config
+        >>> from torch_tp.plan import to_dict
+        >>> with torch.device("meta"):
+        ...     model = Llama(tiny_config())
+        >>> plan = to_dict(auto(model, tp_degree=2))
+        >>> plan["layers.*.attention.wq"], plan["layers.*.feed_forward.w2"], plan["output"]
+        ('colwise', 'rowwise', 'colwise_gather_output')
+    """
+    if tp_degree is not None and (
+        not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1
+    ):
+        raise ValueError(f"tp_degree must be a positive int, found {tp_degree!r}")
+    degree = tp_degree or 2
+    whole: dict[str, str] = {}  # groups the shape check sends back, computed whole -> why
+    while True:
+        plan, reasons, groups = _infer(model, tp_degree, whole)
+        problems = _shape_problems(
+            model, plan, degree, tp_degree is None, example_inputs, example_kwargs
+        )
+        if not problems:
+            break
+        more = _fallbacks(model, problems, groups)
+        if more is None or set(more) <= set(whole):
+            raise ValueError(
+                f"auto()'s plan fails the shape check at TP degree {degree} (a rank's shapes are "
+                "not one device's with the planned dimension divided): "
+                + "; ".join(str(problem) for problem in problems[:3])
+                + "; write the plan by hand"
+            )
+        whole.update(more)
+    if reasons:
+        warnings.warn(
+            ReplicatedModulesWarning(
+                "auto() leaves modules whole on every rank (correct, but their work is not "
+                "split): " + "; ".join(f"{key!r}: {reason}" for key, reason in reasons.items()),
+                list(reasons),
+            ),
+            stacklevel=2,
+        )
+    return plan
+
+
+def _infer(
+    model: nn.Module, tp_degree: int | None, whole: dict[str, str]
+) -> tuple[dict[str, ParallelStyle], dict[str, str], dict[str, str]]:
+    """``(plan, why each module left whole is, by its plan key, concrete module path -> plan
+    key of each planned group's parent)``; the groups named in ``whole`` (plan keys of
+    their parents) are computed whole, their weights sharded."""
+    blocks_path, names, blocks = _find_blocks(model)
+    embedding = _input_embedding(model, blocks_path)
+    head = _output_head(model, blocks_path, embedding)
+    if head is not None:
+        embedding = embedding or head[2]
+    kinds = _block_kinds(blocks)
+    first_prefix = _kind_prefix(blocks_path, names, kinds, 0)
+    hidden = _hidden_size(
+        _linear_groups(blocks[kinds[0][0]], first_prefix), embedding, first_prefix
+    )
+
+    planned: list[_BlockPlan] = []
+    groups: dict[str, str] = {}
+    for k, indices in enumerate(kinds):
+        prefix = _kind_prefix(blocks_path, names, kinds, k)
+        members = [blocks[i] for i in indices]
+        block_plan = _plan_block(model, members, hidden, prefix, whole)
+        block_plan.indices = indices
+        if tp_degree is not None:
+            _check_degree(block_plan, members[0], tp_degree)
+        planned.append(block_plan)
+        for group in block_plan.groups:
+            if group.kind in ("attention", "mlp", "gathered"):
+                for i in indices:
+                    groups[_join(_join(blocks_path, names[i]), group.parent)] = group.key
+
+    plan: dict[str, ParallelStyle] = {}
+    if embedding is not None:
+        plan[embedding[0]] = RowwiseParallel(input_layouts=Replicate())
+    plan.update(_merge(blocks_path, names, blocks, planned))
+    if head is not None:
+        plan[head[0]] = ColwiseParallel(output_layouts=Replicate())
+    reasons: dict[str, str] = {}
+    for what in ("replicated", "whole"):
+        for path, key in _merged_paths(blocks_path, names, blocks, planned, what):
+            owner = next(bp for bp in planned if path in getattr(bp, what))
+            reasons.setdefault(key, getattr(owner, what)[path])
+    return plan, reasons, groups
+
+
+def _defined_in(kind: type, source: str | None) -> bool:
+    """Whether ``source`` (``file:line``) is a line of the class ``kind``'s own code."""
+    if not source or kind.__module__.startswith("torch."):
+        return False
+    file, _, line = source.rpartition(":")
+    try:
+        lines, start = inspect.getsourcelines(kind)
+        own = os.path.abspath(inspect.getsourcefile(kind) or "")
+    except (OSError, TypeError):
+        return False
+    return (
+        own == os.path.abspath(file) and line.isdigit() and start <= int(line) < start + len(lines)
+    )
+
+
+class UncheckedPlanWarning(UserWarning):
+    """:func:`auto` could not run the shape check on the plan it returns (the model does not
+    run on the meta device with the example inputs): check it with
+    :func:`torch_tp.testing.check_parity`."""
+
+
+def _shape_problems(
+    model: nn.Module,
+    plan: dict[str, ParallelStyle],
+    degree: int,
+    default_degree: bool,
+    example_inputs: Any,
+    example_kwargs: dict[str, Any] | None,
+) -> list:
+    """The shape check's problems with ``plan`` at ``degree`` (a warning and ``[]`` where it
+    cannot run)."""
+    from torch_tp.shapes import ShapeCheckError, check_shapes
+
+    try:
+        return check_shapes(
+            model, plan, degree, example_inputs=example_inputs, example_kwargs=example_kwargs
+        )
+    except ValueError as err:
+        if not default_degree:
+            raise
+        # no tp_degree given, and the plan does not apply at 2 (3 heads, say)
+        warnings.warn(
+            UncheckedPlanWarning(
+                f"auto() could not check the shapes of its plan at degree {degree}: {err}; "
+                "pass tp_degree"
+            ),
+            stacklevel=3,
+        )
+        return []
+    except ShapeCheckError as err:
+        given = example_inputs is not None or example_kwargs
+        hint = "" if given else " (token ids of shape (2, 8) by default: pass example_inputs)"
+        warnings.warn(
+            UncheckedPlanWarning(
+                f"auto() could not check the shapes of its plan: the model does not run on the "
+                f"meta device with the example inputs{hint}: {err}"
+            ),
+            stacklevel=3,
+        )
+        return []
+
+
+def _fallbacks(model: nn.Module, problems: list, groups: dict[str, str]) -> dict[str, str] | None:
+    """The planned groups (plan keys of their parents) that the shape check's problems lie in,
+    each with the first problem as the reason; ``None`` if a problem lies in no such group.
+
+    A problem lies in a group when it is found in the group's parent module (or a module
+    inside it), or on a source line of the parent's class (llama2.c calls
+    ``self.attention.forward(...)``, which runs no module hooks: the check finds the
+    problem in the block)."""
+    found: dict[str, str] = {}
+    for problem in problems:
+        inside = [p for p in groups if problem.module == p or problem.module.startswith(f"{p}.")]
+        inside = inside or [
+            p for p in groups if _defined_in(type(model.get_submodule(p)), problem.source)
+        ]
+        if not inside:
+            return None
+        key = groups[max(inside, key=len)]
+        found.setdefault(key, f"the shape check found {problem}")
+    return found
+
+
+class ReplicatedModulesWarning(UserWarning):
+    """:func:`auto` left these modules (plan-key paths, in :attr:`modules`) whole: every rank
+    computes them whole (mixers it cannot split are kept whole too; an attention whose heads
+    cannot be made per-rank has its projections' weights sharded and gathered). The message
+    gives each module's reason."""
+
+    def __init__(self, message: str, modules: list[str]) -> None:
+        super().__init__(message)
+        self.modules = tuple(modules)
+
+
+# ------------------------------------------------------------------------------------------
+# embedding and head
+# ------------------------------------------------------------------------------------------
+
+
+def _outside(path: str, blocks_path: str) -> bool:
+    return not (path == blocks_path or path.startswith(f"{blocks_path}."))
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str | None:
+    for path, candidate in model.named_modules():
+        if candidate is module:
+            return path
+    return None
+
+
+def _input_embedding(model: nn.Module, blocks_path: str) -> tuple[str, nn.Embedding] | None:
+    """``model.get_input_embeddings()``, if the model has it and it is an ``nn.Embedding``."""
+    getter = getattr(model, "get_input_embeddings", None)
+    if not callable(getter):
+        return None
+    try:
+        embedding = getter()
+    except (NotImplementedError, AttributeError):
+        return None
+    if not isinstance(embedding, nn.Embedding):
+        return None
+    path = _path_of(model, embedding)
+    if path is None or not _outside(path, blocks_path):
+        return None
+    return path, embedding
+
+
+def _output_head(
+    model: nn.Module, blocks_path: str, embedding: tuple | None
+) -> tuple[str, nn.Module, tuple | None] | None:
+    """``(path, head, embedding found by it)``: the Linear outside the blocks from the input
+    embedding's width to its vocabulary, if there is one. Without ``embedding``, the
+    embeddings outside the blocks are tried, each with the Linear layers that match it."""
+    linears = [
+        (path, module, _linear_shape(module))
+        for path, module in model.named_modules()
+        if _outside(path, blocks_path) and _linear_shape(module) is not None
+    ]
+    if embedding is not None:
+        embeddings = [embedding]
+    else:
+        embeddings = [
+            (path, m)
+            for path, m in model.named_modules()
+            if isinstance(m, nn.Embedding) and _outside(path, blocks_path)
+        ]
+    found = [
+        (path, m, None if embedding is not None else emb)
+        for path, m, shape in linears
+        for emb in embeddings
+        if shape == (emb[1].embedding_dim, emb[1].num_embeddings)
+    ]
+    if len(found) > 1:
+        pairs = ", ".join(
+            f"'{path}'" + (f" (with '{emb[0]}')" if emb is not None else "")
+            for path, _, emb in found
+        )
+        raise ValueError(
+            f"several Linear layers outside the blocks look like the output head: {pairs}; "
+            "cannot tell which is the head (and which embedding is the input): give the "
+            "model a get_input_embeddings() or write the plan by hand"
+        )
+    return found[0] if found else None

@@ -1,0 +1,561 @@
+"""The base of every style: :class:`ParallelStyle`, and the helpers the style families share.
+
+:class:`ParallelStyle` is the contract machinery: a subclass that declares a ``contract``
+registers itself when it is defined, and ``repr`` and ``==`` read the contract's arguments.
+Beside it:
+
+* checking constructor arguments (``_check_flag``, ``_check_int``, ``_as_tuple``, ...) and
+  :func:`short_repr`, through which every error message echoes user values; ``_where``
+  names a style and the module it runs on;
+* the plan being applied (:func:`planning`, :func:`plan_root`, :func:`plan_styled`);
+* distributing a module's parameters (``_distribute_parameters``, ``_distribute_and_wrap``)
+  and running its own forward on local views of them (``_run_on_local_parameters``);
+* what a stock ``nn.Linear``, ``Conv1D`` or ``nn.Embedding`` computes (``_project``,
+  ``_uses_stock_forward``), which the shape check reads too;
+* the replicated parameters of a module and of the unstyled modules inside it
+  (``_ReplicatedParameters``, ``_distribute_whole``, ``_swap_in_local_parameters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import itertools
+import reprlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from torch_tp import _layouts
+from torch_tp import _torch_compat as compat
+from torch_tp._torch_compat import StridedShard
+from torch_tp.contract import StyleContract, kind_name
+from torch_tp.registry import STYLE_REGISTRY
+
+__all__ = ["ParallelStyle"]
+
+
+class ParallelStyle(ABC):
+    """The contract between :func:`parallelize_module` and one way of parallelizing a module.
+
+    Subclasses implement :meth:`_apply`, which shards the parameters the style owns into
+    DTensors and installs the input and output layout transforms around the module. They may
+    also implement :meth:`_validate`, which :func:`parallelize_module` calls on every
+    ``(module, style)`` pair of a plan before the first :meth:`_apply`, so that a bad plan
+    fails before anything changes.
+
+    What :meth:`_apply` does is declared once, as data, in the class attribute ``contract``
+    (a :class:`~torch_tp.contract.StyleContract`): the module kinds the style accepts, each
+    parameter's placement, the layouts of the inputs and outputs, the partial gradients, the
+    constructor arguments and the plan names. ``repr``, ``==``, the plain-data form of plans,
+    the tied-weight and chaining checks and the dry-run report read it. A class that
+    declares a contract is registered under its name and plan names when it is defined.
+
+    Styles are plain values: they compare equal when their arguments are equal and print as
+    the call that builds them.
+
+    Attributes:
+        src_data_rank (int, optional): the rank whose values are scattered or broadcast when
+            parameters are distributed; ``None`` means each rank keeps its local values.
+            :func:`parallelize_module` sets it from its own ``src_data_rank`` argument.
+        contract (StyleContract, optional): the style's declaration; ``None`` (a style that
+            declares nothing): the report says it cannot predict it, and the style has no
+            plain-data form.
+    """
+
+    src_data_rank: int | None = 0
+    contract: ClassVar[StyleContract | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("contract") is not None:
+            STYLE_REGISTRY.register(cls)
+
+    @abstractmethod
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        """Parallelize ``module`` in place on ``device_mesh`` and return it."""
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        """Raise if this style cannot be applied to ``module``; never modify anything.
+
+        Raise ``NotImplementedError`` for an unsupported module type and ``ValueError`` or
+        ``TypeError`` for anything else. :func:`parallelize_module` adds the module's path
+        and the style to the message. The default checks the module kinds the contract
+        lists.
+        """
+        self._check_kind(module)
+
+    def _check_kind(self, module: nn.Module) -> None:
+        """Raise ``NotImplementedError`` unless the contract accepts ``module``'s kind."""
+        contract = self.contract
+        if contract is not None and not contract.accepts(module):
+            raise NotImplementedError(
+                f"{type(self).__name__} supports {contract.describe_modules()} (and their "
+                f"subclasses), found {kind_name(type(module))}"
+            )
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{name}={value!r}" for name, value in _arguments(self).items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(self) is not type(other):
+            return NotImplemented
+        return _arguments(self) == _arguments(other)
+
+    __hash__ = None  # type: ignore[assignment]  # styles are mutable (src_data_rank)
+
+
+def _arguments(style: ParallelStyle) -> dict[str, Any]:
+    """The constructor arguments of ``style``, as its contract reads them."""
+    contract = style.contract or StyleContract()
+    return contract.arguments(style)
+
+
+# parallelize_module records on each module the path it was reached by, for runtime errors
+MODULE_PATH_ATTR = "_torch_tp_path"
+
+
+def _where(style: ParallelStyle, module: nn.Module) -> str:
+    """``ColwiseParallel(...) on 'layers.0.attention.wq' (Linear)``, for error messages."""
+    path = getattr(module, MODULE_PATH_ATTR, None)
+    place = f"'{path}'" if path else ("the root module" if path == "" else "a module")
+    return f"{short_repr(style, STYLE_REPR_LIMIT)} on {place} ({type(module).__name__})"
+
+
+# ------------------------------------------------------------------------------------------
+# Checking arguments. Errors echo user values through short_repr: a plan is data a user may
+# have generated, and an error message must stay readable whatever it holds.
+# ------------------------------------------------------------------------------------------
+
+# the most characters of one user value an error message shows (styles: a little more, so
+# that every ordinary style prints whole)
+REPR_LIMIT = 200
+
+
+STYLE_REPR_LIMIT = 500
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``reprlib`` with room for placements and names: a few items, a few levels deep."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel = 4
+        self.maxtuple = self.maxlist = self.maxdict = self.maxset = self.maxfrozenset = 8
+        self.maxdeque = self.maxarray = 8
+        self.maxstring = self.maxother = self.maxlong = limit
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        # in insertion order (reprlib sorts): a plan entry reads {'style': ..., arguments}
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = itertools.islice(x.items(), self.maxdict)
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in items]
+        if len(x) > self.maxdict:
+            pieces.append("...")
+        return "{" + ", ".join(pieces) + "}"
+
+
+_BOUNDED_REPRS: dict[int, _BoundedRepr] = {}
+
+
+def short_repr(value: object, limit: int = REPR_LIMIT) -> str:
+    """``repr(value)`` for an error message: at most ``limit`` characters of it, then
+    ``... (N chars)`` or ``... (N items)``.
+
+    Containers are walked only a few items wide and a few levels deep, so neither a huge nor
+    a deeply nested (or self-referential) value is walked whole; a repr that fails is named
+    instead of raising from inside an error message.
+    """
+    if isinstance(value, str):
+        if len(value) <= limit:
+            return repr(value)
+        return f"{value[:limit]!r}... ({len(value)} chars)"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        bounded = _BOUNDED_REPRS.get(limit)
+        if bounded is None:
+            bounded = _BOUNDED_REPRS[limit] = _BoundedRepr(limit)
+        text, size = bounded.repr(value), f"{len(value)} items"
+    else:
+        try:
+            text = repr(value)
+        except Exception as err:  # noqa: BLE001 - any repr may fail; the message must not
+            return f"<{type(value).__name__} object (repr failed: {type(err).__name__})>"
+        size = f"{len(text)} chars"
+    if len(text) <= limit:
+        return text if size.endswith("chars") or len(value) <= 8 else f"{text} ({size})"
+    return f"{text[:limit]}... ({size})"
+
+
+def _check_flag(value: object, what: str) -> bool:
+    """``value`` if it is a ``bool``; a string such as ``"false"`` would be taken as true."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{what} must be a bool (True or False), found {type(value).__name__} "
+            f"{short_repr(value)}"
+        )
+    return value
+
+
+def _check_int(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, found {type(value).__name__} {short_repr(value)}")
+    return value
+
+
+def _check_placement(layout: object, what: str) -> None:
+    """A :class:`Placement` whose own arguments are valid (DTensor does not check them)."""
+    if not isinstance(layout, Placement):
+        raise TypeError(
+            f"{what} must hold Placements (or None), found {type(layout).__name__} "
+            f"{short_repr(layout)}"
+        )
+    if isinstance(layout, StridedShard) and layout.split_factor < 1:
+        raise ValueError(
+            f"{what}: the split_factor of {layout!r} must be a positive int, found "
+            f"{layout.split_factor}"
+        )
+
+
+def _as_tuple(layouts: Placement | tuple[Placement | None, ...] | None, what: str):
+    """Normalize a layouts argument to a tuple (or ``None``), checking every element."""
+    if layouts is None:
+        return None
+    if isinstance(layouts, Placement):
+        _check_placement(layouts, what)
+        return (layouts,)
+    if not isinstance(layouts, (tuple, list)):
+        raise TypeError(
+            f"{what} must be a Placement or a tuple of them, found {type(layouts).__name__} "
+            f"{short_repr(layouts)}"
+        )
+    for layout in layouts:
+        if layout is not None:
+            _check_placement(layout, what)
+    return tuple(layouts)
+
+
+def _as_kwarg_layouts(layouts: Mapping[str, Placement] | None, what: str) -> dict[str, Placement]:
+    """Normalize a keyword-layouts argument to a dict, checking every entry."""
+    if layouts is None:
+        return {}
+    if not isinstance(layouts, Mapping):
+        raise TypeError(
+            f"{what} must be a dict from keyword names to Placements, found "
+            f"{type(layouts).__name__} {short_repr(layouts)}"
+        )
+    for name, layout in layouts.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{what} must have str keys, found {short_repr(name)}")
+        _check_placement(layout, f"{what}[{short_repr(name)}]")
+    return dict(layouts)
+
+
+def _single(layout: Placement | None, default: Placement, what: str) -> tuple[Placement]:
+    """The single-element layout tuples of Colwise/Rowwise (upstream keeps them as tuples)."""
+    if layout is None:
+        return (default,)
+    if not isinstance(layout, Placement):
+        raise TypeError(
+            f"{what} must be a Placement, found {type(layout).__name__} {short_repr(layout)}"
+        )
+    _check_placement(layout, what)
+    return (layout,)
+
+
+def _in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> ValueError:
+    """A layout error (:class:`_layouts.ShardDimError`) again, as a ``ValueError`` naming
+    the style and the module it runs on.
+
+    The layout helpers raise without knowing either; the styles catch at their entry points
+    (a ``try`` costs nothing until something raises).
+    """
+    return ValueError(f"{_where(style, module)}: {err}")
+
+
+# the root module of the parallelize_module call validating and applying styles: a style
+# whose sizes live in the model's config, not on its module, reads them there
+_plan_root: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar(
+    "torch_tp_plan_root", default=None
+)
+
+
+# the modules the plan being applied gives a style (by id): a partial-sum region replicates
+# the parameters of the other modules inside it
+_plan_styled: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar(
+    "torch_tp_plan_styled", default=None
+)
+
+
+@contextlib.contextmanager
+def planning(root: nn.Module, styled: frozenset[int] | None = None):
+    """The root of the plan being validated and applied, for :func:`plan_root`, and the ids
+    of the modules it gives a style, for :func:`plan_styled`."""
+    token = _plan_root.set(root)
+    styled_token = _plan_styled.set(styled)
+    try:
+        yield
+    finally:
+        _plan_styled.reset(styled_token)
+        _plan_root.reset(token)
+
+
+def plan_root() -> nn.Module | None:
+    """The root module of the :func:`parallelize_module` call running (``None``: a style
+    applied by hand)."""
+    return _plan_root.get()
+
+
+def plan_styled() -> frozenset[int] | None:
+    """The ids of the modules the plan being applied gives a style (``None``: a style
+    applied by hand, or a plan that did not say)."""
+    return _plan_styled.get()
+
+
+def _distribute_and_wrap(
+    style: ParallelStyle,
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    placements: Mapping[str, Placement],
+    *bound: Any,
+) -> nn.Module:
+    """Distribute ``module``'s parameters as ``placements`` say, and run ``style._forward(
+    module, runtime, own_forward, *bound, *inputs)`` in place of the module's forward (its
+    class's own, unbound, passed on for the style to call)."""
+    rt = _layouts.runtime(device_mesh)
+    _distribute_parameters(module, rt, placements, style.src_data_rank)
+    module.forward = functools.partial(style._forward, module, rt, type(module).forward, *bound)
+    return module
+
+
+def _distribute_parameters(
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    placements: dict[str, Placement],
+    src_data_rank: int | None,
+) -> None:
+    """Replace each named direct parameter of ``module`` by a DTensor with that placement, on
+    the runtime's mesh.
+
+    A parameter tied between modules (GPT-2's ``wte`` and ``lm_head``) is distributed once:
+    the first module's style leaves the new DTensor parameter on the old one, and the
+    others register that same object, so the weights stay tied. :func:`parallelize_module`
+    has checked that every owner lays it out alike.
+    """
+    device_mesh = rt.mesh
+    for name, placement in placements.items():
+        param = getattr(module, name)
+        if param is None:
+            continue
+        tied = getattr(param, _DISTRIBUTED_AS, None)
+        if tied is not None and tied.device_mesh == device_mesh and tied.placements == (placement,):
+            module.register_parameter(name, tied)
+            continue
+        # src_data_rank=None keeps each rank's local values (no scatter or broadcast)
+        dtensor = distribute_tensor(
+            param.detach(), device_mesh, (placement,), src_data_rank=src_data_rank
+        )
+        new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+        if isinstance(placement, Replicate) and new.requires_grad:
+            # computing on shards (a sequence shard, a sharded output) leaves each rank with a
+            # partial sum of a replicated parameter's gradient: sum it (once per backward for
+            # all such parameters), so every rank holds the full gradient, as on one device
+            rt.sum_partial_gradients(new)
+        setattr(param, _DISTRIBUTED_AS, new)
+        module.register_parameter(name, new)
+
+
+_DISTRIBUTED_AS = "_torch_tp_distributed_as"
+
+
+def _conv1d_base(module: nn.Module) -> type | None:
+    """transformers' ``Conv1D`` class if ``module`` is one (or a subclass), else ``None``.
+
+    GPT-2's projections are ``Conv1D``: a Linear whose weight is stored transposed,
+    ``(in_features, out_features)``, computing ``x @ weight + bias``. It is recognized by
+    name and shape (``nx``/``nf`` attributes, a 2-D weight), so torch_tp needs no import of
+    transformers.
+    """
+    for cls in type(module).__mro__:
+        if cls.__name__ == "Conv1D":
+            weight = getattr(module, "weight", None)
+            shape = (getattr(module, "nx", None), getattr(module, "nf", None))
+            if isinstance(weight, torch.Tensor) and tuple(weight.shape) == shape:
+                return cls
+            return None
+    return None
+
+
+def _out_features(module: nn.Module) -> int:
+    return module.out_features if isinstance(module, nn.Linear) else module.nf
+
+
+def _project(
+    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``module``'s own computation (Linear or Conv1D) with local ``weight`` and ``bias``."""
+    if isinstance(module, nn.Linear):
+        return F.linear(x, weight, bias)
+    # Conv1D, as transformers computes it: addmm on the flattened tokens
+    flat = x.reshape(-1, x.shape[-1])
+    y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+    return y.view(*x.shape[:-1], weight.shape[-1])
+
+
+def _uses_stock_forward(module: nn.Module) -> bool:
+    """True when ``module`` runs the forward of torch's Linear/Embedding, unchanged.
+
+    Only then may a style replace the forward by an equivalent computation on local shards;
+    a subclass with its own forward keeps it and runs on DTensors instead, or, for an
+    Embedding subclass whose lookup gives whole features, with its lookups done by the style
+    (:func:`_own_lookups`).
+    """
+    for base in (nn.Linear, nn.Embedding, _conv1d_base(module)):
+        if base is not None and isinstance(module, base):
+            return type(module).forward is base.forward
+    return False
+
+
+def _check_not_distributed(module: nn.Module) -> None:
+    for name, param in module.named_parameters(recurse=False):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name!r} is already a DTensor with placements "
+                f"{param.placements}: the module was parallelized before"
+            )
+
+
+def _placements_argument(placements: Mapping[str, Placement] | None) -> dict | None:
+    """A ``placements`` argument checked (parameter names to Placements) and copied."""
+    if placements is None:
+        return None
+    if not isinstance(placements, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Placement) for k, v in placements.items()
+    ):
+        raise TypeError(
+            f"placements must map parameter names to Placements, found {short_repr(placements)}"
+        )
+    return dict(placements)
+
+
+def _check_direct_placements(
+    module: nn.Module, placements: Mapping[str, Placement], device_mesh: DeviceMesh
+) -> None:
+    """Refuse placements naming no direct parameter of ``module``, or splitting one unevenly
+    (a strided shard: into ``split_factor`` parts per rank)."""
+    params = dict(module.named_parameters(recurse=False))
+    missing = sorted(set(placements) - set(params))
+    if missing:
+        raise ValueError(f"{type(module).__name__} has no direct parameters {missing}")
+    n = device_mesh.size()
+    for name, placement in placements.items():
+        param = params[name]
+        if isinstance(placement, Shard):
+            dim = _layouts.normalize(placement, param.ndim).dim
+            split = placement.split_factor if isinstance(placement, StridedShard) else 1
+            if not 0 <= dim < param.ndim or param.shape[dim] % (n * split):
+                raise ValueError(
+                    f"parameter {name!r} {tuple(param.shape)} cannot be split evenly on "
+                    f"dim {placement.dim} over {n} ranks"
+                )
+
+
+def _run_on_local_parameters(
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    partial: bool,
+    forward,
+    *inputs: Any,
+    **kwargs: Any,
+) -> Any:
+    """Run ``forward`` (``module``'s own, unbound) with its DTensor parameters seen as local
+    tensors.
+
+    With ``partial`` the module computes on a shard of the data, so the gradient each rank
+    gets for a parameter is a partial sum: it is labelled so, and summed at the end of
+    backward. Without, each rank gets the full (replicated) gradient.
+    """
+    params = compat.direct_parameters(module)
+    local = {name: rt.local_parameter(module, name, partial=partial) for name in params}
+    compat.swap_direct_parameters(module, local)
+    try:
+        return forward(module, *inputs, **kwargs)
+    finally:
+        compat.swap_direct_parameters(module, params)
+
+
+def _unstyled_submodules(module: nn.Module) -> list[nn.Module]:
+    """The submodules of ``module`` (not itself) that hold parameters of their own and that
+    the plan being applied gives no style (every one, for a style applied by hand)."""
+    styled = plan_styled() or frozenset()
+    return [
+        sub
+        for path, sub in module.named_modules()
+        if path and id(sub) not in styled and compat.direct_parameters(sub)
+    ]
+
+
+def _replicate_parameters(
+    modules: list[nn.Module], rt: _layouts.DTensorRuntime, src_data_rank: int | None
+) -> None:
+    """Make every direct parameter of ``modules`` a replicated DTensor."""
+    for sub in modules:
+        placements = {name: Replicate() for name, _ in sub.named_parameters(recurse=False)}
+        _distribute_parameters(sub, rt, placements, src_data_rank)
+
+
+def _check_whole_not_distributed(module: nn.Module) -> None:
+    """Refuse ``module`` or a submodule without a style in the plan that was parallelized
+    before."""
+    for sub in (module, *_unstyled_submodules(module)):
+        _check_not_distributed(sub)
+
+
+def _distribute_whole(
+    style: ParallelStyle,
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    placements: Mapping[str, Placement],
+    *bound: Any,
+) -> nn.Module:
+    """:func:`_distribute_and_wrap` for a style that computes with its whole module: the
+    parameters of the submodules without a style become replicated DTensors too, and the
+    style's ``_forward`` gets those submodules before ``bound``."""
+    rt = _layouts.runtime(device_mesh)
+    inner = _unstyled_submodules(module)
+    _replicate_parameters(inner, rt, style.src_data_rank)
+    return _distribute_and_wrap(style, module, device_mesh, placements, inner, *bound)
+
+
+def _swap_in_local_parameters(
+    modules: list[nn.Module], rt: _layouts.DTensorRuntime, partial: bool
+) -> list[tuple[nn.Module, dict]]:
+    """Give ``modules`` local views of their DTensor parameters (see
+    :func:`_run_on_local_parameters`); returns what :func:`_swap_back` puts back."""
+    swapped = []
+    try:
+        for sub in modules:
+            local = {
+                name: rt.local_parameter(sub, name, partial=partial)
+                for name in compat.direct_parameters(sub)
+            }
+            swapped.append((sub, compat.swap_direct_parameters(sub, local)))
+    except BaseException:
+        _swap_back(swapped)
+        raise
+    return swapped
+
+
+def _swap_back(swapped: list[tuple[nn.Module, dict]]) -> None:
+    for sub, original in reversed(swapped):
+        compat.swap_direct_parameters(sub, original)

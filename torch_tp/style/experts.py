@@ -1,0 +1,545 @@
+"""Mixture-of-experts layers: :class:`ExpertParallel` (whole experts per rank, the tokens
+sent to them), :class:`TensorParallelExperts` (every expert sharded on its hidden dimension)
+and :class:`IdentityExpertParallel`, with the checks of the routing they share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from torch_tp import _layouts, _regions
+from torch_tp import _torch_compat as compat
+from torch_tp._torch_compat import StridedShard
+from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
+from torch_tp.style.base import (
+    ParallelStyle,
+    _check_not_distributed,
+    _distribute_and_wrap,
+    _run_on_local_parameters,
+    _where,
+    short_repr,
+)
+
+__all__ = ["TensorParallelExperts", "ExpertParallel", "IdentityExpertParallel"]
+
+
+class TensorParallelExperts(ParallelStyle):
+    """Shard every expert of a mixture-of-experts layer on its hidden dimension.
+
+    For an experts module with stacked SwiGLU weights, as transformers' MoE models and
+    :class:`torch_tp.models.moe.Experts` hold them: ``gate_up_proj`` ``[n_experts, 2 * hidden,
+    dim]`` (each expert's gate rows, then its up rows) and ``down_proj`` ``[n_experts, dim,
+    hidden]``, called as ``experts(hidden_states, top_k_index, top_k_weights)`` on replicated
+    tokens. Rank ``r`` holds slice ``r`` of every expert's gate rows and of its up rows
+    (DTensor's strided shard of dim 1, as :class:`PackedColwiseParallel`) and the matching
+    columns of ``down_proj`` (``Shard(2)``). The module's own forward, run on those slices,
+    gives every token a partial sum of its experts' outputs, summed over the ranks in one
+    all-reduce; in the backward the gradients of the tokens and of the routing weights,
+    partial sums too, are summed in one all-reduce. The routing itself (the indices) is the
+    same on every rank. This is transformers' ``moe_tp_experts``.
+
+    Experts stored transposed, ``gate_up_proj`` ``[n_experts, dim, 2 * hidden]`` and
+    ``down_proj`` ``[n_experts, hidden, dim]`` (Llama 4's ``Llama4TextExperts``, which
+    multiply ``x @ w`` and take the tokens already routed and weighted as their one input),
+    are sharded alike on their hidden dimension: ``gate_up_proj`` strided on dim 2,
+    ``down_proj`` on dim 1. The two layouts are told apart by the shapes, which no sizes
+    make ambiguous. Experts without a gate, ``up_proj`` ``[n_experts, hidden, dim]`` and
+    ``down_proj`` ``[n_experts, dim, hidden]`` (Nemotron-H), are sharded on the same
+    dimension: ``up_proj`` ``Shard(1)``, ``down_proj`` ``Shard(2)``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {
+        ...     "layers.*.feed_forward.router": ReplicateParallel(),
+        ...     "layers.*.feed_forward.experts": TensorParallelExperts(),
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"moe_tp_experts": {}},
+        arguments=lambda s: {},
+        parameters=lambda s, m: s._parameter_placements(m),
+        # every rank computes with all the tokens and routing weights: partial gradients
+        inputs=lambda s, m: Boundary(
+            (
+                Layout(Replicate(), Replicate(), grad=Partial()),
+                None,
+                Layout(Replicate(), Replicate(), grad=Partial()),
+            ),
+            coalesced=True,
+        ),
+        outputs=lambda s, m: Boundary((Layout(Partial(), Replicate()),)),
+        local_forward=lambda s, m: True,
+        # whether any rank's expert ids are out of range, agreed (see _check_expert_ids)
+        transfers=lambda s, m, inputs, degree: (
+            (Transfer("forward", "all_reduce", 4),) if len(inputs) >= 2 else ()
+        ),
+        meta_output=lambda s, m, args, kwargs: _tokens_like(args),
+    )
+
+    @staticmethod
+    def _transposed(module: nn.Module) -> bool | None:
+        """Whether the experts are stored transposed (``[E, H, 2I]``, ``[E, I, H]``), or not
+        (``[E, 2I, H]``, ``[E, H, I]``); ``None``: neither (or no stacked weights)."""
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        if not all(isinstance(p, torch.Tensor) and p.ndim == 3 for p in (gate_up, down)):
+            return None
+        (e, a, b), (e2, c, d) = gate_up.shape, down.shape
+        # gate_up_proj may stack more experts than down_proj: identity ("zero") experts
+        # after the routed ones (LongCat-Flash), which use neither
+        if a == 2 * d and b == c and e >= e2:
+            return False
+        if e != e2:
+            return None
+        if b == 2 * c and a == d:
+            return True  # both at once would need hidden == 0
+        return None
+
+    @staticmethod
+    def _ungated(module: nn.Module) -> bool:
+        """Experts without a gate: ``up_proj`` ``[E, I, H]`` and ``down_proj`` ``[E, H, I]``
+        (Nemotron-H's ``down(act(up(x)))``), and no ``gate_up_proj``."""
+        up, down = getattr(module, "up_proj", None), getattr(module, "down_proj", None)
+        if getattr(module, "gate_up_proj", None) is not None or not all(
+            isinstance(p, torch.Tensor) and p.ndim == 3 for p in (up, down)
+        ):
+            return False
+        (e, i, h), (e2, h2, i2) = up.shape, down.shape
+        return e == e2 and i == i2 and h == h2
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        # each rank: its slice of every expert's gate rows and of its up rows (strided),
+        # the matching slice of down_proj's hidden dimension
+        if self._ungated(module):
+            return {"up_proj": Shard(1), "down_proj": Shard(2)}
+        if self._transposed(module):
+            return {"gate_up_proj": StridedShard(2, split_factor=2), "down_proj": Shard(1)}
+        return {"gate_up_proj": StridedShard(1, split_factor=2), "down_proj": Shard(2)}
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        if self._ungated(module):
+            hidden = module.up_proj.shape[1]
+            if hidden % device_mesh.size():
+                raise ValueError(
+                    f"the experts' hidden size {hidden} does not divide by the "
+                    f"{device_mesh.size()} ranks"
+                )
+            _check_not_distributed(module)
+            return
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        stacked = all(isinstance(p, nn.Parameter) and p.ndim == 3 for p in (gate_up, down))
+        if not stacked:
+            raise NotImplementedError(
+                "TensorParallelExperts supports experts modules with stacked parameters "
+                "gate_up_proj [n_experts, 2 * hidden, dim] and down_proj [n_experts, dim, "
+                "hidden] (or both transposed: [n_experts, dim, 2 * hidden] and [n_experts, "
+                f"hidden, dim]), found {type(module).__qualname__} without them"
+            )
+        transposed = self._transposed(module)
+        if transposed is None:
+            raise ValueError(
+                f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
+                "not the stacked weights of SwiGLU experts ([E, 2I, H] and [E, H, I], or "
+                "transposed [E, H, 2I] and [E, I, H])"
+            )
+        hidden = down.shape[1] if transposed else down.shape[2]
+        n = device_mesh.size()
+        if hidden % n:
+            raise ValueError(
+                f"the experts' hidden size {hidden} does not divide by the {n} ranks: "
+                "each rank must hold the same slice of every expert's gate and up rows"
+            )
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)  # an unsupported module must not be half-applied
+        return _distribute_and_wrap(
+            self, module, device_mesh, self.contract.parameters(self, module)
+        )
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        hidden_states: torch.Tensor,
+        *routing: torch.Tensor,
+    ) -> torch.Tensor:
+        if len(routing) not in (0, 2):
+            raise TypeError(
+                f"{_where(self, module)}: expected experts(hidden_states, top_k_index, "
+                "top_k_weights), or experts(hidden_states) for tokens routed already, found "
+                f"{1 + len(routing)} positional inputs"
+            )
+        if routing:  # (top_k_index, top_k_weights): the weights' gradient is partial too
+            top_k_index, top_k_weights = routing
+            stacked = module.up_proj if self._ungated(module) else module.gate_up_proj
+            _check_expert_ids(self, module, rt, top_k_index, stacked.shape[0])
+            hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
+            routing = (top_k_index, top_k_weights)
+        else:  # tokens routed and weighted already (Llama 4)
+            (hidden_states,) = rt.enter_replicated_many((hidden_states,))
+        partial = _run_on_local_parameters(module, rt, False, own_forward, hidden_states, *routing)
+        return rt.reduce_partial(partial, Replicate(), True)
+
+
+class ExpertParallel(ParallelStyle):
+    """Split the experts of a mixture-of-experts layer over the ranks, whole experts per rank.
+
+    For an experts module called as ``experts(hidden_states, top_k_index, top_k_weights)``
+    on flattened tokens, whose parameters are stacked per expert on dim 0 (transformers' MoE
+    models, :class:`torch_tp.models.moe.Experts`; biases such as ``gate_up_proj_bias [E, 2I]``
+    too). With ``E`` experts over ``n`` ranks, rank ``r`` holds experts ``r * E / n`` to
+    ``(r + 1) * E / n - 1``: every parameter is ``Shard(0)``. The module's own forward runs on
+    those experts only, with the tokens routed to them; routing is dropless (no capacity, no
+    token dropped; an expert or a rank that gets no token is fine).
+
+    Where the tokens are:
+
+    * ``input_layouts=Shard(0)`` (the default): each rank brings its own tokens (a
+      data-parallel rank's batch, or this rank's sequence shard). Each (token, expert) pair
+      is sent to the rank holding the expert by an all-to-all with data-dependent counts,
+      computed there, and sent back by a second all-to-all; each rank then adds its tokens'
+      results, times their routing weights, itself. Forward: one all-to-all of the counts and
+      two of tokens; backward: the two reverse all-to-alls. The output is this rank's tokens',
+      and the routing weights' gradient is local.
+    * ``input_layouts=Replicate()``: every rank has all the tokens (expert parallelism over
+      the tensor-parallel ranks, after a row-parallel attention). Nothing needs dispatching:
+      each rank computes its experts on the tokens routed to them, and the partial outputs
+      are summed in one all-reduce; in the backward the tokens' and routing weights' partial
+      gradients are summed in one all-reduce. This is transformers' ``ep_dispatch_experts``
+      plan (``grouped_gemm`` parameters).
+
+    Expert ids outside ``[0, E)`` on any rank raise a ``ValueError`` naming the module on every
+    rank, before any token moves: with ``Shard(0)`` the count of such ids travels with the
+    exchanged counts; with ``Replicate()`` it is agreed in one all-reduce of one number. No
+    rank is left waiting for another.
+
+    Keyword Args:
+        input_layouts (Placement, optional): ``Shard(0)`` (each rank its own tokens) or
+            ``Replicate()`` (the same tokens on every rank). Default: ``None``, ``Shard(0)``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> # data parallel with experts split over the same ranks
+        >>> plan = {
+        ...     "layers.*.feed_forward.router": ReplicateParallel(sum_gradients=True),
+        ...     "layers.*.feed_forward.experts": ExpertParallel(),
+        ... }
+    """
+
+    contract = StyleContract(
+        # transformers' expert-parallel plan: the same tokens on every rank; its parameter
+        # entries ("grouped_gemm") state the experts' split
+        names={
+            "ep_dispatch_experts": {"input_layouts": Replicate()},
+            "grouped_gemm": {"input_layouts": Replicate()},
+        },
+        arguments=lambda s: {"input_layouts": s.input_layouts},
+        parameters=lambda s, m: {name: Shard(0) for name, _ in m.named_parameters(recurse=False)},
+        inputs=lambda s, m: Boundary(
+            (s._tokens_layout(), None, s._tokens_layout()), coalesced=True
+        ),
+        outputs=lambda s, m: Boundary(
+            (
+                Layout(Shard(0), Shard(0))
+                if isinstance(s.input_layouts, Shard)
+                else Layout(Partial(), Replicate()),
+            )
+        ),
+        # computed on local tensors: the all-to-alls are declared as transfers
+        local_forward=lambda s, m: True,
+        transfers=lambda s, m, inputs, degree: s._transfers(m, inputs, degree),
+        caveat=lambda s, m: (
+            None
+            if isinstance(s.input_layouts, Replicate)
+            else "the all-to-alls' sizes follow the routing: shown for balanced routing (each "
+            "rank receives as many routing slots as it sends; the mean over the ranks is that "
+            "whatever the routing)"
+        ),
+        parameter_entry=lambda s, parameter: Shard(0),
+        meta_output=lambda s, m, args, kwargs: _tokens_like(args),
+    )
+
+    def __init__(self, *, input_layouts: Placement | None = None) -> None:
+        super().__init__()
+        input_layouts = Shard(0) if input_layouts is None else input_layouts
+        if not (isinstance(input_layouts, Replicate) or input_layouts == Shard(0)):
+            raise ValueError(
+                "input_layouts must be Shard(0) (each rank its own tokens) or Replicate() "
+                f"(the same tokens on every rank), found {short_repr(input_layouts)}"
+            )
+        self.input_layouts = input_layouts
+
+    def _transfers(self, module: nn.Module, inputs: tuple, degree: int) -> tuple[Transfer, ...]:
+        """The all-to-alls of dispatched tokens (none for replicated ones), under balanced
+        routing: each rank sends its tokens' routing slots out and receives as many back."""
+        if isinstance(self.input_layouts, Replicate):
+            # the count of expert ids out of range, agreed (one int64)
+            return (Transfer("forward", "all_reduce", 8),) if len(inputs) >= 2 else ()
+        if len(inputs) < 2:
+            return ()
+        hidden, top_k_index = inputs[0], inputs[1]
+        rows = hidden.shape[0] // degree * top_k_index.shape[-1]
+        tokens = rows * hidden.shape[-1] * hidden.element_size()
+        n_experts = next(module.parameters()).shape[0]
+        counts = degree * (n_experts // degree + 1) * top_k_index.element_size()
+        return (
+            Transfer("forward", "all_to_all", counts),
+            Transfer("forward", "all_to_all", tokens),
+            Transfer("forward", "all_to_all", tokens),
+            Transfer("backward", "all_to_all", tokens),
+            Transfer("backward", "all_to_all", tokens),
+        )
+
+    def _tokens_layout(self) -> Layout:
+        if isinstance(self.input_layouts, Replicate):
+            # every rank computes with all of them: their gradients are partial sums
+            return Layout(Replicate(), Replicate(), grad=Partial())
+        return Layout(Shard(0), Shard(0))
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        params = dict(module.named_parameters(recurse=False))
+        if not params:
+            raise NotImplementedError(
+                f"ExpertParallel splits an experts module's own parameters, stacked per expert "
+                f"on dim 0; {type(module).__qualname__} has none"
+            )
+        n_experts = {name: (p.shape[0] if p.ndim else None) for name, p in params.items()}
+        if len(set(n_experts.values())) != 1 or None in n_experts.values():
+            raise ValueError(
+                "every parameter of an experts module must be stacked per expert on dim 0 "
+                f"(the same leading size), found leading sizes {n_experts}"
+            )
+        experts, n = next(iter(n_experts.values())), device_mesh.size()
+        if experts % n:
+            raise ValueError(
+                f"{experts} experts do not split over {n} ranks: each rank must hold the same "
+                f"number of whole experts (use an expert-parallel degree that divides {experts})"
+            )
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)  # an unsupported module must not be half-applied
+        n_experts = next(module.parameters()).shape[0]
+        return _distribute_and_wrap(
+            self, module, device_mesh, self.contract.parameters(self, module), n_experts
+        )
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        n_experts: int,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        mesh = rt.mesh
+        n, rank = mesh.size(), mesh.get_local_rank()
+        local_experts = n_experts // n
+        replicated = isinstance(self.input_layouts, Replicate)
+        if replicated:
+            hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
+        elif any(isinstance(t, DTensor) for t in (hidden_states, top_k_index, top_k_weights)):
+            raise ValueError(
+                f"{_where(self, module)}: expected this rank's tokens as local tensors, found a "
+                "DTensor (give the module local tensors, e.g. with use_local_output=True)"
+            )
+        # the routing slots grouped by expert, ids out of range counted last
+        slots = top_k_index.reshape(-1)
+        in_range = (slots >= 0) & (slots < n_experts)
+        slots = torch.where(in_range, slots, n_experts)
+        order = slots.argsort(stable=True)
+        counts = torch.bincount(slots, minlength=n_experts + 1)
+        if replicated:
+            # the same routing on every rank: each takes the slots of its own experts. The
+            # ids out of range are agreed over the mesh (one all-reduce of one number), so
+            # that one rank's bad routing is an error on all, not a wait in the reduction
+            group = mesh.get_group()
+            flag = counts[-1:].to(_regions._flag_device(group), copy=True)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            sent = torch.cat([counts, flag.to(counts.device)]).tolist()
+            if sent[-1]:
+                error = _bad_expert_ids(self, module, n_experts) if sent[-2] else None
+                _regions.raise_agreed(error, [group])
+            sent = sent[:-1]
+            bad = ""
+            first = sum(sent[: rank * local_experts])
+            mine = sent[rank * local_experts : (rank + 1) * local_experts]
+        else:
+            # each rank's count per expert to the rank holding it, with the number of ids out
+            # of range: every rank learns whether any rank must raise, before any token moves
+            outgoing = torch.cat(
+                [counts[:-1].view(n, local_experts), counts[-1:].expand(n, 1)], dim=1
+            )
+            incoming = _regions._all_to_all(
+                outgoing.reshape(-1), mesh, [local_experts + 1] * n, [local_experts + 1] * n
+            )
+            both = torch.cat([counts[:-1], incoming]).tolist()
+            sent, received = both[:n_experts], both[n_experts:]
+            per_source = [
+                received[r * (local_experts + 1) : (r + 1) * (local_experts + 1)] for r in range(n)
+            ]
+            bad_ranks = [str(r) for r, row in enumerate(per_source) if row[-1]]
+            bad = bad_ranks and f" (on rank {', '.join(bad_ranks)} of the expert-parallel group)"
+        if bad:
+            raise ValueError(
+                f"{_where(self, module)}: the router gave expert ids outside [0, {n_experts})"
+                f"{bad}; top_k_index must hold ids of the module's experts"
+            )
+        top_k = top_k_index.shape[-1]
+        routed = order[: sum(sent[:n_experts])]
+        weights = top_k_weights.reshape(-1)[routed].unsqueeze(-1)
+        token = routed // top_k
+        if replicated:
+            token = token[first : first + sum(mine)]
+            weights = weights[first : first + sum(mine)]
+            rows = hidden_states[token]
+            out_rows = self._run_experts(module, rt, own_forward, rows, mine)
+        else:
+            to_rank = [sum(sent[r * local_experts : (r + 1) * local_experts]) for r in range(n)]
+            from_rank = [sum(row[:-1]) for row in per_source]
+            rows = _regions.all_to_all_expert_parallel_region(
+                hidden_states[token], mesh, from_rank, to_rank
+            )
+            # rows from each source rank, by local expert within each
+            out_rows = self._run_experts(
+                module, rt, own_forward, rows, [c for row in per_source for c in row[:-1]]
+            )
+            out_rows = _regions.all_to_all_expert_parallel_region(
+                out_rows, mesh, to_rank, from_rank
+            )
+        out = torch.zeros_like(hidden_states).index_add(0, token, out_rows * weights)
+        if replicated:
+            return rt.reduce_partial(out, Replicate(), True)
+        return out
+
+    @staticmethod
+    def _run_experts(
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        rows: torch.Tensor,
+        counts: list[int],
+    ) -> torch.Tensor:
+        """The module's own forward on this rank's experts: ``rows`` are tokens, in runs of
+        ``counts`` for local experts ``0, 1, ...`` (cycling when there are more runs than
+        experts, one cycle per source rank); each row is its own token, of weight one."""
+        local_experts = compat.local_tensor(next(module.parameters())).shape[0]
+        expert = torch.arange(len(counts), device=rows.device) % local_experts
+        ids = expert.repeat_interleave(
+            torch.tensor(counts, device=rows.device), output_size=rows.shape[0]
+        ).unsqueeze(-1)
+        names = list(compat.direct_parameters(module))
+
+        def compute(mod: nn.Module, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            # transformers' experts size their grouped matmul by their num_experts: this
+            # rank's, while they compute
+            with _attribute_as(mod, "num_experts", local_experts, only_if_int=True):
+                out = own_forward(mod, rows, ids, rows.new_ones(ids.shape))
+            if not rows.shape[0]:
+                # no token for this rank's experts: keep its parameters and the rows in the
+                # graph, so that the parameters get (zero) gradients as on one device and
+                # the backward's collectives run on this rank as on the others
+                anchor = rows.sum() + sum(getattr(mod, name).sum() for name in names)
+                out = out + anchor * 0
+            return out
+
+        return _run_on_local_parameters(module, rt, False, compute, rows, ids)
+
+
+class IdentityExpertParallel(ParallelStyle):
+    """An identity ("zero") expert inside tensor-parallel experts: its output divided by the
+    TP degree.
+
+    LongCat-Flash routes some slots to experts that return the token itself. Under
+    :class:`TensorParallelExperts` every rank computes those with the whole token, and the
+    experts' output is summed over the ranks: each rank's identity output must be its
+    ``1/n`` share of it. The gradients of the token and of the routing weight then come back
+    ``1/n`` on each rank, and the experts' input reduction sums them whole. (With ``n`` a
+    power of two, the division is exact.) This is transformers' ``moe_identity_expert``; it
+    goes on the ``nn.Identity`` module next to the stacked weights.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {
+        ...     "layers.*.mlp.experts": "moe_tp_experts",
+        ...     "layers.*.mlp.experts.identity_expert": "moe_identity_expert",
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"moe_identity_expert": {}},
+        arguments=lambda s: {},
+        modules=(nn.Identity,),
+        local_forward=lambda s, m: True,
+    )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        n = device_mesh.size()
+        module.register_forward_hook(lambda mod, args, output: output / n)
+        return module
+
+
+def _check_expert_ids(
+    style: ParallelStyle,
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    top_k_index: torch.Tensor,
+    n_experts: int,
+) -> None:
+    """Refuse expert ids outside ``[0, n_experts)``, on every rank if any rank has one. The
+    routing is meant to be the same on every rank (replicated tokens); so that one rank's
+    bad routing does not leave the others waiting in the experts' reduction, the verdict is
+    agreed over the mesh first (one all-reduce of one number; one flag read back, a host
+    sync on a GPU)."""
+    if top_k_index.is_meta or torch.compiler.is_compiling():
+        return
+    bad = ((top_k_index < 0) | (top_k_index >= n_experts)).any().reshape(1)
+    group = rt.mesh.get_group()
+    flag = bad.to(device=_regions._flag_device(group), dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    if flag.item():
+        error = _bad_expert_ids(style, module, n_experts) if bad.item() else None
+        _regions.raise_agreed(error, [group])
+
+
+def _bad_expert_ids(style: ParallelStyle, module: nn.Module, n_experts: int) -> ValueError:
+    return ValueError(
+        f"{_where(style, module)}: the router gave expert ids outside [0, {n_experts}); "
+        "top_k_index must hold ids of the module's experts"
+    )
+
+
+@contextlib.contextmanager
+def _attribute_as(module: nn.Module, name: str, value: Any, *, only_if_int: bool = False):
+    """``module.<name>`` set to ``value`` inside the block (when it has an int such attribute,
+    with ``only_if_int``), restored after it."""
+    old = getattr(module, name, None)
+    if only_if_int and (not isinstance(old, int) or isinstance(old, bool)):
+        yield
+        return
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def _tokens_like(args: tuple) -> torch.Tensor:
+    """An experts module's output for the dry-run report: like its tokens (its first input),
+    without running its forward (which reads the routing)."""
+    return torch.empty_like(args[0])

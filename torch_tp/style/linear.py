@@ -1,0 +1,751 @@
+"""Linear and Embedding layers sharded on their features: :class:`ColwiseParallel`,
+:class:`RowwiseParallel`, and their packed variants :class:`PackedColwiseParallel` and
+:class:`PackedRowwiseParallel` (fused projections whose blocks are sharded one by one).
+
+The layers compute on their local shards: DTensor is used only at the boundaries, to annotate
+and move layouts, while the matmul or the lookup runs on plain tensors. A subclass with its own
+forward runs it on DTensors instead (an ``nn.Embedding`` subclass whose lookup gives whole
+features: with its lookups done by the style, ``_OwnLookups``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+
+from torch_tp import _layouts, _regions
+from torch_tp._torch_compat import StridedShard
+from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
+from torch_tp.style.base import (
+    ParallelStyle,
+    _check_flag,
+    _check_int,
+    _check_not_distributed,
+    _check_whole_not_distributed,
+    _conv1d_base,
+    _distribute_parameters,
+    _in_module,
+    _out_features,
+    _project,
+    _replicate_parameters,
+    _single,
+    _swap_back,
+    _swap_in_local_parameters,
+    _unstyled_submodules,
+    _uses_stock_forward,
+    _where,
+    short_repr,
+)
+
+__all__ = ["ColwiseParallel", "RowwiseParallel", "PackedColwiseParallel", "PackedRowwiseParallel"]
+
+
+def _own_forward_caveat(style: ParallelStyle, module: nn.Module) -> str | None:
+    if _uses_stock_forward(module) or _own_lookups(style, module):
+        return None  # an embedding's own forward computes on local tensors (_OwnLookups)
+    return (
+        f"{type(module).__name__} overrides forward, which then runs on DTensors: the "
+        "collectives inside it are not predicted"
+    )
+
+
+def _own_lookups(style: ParallelStyle, module: nn.Module) -> bool:
+    """Whether ``module``, an ``nn.Embedding`` subclass with its own forward, runs it on local
+    tensors with its lookups done by ``style`` (:class:`_OwnLookups`): when the lookup's
+    output is a local tensor whole in its features (replicated, or a sequence shard), which
+    whatever the forward does next (a norm) may read as on one device. Otherwise it runs on
+    DTensors."""
+    if not isinstance(module, nn.Embedding) or _uses_stock_forward(module):
+        return False
+    layout = style.output_layouts[0]
+    whole = isinstance(layout, Replicate) or type(layout) is Shard and layout.dim in (0, 1)
+    return whole and style.use_local_output
+
+
+# what the contracts of ColwiseParallel and RowwiseParallel share: their arguments, the
+# modules they take, their parameters, and a forward on local shards (unless the module has
+# its own forward: then the caveat)
+_LINEAR_EMBEDDING_CONTRACT: dict[str, Any] = {
+    "arguments": lambda s: {
+        "input_layouts": s.input_layouts[0],
+        "output_layouts": s.output_layouts[0],
+        "use_local_output": s.use_local_output,
+    },
+    "modules": (nn.Linear, nn.Embedding, "Conv1D"),
+    "parameters": lambda s, m: s._parameter_placements(m),
+    "local_forward": lambda s, m: True,
+    "caveat": lambda s, m: _own_forward_caveat(s, m),
+}
+
+
+class _ShardLinearEmbedding(ParallelStyle):
+    """What :class:`ColwiseParallel` and :class:`RowwiseParallel` share."""
+
+    _default_input: Placement
+    _default_output: Placement
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.input_layouts = _single(input_layouts, self._default_input, "input_layouts")
+        self.output_layouts = _single(output_layouts, self._default_output, "output_layouts")
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_kind(module)
+        if not isinstance(module, (nn.Linear, nn.Embedding)) and _conv1d_base(module) is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: {type(module).__qualname__} is named Conv1D but is "
+                "not transformers' Conv1D (a 2-D weight of shape (nx, nf))"
+            )
+        if _uses_stock_forward(module):
+            _check_not_distributed(module)
+        else:
+            _check_whole_not_distributed(module)
+        _check_parameter_placements(module, self._parameter_placements(module))
+        if isinstance(module, nn.Embedding):
+            if module.sparse:
+                raise ValueError("sparse embedding gradients are not supported")
+            if module.max_norm is not None:
+                raise ValueError(
+                    "max_norm renormalizes whole rows in place, which a sharded weight "
+                    "cannot do locally; remove max_norm"
+                )
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """The placement of each parameter of ``module`` this style shards or replicates."""
+        raise NotImplementedError
+
+    def _shard(self, dim: int) -> Placement:
+        """How a sharded dimension of a parameter is split (the packed styles stride it)."""
+        return Shard(dim)
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        """The layout ``module``'s own forward needs its input in (DTensor fallback path)."""
+        return Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)  # an unsupported type must not be half-applied
+        rt = _layouts.runtime(device_mesh)
+        params = self._parameter_placements(module)
+        _distribute_parameters(module, rt, params, self.src_data_rank)
+        if _uses_stock_forward(module):
+            forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
+            module.forward = functools.partial(forward, module, rt)
+        elif _own_lookups(self, module):
+            # its own forward on local tensors, with the lookups of its weight done by the
+            # style; the submodules it calls (a norm after the lookup: transformers' normed
+            # embeddings) are replicated
+            inner = _unstyled_submodules(module)
+            _replicate_parameters(inner, rt, self.src_data_rank)
+            module.forward = functools.partial(
+                self._own_embedding_forward, module, rt, type(module).forward, inner
+            )
+        else:
+            # its own forward runs on DTensors, and so do the submodules it calls: their
+            # parameters become replicated DTensors, whose gradients DTensor computes
+            _replicate_parameters(_unstyled_submodules(module), rt, self.src_data_rank)
+            _hook_dtensor_forward(
+                self,
+                module,
+                rt,
+                self.input_layouts[0],
+                self._desired_input(module),
+                self.output_layouts[0],
+                self.use_local_output,
+            )
+        return module
+
+    def _own_embedding_forward(
+        self,
+        module: nn.Embedding,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        inner: list[nn.Module],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """An ``nn.Embedding`` subclass's own forward, on local tensors: each lookup of its
+        weight is the style's own (as for a stock embedding), the submodules it calls
+        compute on replicated parameters (whose gradients are partial sums when the lookup's
+        output is sharded: a sequence shard)."""
+        partial = not isinstance(self.output_layouts[0], Replicate)
+        swapped = _swap_in_local_parameters(inner, rt, partial)
+        try:
+            with _OwnLookups(module, functools.partial(self._embedding, module, rt)):
+                return own_forward(module, *args, **kwargs)
+        finally:
+            _swap_back(swapped)
+
+
+class _OwnLookups(TorchFunctionMode):
+    """``F.embedding`` of ``module``'s weight done by ``lookup(ids)``; every other call as it
+    is. (An ``nn.Embedding`` subclass calls it through ``super().forward``, which no hook
+    reaches.)"""
+
+    def __init__(self, module: nn.Embedding, lookup) -> None:
+        super().__init__()
+        self.module = module
+        self.lookup = lookup
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is self.module.weight:  # (the mode is off while this runs)
+                return self.lookup(args[0] if args else kwargs["input"])
+        return func(*args, **kwargs)
+
+
+def _check_parameter_placements(module: nn.Module, placements: dict[str, Placement]) -> None:
+    """Every placement a style gives a parameter names a dimension the parameter has."""
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if not isinstance(param, torch.Tensor) or not isinstance(placement, (Shard, StridedShard)):
+            continue
+        if not -param.ndim <= placement.dim < param.ndim:
+            raise ValueError(
+                f"the placement {placement!r} of parameter {name!r} names dim {placement.dim} "
+                f"of a {param.ndim}-D tensor (shape {tuple(param.shape)}): a Shard dim must "
+                f"be in [{-param.ndim}, {param.ndim})"
+            )
+
+
+def _hook_dtensor_forward(
+    style: ParallelStyle,
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    input_layout: Placement,
+    desired_input: Placement,
+    output_layout: Placement,
+    use_local_output: bool,
+) -> None:
+    """Run ``module``'s own forward on DTensors: annotate and move the first input to
+    ``desired_input`` before it, move the output to ``output_layout`` after it."""
+
+    def enter(mod: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        try:
+            x = rt.prepare(inputs[0], input_layout, desired_input, False)
+        except _layouts.ShardDimError as err:
+            raise _in_module(style, mod, err) from None
+        return (x, *inputs[1:])
+
+    def leave(mod: nn.Module, inputs: Any, output: Any) -> Any:
+        if not isinstance(output, DTensor):
+            return output
+        try:
+            out = rt.redistribute(output, _layouts.normalize(output_layout, output.ndim))
+        except _layouts.ShardDimError as err:
+            raise _in_module(style, mod, err) from None
+        return out.to_local() if use_local_output else out
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+class ColwiseParallel(_ShardLinearEmbedding):
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` by output column.
+
+    ``nn.Linear``: ``weight`` and ``bias`` are sharded on the output features (``Shard(0)``).
+    ``nn.Embedding``: ``weight`` is sharded on the embedding dimension (``Shard(1)``).
+    transformers' ``Conv1D`` (GPT-2's projections, weight stored ``(in, out)``): ``weight`` is
+    sharded on the output features (``Shard(1)``), ``bias`` too (``Shard(0)``).
+    The module computes with the whole (replicated) input and produces its output sharded on
+    the last dimension; that output is then moved to ``output_layouts``. Pair it with
+    :class:`RowwiseParallel` to shard an MLP or an attention block with one reduction.
+
+    Keyword Args:
+        input_layouts (Placement, optional): the layout of the module's input when it arrives
+            as a local :class:`torch.Tensor`, used to annotate it as a DTensor. A DTensor input
+            carries its own layout. Default: ``Replicate()``.
+        output_layouts (Placement, optional): the layout of the module's output.
+            Default: ``Shard(-1)``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that shards the module column-wise.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, ColwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with an "w1" nn.Linear submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # input of "w1" is taken as replicated; its output is a local shard of the last dim
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"w1": ColwiseParallel()})
+
+    .. note:: The default output is sharded on the last dimension: code between this module
+        and the paired :class:`RowwiseParallel` sees only the local columns (for attention,
+        the local heads), so shapes must be derived from tensors, not from the config.
+    """
+
+    _default_input = Replicate()
+    _default_output = Shard(-1)
+
+    contract = StyleContract(
+        names={
+            # replicated input, output sharded on the last dim (an MLP's or attention's first half)
+            "colwise": {},
+            # the output all-gathered (an lm_head returning whole logits)
+            "colwise_gather_output": {"output_layouts": Replicate()},
+            "colwise_rep": {"output_layouts": Replicate()},
+            # on an nn.Embedding: weight sharded on the embedding dim, output gathered
+            "embedding_colwise": {"output_layouts": Replicate()},
+        },
+        **_LINEAR_EMBEDDING_CONTRACT,
+        # every rank computes with the whole input: its input gradients are partial sums
+        inputs=lambda s, m: Boundary((Layout(s.input_layouts[0], Replicate(), grad=Partial()),)),
+        outputs=lambda s, m: Boundary(
+            (Layout(s._shard(-1), s.output_layouts[0], s.use_local_output),)
+        ),
+    )
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Embedding):
+            return {"weight": Shard(1)}
+        # the output features: dim 0 of a Linear's weight, dim 1 of a Conv1D's
+        out_dim = 0 if isinstance(module, nn.Linear) else 1
+        return {"weight": self._shard(out_dim), "bias": self._shard(0)}
+
+    def _linear(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
+        try:
+            x = rt.enter_replicated(input, self.input_layouts[0])
+            weight = rt.local_parameter(module, "weight")
+            y = _project(module, x, weight, rt.local_parameter(module, "bias"))
+            return self._leave(y, rt, _out_features(module))
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+    def _embedding(
+        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
+        try:
+            ids = rt.enter_replicated(input, self.input_layouts[0])
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        try:
+            # the whole vocabulary on every rank: F.embedding checks the ids itself (on a
+            # GPU, with a device-side assert, as on one device)
+            y = F.embedding(
+                ids,
+                rt.local_parameter(module, "weight"),
+                module.padding_idx,
+                scale_grad_by_freq=module.scale_grad_by_freq,
+            )
+        except IndexError as err:
+            raise IndexError(
+                f"{_where(self, module)}: {err}: token ids must be in [0, {module.num_embeddings})"
+            ) from err
+        try:
+            return self._leave(y, rt, module.embedding_dim)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+    def _leave(self, y: torch.Tensor, rt: _layouts.DTensorRuntime, features: int) -> torch.Tensor:
+        """``y``, computed sharded on its last dim (``features`` in all), as the output."""
+        layout = self.output_layouts[0]
+        if self.use_local_output and type(layout) is Shard and layout.dim in (-1, y.ndim - 1):
+            return y  # the common case: as computed
+        layout = _layouts.normalize(layout, y.ndim)
+        shape = torch.Size((*y.shape[:-1], features))
+        return rt.leave(y, Shard(y.ndim - 1), layout, self.use_local_output, shape)
+
+
+class RowwiseParallel(_ShardLinearEmbedding):
+    """Shard an ``nn.Linear`` or ``nn.Embedding`` by input row.
+
+    ``nn.Linear``: ``weight`` is sharded on the input features (``Shard(1)``) and ``bias`` is
+    replicated; the input must be sharded on its last dimension. ``nn.Embedding``: ``weight``
+    is sharded on the vocabulary (``Shard(0)``) and the input ids are replicated; each rank
+    looks up the ids it owns. transformers' ``Conv1D`` (weight stored ``(in, out)``):
+    ``weight`` is sharded on the input features (``Shard(0)``), ``bias`` is replicated. Either
+    way every rank holds a partial sum, which is reduced to ``output_layouts`` (an all-reduce
+    for ``Replicate()``, a reduce-scatter for ``Shard(d)``). Sizes need not divide by the mesh
+    size.
+
+    Keyword Args:
+        input_layouts (Placement, optional): the layout of the module's input when it arrives
+            as a local :class:`torch.Tensor`. Default: ``Shard(-1)``.
+        output_layouts (Placement, optional): the layout of the module's output.
+            Default: ``Replicate()``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that shards the module row-wise.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, RowwiseParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with a "w2" nn.Linear submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # input of "w2" is a local shard of the last dim; its output is replicated
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"w2": RowwiseParallel()})
+    """
+
+    _default_input = Shard(-1)
+    _default_output = Replicate()
+
+    contract = StyleContract(
+        names={
+            # input sharded on the last dim, partial sums all-reduced to a replicated output
+            "rowwise": {},
+            # a replicated input, of which each rank uses its slice
+            "rowwise_split_input": {"input_layouts": Replicate()},
+            "rowwise_rep": {"input_layouts": Replicate()},
+            # on an nn.Embedding: vocabulary-parallel lookup of replicated ids, output all-reduced
+            "embedding_rowwise": {"input_layouts": Replicate()},
+        },
+        **_LINEAR_EMBEDDING_CONTRACT,
+        partial_gradients=lambda s, m: s._partial_gradients(m),
+        # an Embedding's replicated ids: their least and greatest, agreed (see _check_ids)
+        transfers=lambda s, m, inputs, degree: (
+            (Transfer("forward", "all_reduce", 2 * inputs[0].element_size()),)
+            if isinstance(m, nn.Embedding) and inputs and not isinstance(s.input_layouts[0], Shard)
+            else ()
+        ),
+        # a Linear computes with its slice of the input features; an Embedding looks up
+        # every id (ids carry no gradient)
+        inputs=lambda s, m: Boundary(
+            (Layout(s.input_layouts[0], Replicate(), grad=Partial()),)
+            if isinstance(m, nn.Embedding)
+            else (Layout(s.input_layouts[0], s._shard(-1)),)
+        ),
+        outputs=lambda s, m: Boundary(
+            (Layout(Partial(), s.output_layouts[0], s.use_local_output),)
+        ),
+    )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        if isinstance(module, nn.Embedding) and module.scale_grad_by_freq:
+            raise ValueError(
+                "scale_grad_by_freq counts ids over the whole vocabulary, which a "
+                "vocabulary shard cannot do locally; remove scale_grad_by_freq"
+            )
+        if not isinstance(module, nn.Embedding) and module.bias is not None:
+            layout = self.output_layouts[0]
+            if not isinstance(layout, (Replicate, Shard)):
+                raise ValueError(
+                    f"a biased Linear needs output_layouts Replicate() or Shard(d), found "
+                    f"{layout}: the bias would be added once per rank to a partial sum"
+                )
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        if isinstance(module, nn.Embedding):
+            return {"weight": Shard(0)}
+        # the input features: dim 1 of a Linear's weight, dim 0 of a Conv1D's
+        in_dim = 1 if isinstance(module, nn.Linear) else 0
+        return {"weight": self._shard(in_dim), "bias": Replicate()}
+
+    def _desired_input(self, module: nn.Module) -> Placement:
+        return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+
+    def _partial_gradients(self, module: nn.Module) -> tuple[str, ...]:
+        # the bias is added to a sharded output: each rank's gradient covers its shard only
+        sharded = isinstance(self.output_layouts[0], Shard)
+        biased = not isinstance(module, nn.Embedding) and getattr(module, "bias", None) is not None
+        return ("bias",) if sharded and biased else ()
+
+    def _linear(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
+        layout, x = self.input_layouts[0], input
+        last = type(layout) is Shard and layout.dim in (-1, x.ndim - 1)
+        try:
+            if isinstance(x, DTensor) or not last:  # else the local shard it computes with
+                layout = _layouts.normalize(layout, x.ndim)
+                x = rt.enter_sharded(x, layout, self._shard(x.ndim - 1))
+            partial = _project(module, x, rt.local_parameter(module, "weight"), None)
+            y = self._reduce(partial, rt, module)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        if module.bias is None:
+            return y
+        # added after the reduction, so that it is added once
+        if isinstance(y, DTensor):
+            return y + module.bias
+        # on a sharded output each rank's bias gradient sums over its shard only: partial
+        if isinstance(self.output_layouts[0], Shard):
+            return y + rt.local_parameter(module, "bias", partial=True)
+        return y + rt.local_parameter(module, "bias")
+
+    def _embedding(
+        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor
+    ) -> torch.Tensor:
+        try:
+            ids = rt.enter_replicated(input, self.input_layouts[0])
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        if not ids.is_meta and not torch.compiler.is_compiling():
+            # Ids out of the vocabulary would be foreign to every rank: rows of zeros, where
+            # one device raises. Ids gathered from sequence shards are the same on every
+            # rank; ids given as replicated are meant to be, but one rank's bad batch must
+            # not leave the others waiting in the reduction below: their least and greatest
+            # are agreed over the mesh first (one all-reduce of two numbers). Reading them
+            # back is a host sync on a GPU (one). Under torch.compile the check is left out:
+            # a branch on data would break the graph (meta ids have no values to check).
+            gathered = isinstance(self.input_layouts[0], Shard) and not isinstance(input, DTensor)
+            self._check_ids(module, rt, ids, gathered)
+        start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)
+        weight = rt.local_parameter(module, "weight")
+        # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
+        # (the reduction below) then holds exactly one real row per id
+        foreign = (ids < start) | (ids >= stop)
+        if stop > start:
+            pad = module.padding_idx
+            local_pad = pad - start if pad is not None and start <= pad < stop else None
+            y = F.embedding((ids - start).masked_fill(foreign, 0), weight, local_pad)
+            y = y.masked_fill(foreign.unsqueeze(-1), 0.0)
+        else:  # an empty shard (tiny vocabulary): contribute zeros, keep the graph
+            y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
+        try:
+            return self._reduce(y, rt, module)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+    def _check_ids(
+        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, ids: torch.Tensor, gathered: bool
+    ) -> None:
+        """Raise, on every rank, the error of one device's ``F.embedding`` if any rank's ids
+        are outside the vocabulary (agreed over the mesh unless ``gathered``)."""
+        size = module.num_embeddings
+        if ids.numel():
+            low, high = torch.aminmax(ids)
+            bounds = torch.stack([low.neg(), high])  # both reduced by one maximum
+        else:
+            bounds = torch.zeros(2, dtype=torch.long, device=ids.device)
+        if not gathered:
+            group = rt.mesh.get_group()
+            bounds = bounds.to(_regions._flag_device(group))
+            torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX, group=group)
+        if not ((bounds[0] > 0) | (bounds[1] >= size)).item():
+            return
+        mine = bool(ids.numel()) and bool(((ids < 0) | (ids >= size)).any())
+        error = self._ids_out_of_range(module, ids) if mine else None
+        if gathered:
+            raise error
+        _regions.raise_agreed(error, [group])
+
+    def _ids_out_of_range(self, module: nn.Embedding, ids: torch.Tensor) -> IndexError:
+        """The error of one device's ``F.embedding``, naming the module and a few of the ids."""
+        size = module.num_embeddings
+        bad = ids[(ids < 0) | (ids >= size)]
+        values = torch.unique(bad).tolist()
+        shown = ", ".join(map(str, values[:5])) + (", ..." if len(values) > 5 else "")
+        return IndexError(
+            f"{_where(self, module)}: index out of range: token ids must be in [0, {size}), "
+            f"found {shown} ({bad.numel()} of {ids.numel()} ids out of range)"
+        )
+
+    def _reduce(self, partial: torch.Tensor, rt: _layouts.DTensorRuntime, module: nn.Module):
+        layout = self.output_layouts[0]
+        if type(layout) is not Replicate:
+            layout = _layouts.normalize(layout, partial.ndim)
+        if (
+            self.use_local_output
+            and isinstance(layout, Shard)
+            and partial.shape[layout.dim] % rt.mesh.size()
+        ):
+            # uneven local shards cannot be annotated back into a DTensor downstream (from a
+            # local tensor alone the global size is unknown): fail here, clearly
+            raise ValueError(
+                f"{_where(self, module)}: the output is sharded on dim {layout.dim} of size "
+                f"{partial.shape[layout.dim]}, which does not divide by the {rt.mesh.size()} "
+                "ranks; make it divisible (e.g. the sequence length, for sequence "
+                "parallelism) or pass use_local_output=False"
+            )
+        return rt.reduce_partial(partial, layout, self.use_local_output)
+
+
+class _Packed:
+    """What the packed styles share: a fused weight made of ``parts`` equal blocks."""
+
+    parts: int
+
+    def _check_parts(self, parts: int) -> int:
+        if _check_int(parts, "parts") < 1:
+            raise ValueError(f"parts must be a positive int, found {parts}")
+        return parts
+
+    def _shard(self, dim: int) -> Placement:
+        # rank r holds block r of every part: DTensor's strided shard, so that the full
+        # tensor (a checkpoint, full_tensor()) is the single-device one, parts in order
+        return StridedShard(dim, split_factor=self.parts)
+
+    def _check_module(self, module: nn.Module) -> None:
+        self._check_kind(module)
+        # a module with its own forward would run on DTensors, which have no rule for a
+        # strided-shard weight in a matmul
+        if (isinstance(module, nn.Linear) or _conv1d_base(module)) and not _uses_stock_forward(
+            module
+        ):
+            raise NotImplementedError(
+                f"{type(self).__name__} needs the stock forward of nn.Linear or Conv1D; "
+                f"{type(module).__qualname__} overrides it"
+            )
+
+    def _validate_parts(self, size: int, what: str, device_mesh: DeviceMesh) -> None:
+        n = device_mesh.size()
+        if size % (self.parts * n):
+            raise ValueError(
+                f"{what} of size {size} holds {self.parts} packed parts, each to be split over "
+                f"{n} ranks: the size must be a multiple of {self.parts} x {n} = "
+                f"{self.parts * n}"
+            )
+
+
+class PackedColwiseParallel(_Packed, ColwiseParallel):
+    """Shard a fused projection (``qkv_proj``, ``gate_up_proj``, GPT-2's ``c_attn``) by output
+    column, part by part.
+
+    The output features are ``parts`` equal blocks laid end to end (q, k and v; gate and up).
+    :class:`ColwiseParallel` would give the first rank all of q; this style gives every rank
+    its slice of each part, so that rank ``r`` computes ``[q_r, k_r, v_r]``: its own heads of
+    q, k and v, which the module then splits locally. The weight (and bias) become DTensors
+    with DTensor's strided-shard placement, so gathering them (``full_tensor()``,
+    :mod:`torch_tp.checkpoint`) gives the single-device tensor. Supports ``nn.Linear`` and
+    transformers' ``Conv1D``.
+
+    .. note:: Not supported under FSDP2 yet: ``fully_shard`` on top of a strided shard gives
+        placements that do not describe what each rank holds (training runs, but gathered
+        values are scrambled), and :mod:`torch_tp.checkpoint` refuses such parameters.
+
+    Args:
+        parts (int, optional): the number of packed blocks. Default: 2 (``gate_up_proj``).
+
+    Keyword Args:
+        input_layouts (Placement, optional): as for :class:`ColwiseParallel`.
+            Default: ``Replicate()``.
+        output_layouts (Placement, optional): ``None`` keeps the packed local slices
+            (``[q_r, k_r, v_r]``); ``Replicate()`` gathers the whole output. Default: ``None``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PackedColwiseParallel, AttentionHeads
+        >>> # GPT-2: c_attn packs q, k and v; GPT2Attention splits it by its split_size
+        >>> plan = {
+        ...     "h.*.attn": AttentionHeads("num_heads", divide=("num_heads", "split_size")),
+        ...     "h.*.attn.c_attn": PackedColwiseParallel(3),
+        ...     "h.*.attn.c_proj": RowwiseParallel(),
+        ... }
+    """
+
+    contract = dataclasses.replace(
+        ColwiseParallel.contract,
+        # a fused projection packing two parts along its outputs (gate_up_proj)
+        names={"packed_colwise": {"parts": 2}},
+        arguments=lambda s: {
+            "parts": s.parts,
+            "input_layouts": s.input_layouts[0],
+            "output_layouts": s.output_layouts[0]
+            if isinstance(s.output_layouts[0], Replicate)
+            else None,
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, "Conv1D"),
+    )
+
+    def __init__(
+        self,
+        parts: int = 2,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        if output_layouts is not None and not isinstance(output_layouts, Replicate):
+            raise ValueError(
+                f"output_layouts of a packed projection must be None (packed local slices) "
+                f"or Replicate(), found {short_repr(output_layouts)}"
+            )
+        self.parts = self._check_parts(parts)
+        super().__init__(
+            input_layouts=input_layouts,
+            output_layouts=output_layouts or StridedShard(-1, split_factor=self.parts),
+            use_local_output=use_local_output,
+        )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_module(module)
+        super()._validate(module, device_mesh)
+        self._validate_parts(_out_features(module), "the output features", device_mesh)
+
+    def _leave(self, y: torch.Tensor, rt: _layouts.DTensorRuntime, features: int) -> torch.Tensor:
+        computed = StridedShard(y.ndim - 1, split_factor=self.parts)
+        if isinstance(self.output_layouts[0], Replicate):
+            layout = Replicate()
+        elif self.use_local_output:
+            return y  # the packed slices, as the module splits them
+        else:
+            layout = computed
+        shape = torch.Size((*y.shape[:-1], features))
+        return rt.leave(y, computed, layout, self.use_local_output, shape)
+
+
+class PackedRowwiseParallel(_Packed, RowwiseParallel):
+    """Shard a projection whose input features are ``parts`` packed blocks, part by part.
+
+    The row-wise partner of :class:`PackedColwiseParallel`: the input arrives as this rank's
+    slice of every part (``[a_r, b_r]``), and the weight is sharded on its input features
+    the same way (DTensor's strided shard), so the partial sums are reduced as for
+    :class:`RowwiseParallel`. Supports ``nn.Linear`` and transformers' ``Conv1D``.
+
+    Args:
+        parts (int, optional): the number of packed blocks. Default: 2.
+
+    Keyword Args:
+        output_layouts (Placement, optional): as for :class:`RowwiseParallel`.
+            Default: ``Replicate()``.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``True``.
+    """
+
+    contract = dataclasses.replace(
+        RowwiseParallel.contract,
+        # the row-parallel partner of packed_colwise, its input features packed the same way
+        names={"packed_rowwise": {"parts": 2}},
+        arguments=lambda s: {
+            "parts": s.parts,
+            "output_layouts": s.output_layouts[0],
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.Linear, "Conv1D"),
+    )
+
+    def __init__(
+        self,
+        parts: int = 2,
+        *,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        self.parts = self._check_parts(parts)
+        super().__init__(output_layouts=output_layouts, use_local_output=use_local_output)
+        # the input is this rank's slice of every part, as a packed column-parallel gives it
+        self.input_layouts = (StridedShard(-1, split_factor=self.parts),)
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_module(module)
+        super()._validate(module, device_mesh)
+        in_features = module.in_features if isinstance(module, nn.Linear) else module.nx
+        self._validate_parts(in_features, "the input features", device_mesh)

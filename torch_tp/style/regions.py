@@ -1,0 +1,318 @@
+"""Partial-sum regions: :class:`PartialSumParallel`, a module whose forward, run on this
+rank's shards as local tensors, gives each rank a part of its first output, summed as it
+leaves; and :class:`LocalLinearParallel`, a Linear inside such a region computing on its shard
+with no collective (:class:`~torch_tp.style.attention.LocalParamsParallel` is the other part).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from torch_tp import _layouts
+from torch_tp import _torch_compat as compat
+from torch_tp._torch_compat import StridedShard
+from torch_tp.contract import Boundary, Layout, StyleContract
+from torch_tp.style.base import (
+    ParallelStyle,
+    _check_direct_placements,
+    _check_not_distributed,
+    _check_whole_not_distributed,
+    _distribute_and_wrap,
+    _distribute_whole,
+    _placements_argument,
+    _run_on_local_parameters,
+    _swap_back,
+    _swap_in_local_parameters,
+    _unstyled_submodules,
+    _where,
+    short_repr,
+)
+
+__all__ = ["LocalLinearParallel", "PartialSumParallel"]
+
+
+# what LocalLinearParallel's kinds do to a Linear: (weight, bias) placements
+_LOCAL_LINEAR = {
+    "colwise": (Shard(0), Shard(0)),
+    "rowwise": (Shard(1), Replicate()),
+    "packed_rowwise": (StridedShard(1, split_factor=2), Replicate()),
+}
+
+
+class LocalLinearParallel(ParallelStyle):
+    """An ``nn.Linear`` sharded as a column- or row-parallel layer, computing on this rank's
+    shard with no collective: one part of a :class:`PartialSumParallel` region.
+
+    Its input and output are local tensors, used as they are: ``"colwise"`` takes the whole
+    input and gives this rank's output features; ``"rowwise"`` takes this rank's input
+    features and gives a partial sum; ``"packed_rowwise"`` is ``"rowwise"`` for input
+    features packed as two blocks (each rank its slice of each, as
+    :class:`PackedRowwiseParallel`). The region around it sums what must be summed: its
+    first output in the forward, its inputs' gradients in the backward. Outside a region the
+    style is refused, since nothing would sum the partial results. These are transformers
+    4.x's ``local_colwise``, ``local_rowwise`` and ``local_packed_rowwise``; in a plan entry
+    naming a parameter (stacked experts ``[n_experts, out, in]``) they state
+    ``Shard(-2)``, ``Shard(-1)`` and a packed ``Shard(-1)``.
+
+    Args:
+        shard (str): ``"colwise"`` (weight and bias split by output feature),
+            ``"rowwise"`` (weight split by input feature) or ``"packed_rowwise"``. A
+            row-parallel layer takes no bias: each rank would add it to its part of the sum.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {  # transformers 4.x's plan for Llama 4's dense feed-forward
+        ...     "layers.*.feed_forward.gate_proj": "local_colwise",
+        ...     "layers.*.feed_forward.up_proj": "local_colwise",
+        ...     "layers.*.feed_forward.down_proj": "local_rowwise",
+        ...     "layers.*.feed_forward": "gather",
+        ... }
+    """
+
+    contract = StyleContract(
+        names={
+            "local_colwise": {"shard": "colwise"},
+            "local_rowwise": {"shard": "rowwise"},
+            "local_packed_rowwise": {"shard": "packed_rowwise"},
+        },
+        arguments=lambda s: {"shard": s.shard},
+        modules=(nn.Linear,),
+        parameters=lambda s, m: s._parameter_placements(m),
+        local_forward=lambda s, m: True,
+        partial_sum=lambda s: "part",
+    )
+
+    def __init__(self, shard: str) -> None:
+        super().__init__()
+        if shard not in _LOCAL_LINEAR:
+            raise ValueError(
+                f"shard must be one of {', '.join(map(repr, _LOCAL_LINEAR))}, found "
+                f"{short_repr(shard)}"
+            )
+        self.shard = shard
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        weight, bias = _LOCAL_LINEAR[self.shard]
+        placements = {"weight": weight}
+        if getattr(module, "bias", None) is not None:
+            placements["bias"] = bias
+        return placements
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        n = device_mesh.size()
+        if self.shard == "colwise":
+            size, what = module.out_features, "output features"
+        else:
+            size, what = module.in_features, "input features"
+            if module.bias is not None:
+                raise ValueError(
+                    f"a {self.shard} layer computing one part of a sum takes no bias: each "
+                    "rank would add it to its part, and the sum would hold it once per rank"
+                )
+        parts = 2 * n if self.shard == "packed_rowwise" else n
+        if size % parts:
+            raise ValueError(f"its {size} {what} do not split evenly into {parts} parts")
+        _check_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        return _distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
+
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
+
+
+class _FirstRankGradient(torch.autograd.Function):
+    """Identity forward; the backward passes the gradient on one rank and zeros on the others
+    (for a replicated output of a partial-sum region: the region sums its gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+def _forward_inputs(module: nn.Module) -> tuple[list[str], bool]:
+    """The names of ``module``'s forward's positional inputs, and whether it takes more
+    (``*args``)."""
+    names, more = [], False
+    for param in inspect.signature(type(module).forward).parameters.values():
+        if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            names.append(param.name)
+        elif param.kind is param.VAR_POSITIONAL:
+            more = True
+    return names[1:], more  # less self
+
+
+class PartialSumParallel(ParallelStyle):
+    """A module whose forward, run on this rank's shards as local tensors, gives each rank
+    a part of its first output: summed over the ranks as it leaves.
+
+    The module's own parameters are sharded as the plan's parameter entries under it say
+    (Inkling's shared experts: stacked ``gate_proj``/``up_proj`` ``"colwise"``,
+    ``down_proj`` ``"rowwise"``); the modules inside it compute with no collective of their
+    own (:class:`LocalLinearParallel`, :class:`LocalParamsParallel`, or no style). Every
+    other parameter inside it (its own without an entry, those of its submodules without a
+    style: Llama 4's router) is replicated, and, since it computes toward a partial sum, its
+    gradient is one too, summed over the ranks. In the forward, the first output (or the
+    module's only one) is summed in one all-reduce; in the backward, the gradients of its
+    floating-point inputs, partial sums too, are summed in one all-reduce. Its other outputs
+    are replicated: their gradient counts on one rank, so that the sums hold it once. A
+    style that issues collectives of its own inside the region is refused (the sum would
+    count its results once per rank), and so is a replicated parameter added to the output
+    directly, which no check can see: the module's forward must compute every term of its
+    first output from this rank's shards.
+
+    This is transformers' ``all_reduce`` (5.x) and ``gather`` (4.x, around ``local_*``
+    layers): Llama 4's feed-forward sums its shared expert and its routed experts, both
+    partial, in one all-reduce.
+
+    Args:
+        placements (Mapping[str, Placement], optional): the placement of each of the
+            module's own parameters. Default: ``None``, taken from the plan's parameter
+            entries under the module; the others are replicated.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {  # transformers 5.x's plan for Inkling's shared experts
+        ...     "layers.*.mlp.shared_experts.gate_proj": "colwise",  # Shard(-2)
+        ...     "layers.*.mlp.shared_experts.up_proj": "colwise",
+        ...     "layers.*.mlp.shared_experts.down_proj": "rowwise",  # Shard(-1)
+        ...     "layers.*.mlp.shared_experts": "all_reduce",
+        ... }
+    """
+
+    contract = StyleContract(
+        names={"all_reduce": {}, "gather": {}},
+        arguments=lambda s: {"placements": s.placements},
+        parameters=lambda s, m: s._parameter_placements(m),
+        partial_gradients=lambda s, m: tuple(
+            ".".join(key) if isinstance(key, tuple) else key for key, _ in s._replicated(m)
+        ),
+        inputs=lambda s, m: s._input_boundary(m),
+        outputs=lambda s, m: Boundary((Layout(Partial(), Replicate()),)),
+        local_forward=lambda s, m: True,
+        with_parameter_entries=lambda s, placements: PartialSumParallel(
+            {**(s.placements or {}), **placements}
+        ),
+        partial_sum=lambda s: "region",
+    )
+
+    def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
+        super().__init__()
+        # no entries: the default
+        self.placements = _placements_argument(placements) or None
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """Each direct parameter's placement: its entry's, else replicated."""
+        placements = self.placements or {}
+        return {
+            name: placements.get(name, Replicate())
+            for name, _ in module.named_parameters(recurse=False)
+        }
+
+    def _replicated(self, module: nn.Module) -> list[tuple[Any, nn.Module]]:
+        """The replicated parameters the region sums the gradients of: ``(name, module)``
+        for its own, ``((path, name), submodule)`` for those of submodules the plan gives no
+        style (all of them, for a style applied by hand)."""
+        placements = self._parameter_placements(module)
+        found: list[tuple[Any, nn.Module]] = [
+            (name, module) for name, p in placements.items() if isinstance(p, Replicate)
+        ]
+        paths = {id(sub): path for path, sub in module.named_modules()}
+        for sub in _unstyled_submodules(module):
+            found += [((paths[id(sub)], n), sub) for n, _ in sub.named_parameters(recurse=False)]
+        return found
+
+    def _input_boundary(self, module: nn.Module) -> Boundary:
+        whole = Layout(Replicate(), Replicate(), grad=Partial())
+        names, _ = _forward_inputs(module)
+        return Boundary(tuple(whole for _ in names), {n: whole for n in names}, coalesced=True)
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        _check_direct_placements(module, self.placements or {}, device_mesh)
+        _check_whole_not_distributed(module)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        keep = device_mesh.get_local_rank() == 0  # the rank keeping the other outputs' grads
+        placements = self._parameter_placements(module)
+        # its own replicated parameters: partial gradients, like those of the inner modules
+        replicated = frozenset(n for n, p in placements.items() if isinstance(p, Replicate))
+        return _distribute_whole(self, module, device_mesh, placements, keep, replicated)
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        inner: list[nn.Module],
+        keep: bool,
+        replicated: frozenset[str],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        # every floating-point input, read whole: its gradient is a partial sum
+        names = list(range(len(args))) + list(kwargs)
+        values = [*args, *kwargs.values()]
+        entering = [
+            i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ]
+        if entering:
+            entered = rt.enter_replicated_many(tuple(values[i] for i in entering))
+            for i, value in zip(entering, entered, strict=True):
+                values[i] = value
+        args = tuple(values[: len(args)])
+        kwargs = dict(zip(names[len(args) :], values[len(args) :], strict=True))
+        # the replicated parameters inside, as local tensors with partial gradients
+        swapped = _swap_in_local_parameters(inner, rt, True)
+        try:
+            params = compat.direct_parameters(module)
+            local = {
+                name: rt.local_parameter(module, name, partial=name in replicated)
+                for name in params
+            }
+            compat.swap_direct_parameters(module, local)
+            try:
+                output = own_forward(module, *args, **kwargs)
+            finally:
+                compat.swap_direct_parameters(module, params)
+        finally:
+            _swap_back(swapped)
+        return self._leave(module, rt, output, keep)
+
+    def _leave(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, output: Any, keep: bool
+    ) -> Any:
+        """The first output summed; the others' gradients kept on one rank."""
+        if isinstance(output, torch.Tensor):
+            return rt.reduce_partial(output, Replicate(), True)
+        if not isinstance(output, tuple) or not output or not isinstance(output[0], torch.Tensor):
+            raise TypeError(
+                f"{_where(self, module)}: expected the module to return a tensor, or a tuple "
+                f"whose first element is one (the partial sum), found {short_repr(output)}"
+            )
+        first, *rest = output
+        rest = [
+            _FirstRankGradient.apply(t, keep)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+            else t
+            for t in rest
+        ]
+        items = (rt.reduce_partial(first, Replicate(), True), *rest)
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)

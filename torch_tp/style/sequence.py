@@ -1,0 +1,637 @@
+"""Styles that replicate a module's parameters, and styles that only move layouts.
+
+:class:`SequenceParallel` (norms and dropout on a sequence shard) and
+:class:`ReplicateParallel` (a module computing on local views of replicated parameters) share
+``_ReplicatedParameters``. :class:`PrepareModuleInput`, :class:`PrepareModuleOutput` and
+:class:`PrepareModuleInputOutput` own no parameters: they move a module's inputs and outputs
+between layouts.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import abstractmethod
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from torch_tp import _layouts
+from torch_tp import _torch_compat as compat
+from torch_tp.contract import Boundary, Layout, StyleContract
+from torch_tp.random import sequence_parallel_dropout
+from torch_tp.style.base import (
+    ParallelStyle,
+    _arguments,
+    _as_kwarg_layouts,
+    _as_tuple,
+    _check_flag,
+    _check_int,
+    _check_not_distributed,
+    _check_whole_not_distributed,
+    _distribute_and_wrap,
+    _distribute_whole,
+    _in_module,
+    _run_on_local_parameters,
+    _swap_back,
+    _swap_in_local_parameters,
+    _unstyled_submodules,
+    _where,
+)
+
+__all__ = [
+    "SequenceParallel",
+    "ReplicateParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
+]
+
+
+class _ReplicatedParameters(ParallelStyle):
+    """What :class:`SequenceParallel` and :class:`ReplicateParallel` share: the module's own
+    parameters become replicated DTensors, and its own forward runs inside ``_forward``."""
+
+    def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
+        return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return _distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
+
+    @abstractmethod
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        """The module's forward, given its own (unbound) ``own_forward``."""
+
+
+class SequenceParallel(_ReplicatedParameters):
+    """Run a normalization or dropout layer on a sequence shard of its input.
+
+    The module's parameters are replicated (broadcast from ``src_data_rank``, so they need
+    not be ones); its first input is taken as sharded on ``sequence_dim`` (a local tensor is
+    annotated so, a DTensor is moved there), and so is its output. Gradients of the
+    replicated parameters are summed over the sequence shards, so every rank holds the full
+    gradient. This is the sequence parallelism of `Reducing Activation Recomputation in Large
+    Transformer Models <https://arxiv.org/abs/2205.05198>`__.
+
+    Supported modules: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Dropout``, and hand-written norms
+    whose class name ends in ``RMSNorm`` or ``LayerNorm`` and whose parameters are 1-D (the
+    per-feature scale and shift of Llama-style models). ``nn.Dropout`` draws the mask the
+    single-device model would draw from the same seed and keeps this rank's slice of it.
+
+    Keyword Args:
+        sequence_dim (int, optional): the sequence dimension of the input. Default: 1.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` that runs the module sequence-parallel.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, SequenceParallel
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> m = Model(...)  # a module with a "norm" nn.LayerNorm submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # "norm" takes a sequence shard and returns a DTensor sharded on the sequence
+        >>> sharded_mod = parallelize_module(m, tp_mesh, {"norm": SequenceParallel()})
+    """
+
+    contract = StyleContract(
+        # a norm or dropout on a sequence shard (dim 1), handing on a local tensor
+        names={"sequence_parallel": {"use_local_output": True}},
+        arguments=lambda s: {
+            "sequence_dim": s.sequence_sharding[0].dim,
+            "use_local_output": s.use_local_output,
+        },
+        modules=(nn.LayerNorm, nn.RMSNorm, nn.Dropout, "*RMSNorm", "*LayerNorm"),
+        parameters=lambda s, m: s._parameter_placements(m),
+        # computed on a sequence shard: each rank's gradient covers its positions only
+        partial_gradients=lambda s, m: tuple(n for n, _ in m.named_parameters(recurse=False)),
+        inputs=lambda s, m: Boundary((Layout(s.sequence_sharding[0], s.sequence_sharding[0]),)),
+        outputs=lambda s, m: Boundary(
+            (Layout(s.sequence_sharding[0], s.sequence_sharding[0], s.use_local_output),)
+        ),
+        local_forward=lambda s, m: True,
+    )
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        super().__init__()
+        self.sequence_sharding = (Shard(_check_int(sequence_dim, "sequence_dim")),)
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_kind(module)
+        stock = isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.Dropout))
+        if not stock and any(p.ndim != 1 for p in module.parameters(recurse=False)):
+            raise NotImplementedError(
+                f"SequenceParallel supports hand-written norms ({type(module).__qualname__}) "
+                "whose parameters are per-feature scales and shifts (1-D), found "
+                f"{[tuple(p.shape) for p in module.parameters(recurse=False)]}"
+            )
+        _check_not_distributed(module)
+
+    def _forward(
+        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+    ):
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            found = type(inputs[0]).__name__ if inputs else "no input"
+            raise ValueError(
+                f"{_where(self, module)}: expecting the first input to be a torch.Tensor or "
+                f"DTensor, found {found}"
+            )
+        x = inputs[0]
+        try:
+            layout = _layouts.normalize(self.sequence_sharding[0], x.ndim)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+        global_shape = None  # a local input: even shards, as everywhere
+        if isinstance(x, DTensor):
+            x = rt.redistribute(x, layout)
+            global_shape = x.shape
+            x = x.to_local()
+        if own_forward is nn.Dropout.forward:
+            if not module.training or module.p == 0.0:
+                out = x  # the identity, as nn.Dropout's
+            else:
+                # a mask of the local shape would be the same on every rank, and not the
+                # single-device one: draw the full mask and keep this rank's slice
+                out = sequence_parallel_dropout(
+                    x,
+                    module.p,
+                    module.training,
+                    module.inplace,
+                    device_mesh=rt.mesh,
+                    sequence_dim=layout.dim,
+                    global_shape=global_shape,
+                )
+        else:
+            # the module's own forward, on the local sequence shard: a norm treats every
+            # position alike, so the shard's result is the shard of the whole result
+            out = _run_on_local_parameters(module, rt, True, own_forward, x, *inputs[1:], **kwargs)
+        if self.use_local_output or not isinstance(out, torch.Tensor):
+            return out
+        return DTensor.from_local(out, rt.mesh, (layout,))
+
+
+class ReplicateParallel(_ReplicatedParameters):
+    """Replicate a module's parameters as DTensors; the module computes on local tensors.
+
+    Every rank keeps the whole module, and its parameters become ``Replicate()`` DTensors,
+    like every other parameter of the model (one kind of parameter for the optimizer,
+    gradient clipping and checkpoints). The module's own forward runs unchanged on local
+    views of them, on whatever local tensors it is given; no input or output is moved.
+
+    A module that sees the whole activation (a router, a norm in the replicated region)
+    computes the whole gradient on every rank: keep ``sum_gradients=False``. A module that
+    sees only this rank's share of it (per-head ``q_norm``/``k_norm`` after a column-parallel
+    projection) gets a partial gradient on each rank: ``sum_gradients=True`` sums them over
+    the ranks (in the one all-reduce at the end of backward that sums all partial gradients).
+    So does a router under dispatch expert parallelism (``ExpertParallel()`` with sequence
+    parallelism: each rank routes its own tokens). Without ``sum_gradients``,
+    :func:`parallelize_module` refuses the module where the plan shows that it computes on a
+    shard (a module planned beside it takes its input as a shard that nothing planned there
+    produces: :func:`torch_tp.plan.unsummed_gradients`), and the dry-run report flags it
+    wherever its trace finds it computing on one.
+
+    Keyword Args:
+        sum_gradients (bool, optional): sum the parameters' gradients over the ranks.
+            Default: ``False``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> plan = {"layers.*.self_attn.q_norm": ReplicateParallel(sum_gradients=True)}
+    """
+
+    contract = StyleContract(
+        names={
+            # every rank keeps the whole module; parameters are replicated DTensors
+            "replicate": {},
+            # a module that sees this rank's share of the activation (per-head q_norm/k_norm)
+            "replicated_with_grad_allreduce": {"sum_gradients": True},
+            # transformers' router of expert-parallel experts: ExpertParallel selects each
+            # rank's routing slots itself, so the router stays whole on every rank
+            "ep_router": {},
+        },
+        arguments=lambda s: {"sum_gradients": s.sum_gradients},
+        # the whole module: its own parameters and its unstyled submodules' (dotted names)
+        parameters=lambda s, m: s._whole_placements(m),
+        partial_gradients=lambda s, m: tuple(s._whole_placements(m)) if s.sum_gradients else (),
+        # no boundary of its own: the report follows its ops, whose outputs are laid out
+        # like the inputs it was given
+        # no collective: inside a partial-sum region its gradients are partial sums
+        partial_sum=lambda s: "either" if s.sum_gradients else None,
+    )
+
+    def __init__(self, *, sum_gradients: bool = False) -> None:
+        super().__init__()
+        self.sum_gradients = _check_flag(sum_gradients, "sum_gradients")
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        inner = {id(sub) for sub in _unstyled_submodules(module)}
+        styled = [
+            path
+            for path, sub in module.named_modules()
+            if path and id(sub) not in inner and compat.direct_parameters(sub)
+        ]
+        if styled:
+            raise ValueError(
+                "ReplicateParallel keeps the whole module on every rank, and its submodules "
+                f"{styled} have styles of their own in the plan: remove their entries (they "
+                "are replicated with the module), or give the module's own parameters a "
+                "style that leaves its submodules alone"
+            )
+        _check_whole_not_distributed(module)
+
+    def _whole_placements(self, module: nn.Module) -> dict[str, Placement]:
+        """Every parameter the style replicates: the module's own, and those of its
+        submodules without a style of their own (``"w1.weight"``), which ``_apply``
+        replicates with it."""
+        placements = self._parameter_placements(module)
+        inner = {id(sub) for sub in _unstyled_submodules(module)}
+        for path, sub in module.named_modules():
+            if path and id(sub) in inner:
+                for name, _ in sub.named_parameters(recurse=False):
+                    placements[f"{path}.{name}"] = Replicate()
+        return placements
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        return _distribute_whole(self, module, device_mesh, self._parameter_placements(module))
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        inner: list[nn.Module],
+        *inputs,
+        **kwargs,
+    ):
+        swapped = _swap_in_local_parameters(inner, rt, self.sum_gradients)
+        try:
+            return _run_on_local_parameters(
+                module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
+            )
+        finally:
+            _swap_back(swapped)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Lay out a module's inputs as DTensors before its forward runs.
+
+    Each positional input with a layout in ``input_layouts`` (and each keyword input named
+    in ``input_kwarg_layouts``) is annotated with that layout if it is a local tensor, then
+    moved to the matching desired layout. ``None`` leaves an input untouched.
+
+    Keyword Args:
+        input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            positional inputs; ``None`` is a placeholder for an input to leave alone.
+            Default: ``None`` (positional inputs are left alone).
+        desired_input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts the
+            module should receive; same length as ``input_layouts``. Default: ``None``.
+        input_kwarg_layouts (Dict[str, Placement]): the layouts of keyword inputs.
+            Default: ``None``.
+        desired_input_kwarg_layouts (Dict[str, Placement]): the layouts the module should
+            receive for keyword inputs. Default: ``None``.
+        use_local_output (bool, optional): give the module local :class:`torch.Tensor` inputs
+            instead of DTensors. Default: ``False``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's inputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleInput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)  # a module with an "attn" submodule
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # the first input of "attn" arrives sharded on dim 0 and is replicated
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     {"attn": PrepareModuleInput(
+        ...         input_layouts=(Shard(0), None),
+        ...         desired_input_layouts=(Replicate(), None),
+        ...     )},
+        ... )
+    """
+
+    contract = StyleContract(
+        arguments=lambda s: {
+            "input_layouts": s.input_layouts,
+            "desired_input_layouts": s.desired_input_layouts,
+            "input_kwarg_layouts": s.input_kwarg_layouts if s.with_kwargs else None,
+            "desired_input_kwarg_layouts": s.desired_input_kwarg_layouts or None,
+            "use_local_output": s.use_local_output,
+        },
+        inputs=lambda s, m: s._boundary(),
+    )
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_output: bool = False,
+    ) -> None:
+        self.input_layouts = _as_tuple(input_layouts, "input_layouts")
+        self.desired_input_layouts = _as_tuple(desired_input_layouts, "desired_input_layouts")
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        if self.input_layouts is not None:
+            # AssertionError, as upstream raises: callers may catch it
+            if self.desired_input_layouts is None:
+                raise AssertionError("desired module inputs should not be None!")
+            if len(self.input_layouts) != len(self.desired_input_layouts):
+                raise AssertionError(
+                    "input_layouts and desired_input_layouts should have same length! "
+                    f"found {len(self.input_layouts)} and {len(self.desired_input_layouts)}"
+                )
+        self.with_kwargs = input_kwarg_layouts is not None
+        self.input_kwarg_layouts = _as_kwarg_layouts(input_kwarg_layouts, "input_kwarg_layouts")
+        self.desired_input_kwarg_layouts = _as_kwarg_layouts(
+            desired_input_kwarg_layouts, "desired_input_kwarg_layouts"
+        )
+        if self.with_kwargs and len(self.input_kwarg_layouts) != len(
+            self.desired_input_kwarg_layouts
+        ):
+            raise AssertionError(
+                "input_kwarg_layouts and desired_input_kwarg_layouts should have same length!"
+            )
+
+    def _boundary(self) -> Boundary:
+        local = self.use_local_output
+        args = tuple(
+            None if layout is None else Layout(layout, desired, local)
+            for layout, desired in zip(
+                self.input_layouts or (), self.desired_input_layouts or (), strict=True
+            )
+        )
+        kwargs = {
+            name: Layout(layout, self.desired_input_kwarg_layouts.get(name), local)
+            for name, layout in self.input_kwarg_layouts.items()
+        }
+        return Boundary(args, kwargs, exact=self.input_layouts is not None)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rt = _layouts.runtime(device_mesh)
+        if self.with_kwargs:
+            module.register_forward_pre_hook(
+                functools.partial(self._prepare_with_kwargs, rt), with_kwargs=True
+            )
+        else:
+            module.register_forward_pre_hook(functools.partial(self._prepare_hook, rt))
+        return module
+
+    def _prepare_hook(
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
+    ):
+        return self._prepare_args(rt, module, inputs)
+
+    def _prepare_with_kwargs(
+        self,
+        rt: _layouts.DTensorRuntime,
+        module: nn.Module,
+        inputs: tuple[Any, ...],
+        kwargs: dict,
+    ):
+        prepared = {
+            key: self._prepare_one(
+                module,
+                key,
+                value,
+                rt,
+                self.input_kwarg_layouts.get(key),
+                self.desired_input_kwarg_layouts.get(key),
+            )
+            for key, value in kwargs.items()
+        }
+        return self._prepare_args(rt, module, inputs), prepared
+
+    def _prepare_args(
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
+        if self.input_layouts is None:
+            return inputs
+        if len(inputs) != len(self.input_layouts):
+            raise ValueError(
+                f"{_where(self, module)}: module inputs and input_layouts should have same "
+                f"length! found {len(inputs)} inputs for {len(self.input_layouts)} layouts"
+            )
+        return tuple(
+            self._prepare_one(module, i, value, rt, layout, desired)
+            for i, (value, layout, desired) in enumerate(
+                zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
+            )
+        )
+
+    def _prepare_one(
+        self,
+        module: nn.Module,
+        where: int | str,
+        value: Any,
+        rt: _layouts.DTensorRuntime,
+        *layouts: Placement | None,
+    ):
+        """Prepare one input; ``where`` is its position, or its keyword (named on error only:
+        this runs for every input of every call)."""
+        if layouts[0] is not None and not isinstance(value, torch.Tensor):
+            what = f"input {where}" if isinstance(where, int) else f"keyword input {where!r}"
+            # AssertionError, as upstream raises
+            raise AssertionError(
+                f"{_where(self, module)}: expecting {what} to be a torch.Tensor for layout "
+                f"{layouts[0]}, found {type(value).__name__}"
+            )
+        try:
+            return rt.prepare(value, *layouts, self.use_local_output)
+        except _layouts.ShardDimError as err:
+            raise _in_module(self, module, err) from None
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Lay out a module's outputs as DTensors after its forward runs.
+
+    Each output with a layout in ``output_layouts`` is annotated with that layout if it is a
+    local tensor, then moved to the matching desired layout; ``None`` leaves an output
+    untouched. A module returning one tensor gets one tensor back.
+
+    Keyword Args:
+        output_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            outputs; ``None`` is a placeholder for an output to leave alone.
+        desired_output_layouts (Union[Placement, Tuple[Placement]]): the layouts to return;
+            same length as ``output_layouts``.
+        use_local_output (bool, optional): return local :class:`torch.Tensor` outputs instead
+            of DTensors. Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's outputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleOutput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> # the block's replicated output is returned sharded on dim 0
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+        ... )
+    """
+
+    contract = StyleContract(
+        arguments=lambda s: {
+            "output_layouts": s.output_layouts,
+            "desired_output_layouts": s.desired_output_layouts,
+            "use_local_output": s.use_local_output,
+        },
+        outputs=lambda s, m: Boundary(
+            tuple(
+                None if layout is None else Layout(layout, desired, s.use_local_output)
+                for layout, desired in zip(s.output_layouts, s.desired_output_layouts, strict=True)
+            ),
+            exact=True,
+        ),
+    )
+
+    def __init__(
+        self,
+        *,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement, ...],
+        use_local_output: bool = True,
+    ) -> None:
+        self.output_layouts = _as_tuple(output_layouts, "output_layouts")
+        self.desired_output_layouts = _as_tuple(desired_output_layouts, "desired_output_layouts")
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        if self.output_layouts is None or self.desired_output_layouts is None:
+            raise AssertionError("output_layouts and desired_output_layouts must be given!")
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise AssertionError(
+                "output_layouts and desired_output_layouts should have same length! found "
+                f"{len(self.output_layouts)} and {len(self.desired_output_layouts)}"
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rt = _layouts.runtime(device_mesh)
+        module.register_forward_hook(functools.partial(self._prepare_hook, rt))
+        return module
+
+    def _prepare_hook(
+        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: Any, outputs: Any
+    ):
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if len(outputs) != len(self.output_layouts):
+            raise ValueError(
+                f"{_where(self, module)}: module outputs and output_layouts should have same "
+                f"length! found {len(outputs)} outputs for {len(self.output_layouts)} layouts"
+            )
+        prepared = []
+        for i, (value, layout, desired) in enumerate(
+            zip(outputs, self.output_layouts, self.desired_output_layouts, strict=True)
+        ):
+            if layout is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{_where(self, module)}: expecting output {i} to be a torch.Tensor for "
+                    f"layout {layout}, found {type(value).__name__}"
+                )
+            try:
+                prepared.append(rt.prepare(value, layout, desired, self.use_local_output))
+            except _layouts.ShardDimError as err:
+                raise _in_module(self, module, err) from None
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """Lay out a module's inputs before and its outputs after its forward runs.
+
+    The combination of :class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one
+    module; see those for the meaning of each argument.
+
+    Keyword Args:
+        input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            positional inputs. Default: ``None``.
+        desired_input_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts the
+            module should receive. Default: ``None``.
+        input_kwarg_layouts (Dict[str, Placement]): the layouts of keyword inputs.
+            Default: ``None``.
+        desired_input_kwarg_layouts (Dict[str, Placement]): the layouts the module should
+            receive for keyword inputs. Default: ``None``.
+        use_local_input (bool, optional): give the module local tensors instead of DTensors.
+            Default: ``False``.
+        output_layouts (Union[Placement, Tuple[Optional[Placement]]]): the layouts of the
+            outputs.
+        desired_output_layouts (Union[Placement, Tuple[Placement]]): the layouts to return.
+        use_local_output (bool, optional): return local tensors instead of DTensors.
+            Default: ``True``.
+
+    Returns:
+        A :class:`ParallelStyle` that prepares the module's inputs and outputs.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> from torch_tp import parallelize_module, PrepareModuleInputOutput
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> block = TransformerBlock(...)
+        >>> tp_mesh = init_device_mesh("cuda", (8,))
+        >>> parallelize_module(
+        ...     block,
+        ...     tp_mesh,
+        ...     {"attn": PrepareModuleInputOutput(
+        ...         input_layouts=(Shard(0), None),
+        ...         desired_input_layouts=(Replicate(), None),
+        ...         output_layouts=Replicate(),
+        ...         desired_output_layouts=Shard(0),
+        ...     )},
+        ... )
+    """
+
+    contract = StyleContract(
+        arguments=lambda s: {
+            **{
+                ("use_local_input" if k == "use_local_output" else k): v
+                for k, v in _arguments(s.prepare_module_input).items()
+            },
+            **_arguments(s.prepare_module_output),
+        },
+        inputs=lambda s, m: s.prepare_module_input._boundary(),
+        outputs=lambda s, m: PrepareModuleOutput.contract.outputs(s.prepare_module_output, m),
+    )
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
+        use_local_input: bool = False,
+        output_layouts: Placement | tuple[Placement | None, ...],
+        desired_output_layouts: Placement | tuple[Placement, ...],
+        use_local_output: bool = True,
+    ) -> None:
+        _check_flag(use_local_input, "use_local_input")
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input,
+        )
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts,
+            desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.prepare_module_input._apply(module, device_mesh)
+        self.prepare_module_output._apply(module, device_mesh)
+        return module
