@@ -50,6 +50,7 @@ def test_contributing_lists_the_mutations():
 
 
 @pytest.mark.slow
+@pytest.mark.mutations  # its own CI step: `python -m pytest -m mutations`
 def test_every_mutation_is_caught():
     results = [run(m, timeout=300) for m in MUTATIONS]
     missed = [
