@@ -112,6 +112,26 @@ def test_api_reference_covers_the_public_api():
     assert exported <= documented, f"undocumented: {sorted(exported - documented)}"
 
 
+def test_api_reference_maps_every_module():
+    """The API page's "Where the code is" tables name every module of the package whose path
+    has no private part: a module added, moved or removed changes the page."""
+    import pkgutil
+
+    def walk(package):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            if not any(part.startswith("_") for part in info.name.split(".")[1:]):
+                yield info.name
+                if info.ispkg:
+                    yield from walk(importlib.import_module(info.name))
+
+    modules = set(walk(torch_tp))
+    section = API[API.index("## Where the code is") : API.index("## Applying a plan")]
+    named = set(re.findall(r"`(torch_tp(?:\.\w+)+)`", section))
+    assert "torch_tp.style.linear" in modules and "torch_tp.checkpoint.dcp" in modules
+    assert modules - named == set(), f"modules the API page does not map: {modules - named}"
+    assert named - modules == set(), f"the API page maps no such modules: {named - modules}"
+
+
 def _is_module(obj: object) -> bool:
     return type(obj).__name__ == "module"
 

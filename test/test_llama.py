@@ -59,7 +59,7 @@ def _llama_parity(
             assert param.grad.placements == param.placements, name
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_llama_parity(world_size, sequence_parallel):
     run_distributed(_llama_parity, world_size, sequence_parallel, False, 4, "rmsnorm", 2)
@@ -107,7 +107,9 @@ def _unsplittable_heads(config_overrides: dict[str, int]) -> tuple[str, str, boo
     ("world_size", "overrides", "count", "what"),
     [
         # grouped-query attention: 4 query heads split over 4 ranks, 2 key/value heads do not
-        (4, {"n_heads": 4, "n_kv_heads": 2}, 2, "key/value heads"),
+        pytest.param(
+            4, {"n_heads": 4, "n_kv_heads": 2}, 2, "key/value heads", marks=pytest.mark.slow
+        ),
         # multi-query attention: one key/value head cannot be split at all
         (2, {"n_heads": 4, "n_kv_heads": 1}, 1, "key/value heads"),
         # 3 query heads (dim 48, head_dim 16) over 2 ranks
