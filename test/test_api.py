@@ -205,7 +205,7 @@ def _mesh_errors() -> None:
         parallelize_module(nn.Linear(4, 4), None, ColwiseParallel())
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 def test_mesh_must_be_one_dimensional():
     run_distributed(_mesh_errors, 4)
 

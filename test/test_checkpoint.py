@@ -77,7 +77,7 @@ def _gather(dp: int, tp: int, sequence_parallel: bool) -> None:
         assert state == {} and most_alive == 0, most_alive
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 @pytest.mark.parametrize("dp, tp, sequence_parallel", [(2, 2, True), (2, 2, False), (1, 4, False)])
 def test_full_state_dict(dp, tp, sequence_parallel):
     run_distributed(_gather, dp * tp, dp, tp, sequence_parallel)
@@ -120,7 +120,7 @@ def _load_full(path: str, dp: int, tp: int, sequence_parallel: bool) -> None:
     check(model)
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 @pytest.mark.parametrize("dp, tp, sequence_parallel", [(2, 2, True), (1, 4, False)])
 def test_load_full_state_dict(tmp_path, dp, tp, sequence_parallel):
     path = tmp_path / "model.safetensors"
@@ -251,7 +251,7 @@ def _resume(ckpt_dir: str, dp: int, tp: int, dropout: float, rng: bool) -> list[
     return train_llama(model, mesh, optim, range(2, 4))
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 def test_save_on_2d_load_on_other_layouts(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     uninterrupted = run_distributed(_train_and_save, 4, ckpt, 0.0)[0]
@@ -314,7 +314,7 @@ def _failed_save(ckpt_dir: str) -> None:
     assert not (Path(ckpt_dir) / "step-2.partial").exists()
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 def test_failed_save_keeps_previous_checkpoint(tmp_path):
     run_distributed(_failed_save, 4, str(tmp_path / "ckpt"))
 

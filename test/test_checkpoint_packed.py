@@ -189,7 +189,7 @@ def _full_state_dicts(path: str) -> None:
             assert len(reads[name]) == parts, (name, reads[name])
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.four_ranks)])
 def test_full_state_dicts(tmp_path, world_size):
     path = tmp_path / "model.safetensors"
     save_file(_model().state_dict(), str(path))
@@ -256,7 +256,7 @@ def _dcp_load(ckpt_dir: str, step: int) -> dict:
     return _snapshot(model, optim)
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 def test_dcp_across_tp_sizes_and_a_single_device(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = run_distributed(_dcp_save, 2, ckpt, 1)[0]
@@ -301,7 +301,7 @@ def _fsdp2_refused(ckpt_dir: str) -> None:
         assert torch.equal(param.to_local(), old)
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 def test_packed_under_fsdp2_is_refused(tmp_path):
     # a complete checkpoint to attempt loading from (any model's will do)
     _dcp_save(str(tmp_path / "ckpt-existing"), 1)

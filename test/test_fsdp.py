@@ -109,13 +109,13 @@ def _train_2d_parity(
     return norms
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_fsdp2_tp_matches_single_device(sequence_parallel):
     run_distributed(_train_2d_parity, 4, sequence_parallel, False, None, 3)
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 def test_fsdp2_tp_activation_checkpointing():
     run_distributed(_train_2d_parity, 4, True, True, None, 3)
 

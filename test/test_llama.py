@@ -59,7 +59,7 @@ def _llama_parity(
             assert param.grad.placements == param.placements, name
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.four_ranks)])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_llama_parity(world_size, sequence_parallel):
     run_distributed(_llama_parity, world_size, sequence_parallel, False, 4, "rmsnorm", 2)
@@ -108,7 +108,7 @@ def _unsplittable_heads(config_overrides: dict[str, int]) -> tuple[str, str, boo
     [
         # grouped-query attention: 4 query heads split over 4 ranks, 2 key/value heads do not
         pytest.param(
-            4, {"n_heads": 4, "n_kv_heads": 2}, 2, "key/value heads", marks=pytest.mark.slow
+            4, {"n_heads": 4, "n_kv_heads": 2}, 2, "key/value heads", marks=pytest.mark.four_ranks
         ),
         # multi-query attention: one key/value head cannot be split at all
         (2, {"n_heads": 4, "n_kv_heads": 1}, 1, "key/value heads"),

@@ -162,7 +162,7 @@ def _case_world_size_4() -> None:
             _check_functional(mesh, logits, target, token_weight, vocab, **options)
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 def test_world_size_4():
     run_distributed(_case_world_size_4, 4)
 
@@ -208,7 +208,7 @@ def _case_2d_mesh() -> None:
             F.cross_entropy(twice.transpose(1, 2), target)
 
 
-@pytest.mark.slow  # 4 ranks: the quick run uses 2
+@pytest.mark.four_ranks
 def test_2d_mesh():
     run_distributed(_case_2d_mesh, 4)
 

@@ -326,6 +326,7 @@ def _bad_pipeline_inputs() -> None:
     dist.barrier()
 
 
+@pytest.mark.four_ranks
 def test_bad_pipeline_inputs_raise_on_every_rank():
     run_distributed(_bad_pipeline_inputs, 4)
 

@@ -78,6 +78,7 @@ def _replicated_and_forked_masks() -> None:
                 assert torch.equal(forked_all[i], forked_all[j]) == same_tp, (i, j)
 
 
+@pytest.mark.four_ranks
 def test_replicated_region_agrees_fork_region_differs_by_tp_rank():
     run_distributed(_replicated_and_forked_masks, 4)
 
@@ -370,7 +371,7 @@ def _sequence_parallel_dropout_equals_single_device() -> None:
             tp_random.sequence_parallel_dropout(x, 0.5)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.four_ranks)])
 def test_sequence_parallel_dropout_equals_single_device_slice(world_size):
     run_distributed(_sequence_parallel_dropout_equals_single_device, world_size)
 

@@ -31,7 +31,7 @@ from torch_tp import (
 from torch_tp.models.llama import RMSNorm
 from torch_tp.testing import check_parity, collective_counts, run_distributed
 
-WORLD_SIZES = [2, 4]
+WORLD_SIZES = [2, pytest.param(4, marks=pytest.mark.four_ranks)]
 
 
 def _local(x: torch.Tensor, mesh, placement) -> torch.Tensor:
@@ -187,6 +187,7 @@ def test_embedding_odd_vocab(world_size, style_name):
     run_distributed(_embedding, world_size, style_name, 1001, 16, None, None)
 
 
+@pytest.mark.four_ranks
 def test_embedding_gpt2_vocab_tp4():
     run_distributed(_embedding, 4, "rowwise", 50257, 8, None, None)
 
@@ -204,6 +205,7 @@ def test_embedding_output_layouts(style_name, output_layout):
     run_distributed(_embedding, 2, style_name, 1001, 15, None, output_layout)
 
 
+@pytest.mark.four_ranks
 def test_embedding_tiny_vocab_with_empty_shard():
     # 5 rows over 4 ranks are chunked 2, 2, 1, 0: the last rank owns nothing
     run_distributed(_embedding, 4, "rowwise", 5, 8, None, None)

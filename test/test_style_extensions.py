@@ -37,7 +37,7 @@ from torch_tp import (
 from torch_tp.plan import from_dict, to_dict
 from torch_tp.testing import check_parity, run_distributed
 
-WORLD_SIZES = [2, 4]
+WORLD_SIZES = [2, pytest.param(4, marks=pytest.mark.four_ranks)]
 
 
 class Conv1D(nn.Module):
@@ -275,6 +275,7 @@ def _heads_refused_before_anything_changes() -> None:
         assert_close(param, before[name], rtol=0, atol=0)
 
 
+@pytest.mark.four_ranks
 def test_heads_that_do_not_divide_are_refused_before_anything_changes():
     run_distributed(_heads_refused_before_anything_changes, 4)
 

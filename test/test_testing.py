@@ -184,6 +184,7 @@ def test_pool_is_reused() -> None:
     assert _harness._POOLS[2].pids == first
 
 
+@pytest.mark.four_ranks
 def test_world_sizes_2_and_4() -> None:
     pids_2 = run_distributed(_pid, 2)
     results = run_distributed(_rank_info, 4, 1.0)
