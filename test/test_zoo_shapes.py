@@ -55,6 +55,22 @@ def _shape_check(model_type: str) -> dict[str, str]:
     return result
 
 
+def _shape_checks(model_types: list[str]) -> dict[str, dict[str, str]]:
+    """On each rank: :func:`_shape_check` of every ``world_size``-th architecture, from this
+    rank's index (no communication)."""
+    import torch.distributed as dist
+
+    results = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in model_types[dist.get_rank() :: dist.get_world_size()]:
+            try:
+                results[model_type] = _shape_check(model_type)
+            except Exception as error:  # transformers cannot build it on meta
+                results[model_type] = {"build": test_zoo._first_line(error)}
+    return results
+
+
 def _selected() -> list[str]:
     """Every architecture, or those named in ``TORCH_TP_ZOO_ONLY`` (comma-separated)."""
     only = os.environ.get("TORCH_TP_ZOO_ONLY")
@@ -70,15 +86,18 @@ def test_shape_check_over_the_zoo_agrees_with_parity():
             "models"
         ],
     }
+    from torch_tp.testing import run_distributed
+
     start = time.perf_counter()
+    selected = _selected()
+    # single-process work, shared between the two pooled workers (each checks every other
+    # architecture) rather than done here while they wait
     results = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for model_type in _selected():
-            try:
-                results[model_type] = _shape_check(model_type)
-            except Exception as error:  # transformers cannot build it on meta
-                results[model_type] = {"build": test_zoo._first_line(error)}
+    for part in run_distributed(
+        _shape_checks, 2, selected, timeout=test_zoo.TIMEOUT * max(1, len(selected))
+    ):
+        results.update(part)
+    results = {m: results[m] for m in selected}  # every architecture, once, in order
     seconds = time.perf_counter() - start
     wrong = []
     for planner in ("plan_for", "auto"):

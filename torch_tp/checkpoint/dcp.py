@@ -25,9 +25,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from torch_tp import random as tp_random
-from torch_tp._torch_compat import (
-    StridedShard,
-)
+from torch_tp._torch_compat import StridedShard
 from torch_tp.checkpoint._staging import (
     _OLD,
     CheckpointError,
