@@ -46,6 +46,7 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -678,7 +679,22 @@ def _load() -> dict[str, Any]:
     return json.loads(STATUS_FILE.read_text())
 
 
-def _write(results: dict[str, dict[str, Any]]) -> None:
+def status_counts(models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """How many architectures of a status file's ``models`` pass, fail and do not build."""
+    return {
+        status: sum(e["status"] == status for e in models.values())
+        for status in (PASS, FAIL, DOES_NOT_BUILD)
+    }
+
+
+def write_status(
+    path: Path,
+    about: str,
+    results: dict[str, dict[str, Any]],
+    counts: Callable[[dict[str, dict[str, Any]]], dict[str, Any]] = status_counts,
+) -> None:
+    """Write a zoo sweep's status file: what it checks (``about``), the library versions, the
+    ``counts`` and each architecture's entry (sorted, its timing left out)."""
     import transformers
 
     models = {
@@ -686,20 +702,22 @@ def _write(results: dict[str, dict[str, Any]]) -> None:
         for model_type, entry in sorted(results.items())
     }
     data = {
-        "about": (
-            "torch_tp.plans.hf.plan_for at TP=2 against one device, for every causal LM of "
-            "the transformers below that declares a base_model_tp_plan; written by "
-            f"{UPDATE_ENV}=1 python -m pytest test/test_zoo.py. {FIELDS}"
-        ),
+        "about": about,
         "transformers": transformers.__version__,
         "torch": torch.__version__.split("+")[0],
-        "counts": {
-            status: sum(e["status"] == status for e in models.values())
-            for status in (PASS, FAIL, DOES_NOT_BUILD)
-        },
+        "counts": counts(models),
         "models": models,
     }
-    STATUS_FILE.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _write(results: dict[str, dict[str, Any]]) -> None:
+    about = (
+        "torch_tp.plans.hf.plan_for at TP=2 against one device, for every causal LM of "
+        "the transformers below that declares a base_model_tp_plan; written by "
+        f"{UPDATE_ENV}=1 python -m pytest test/test_zoo.py. {FIELDS}"
+    )
+    write_status(STATUS_FILE, about, results)
 
 
 def sharding_cells(entry: dict[str, Any]) -> list[str]:

@@ -90,10 +90,7 @@ def _load() -> dict[str, Any]:
 
 
 def _counts(models: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    counts: dict[str, Any] = {
-        status: sum(e["status"] == status for e in models.values())
-        for status in (PASS, FAIL, DOES_NOT_BUILD)
-    }
+    counts = test_zoo.status_counts(models)
     for kind in (DENSE, MOE):
         built = [e for e in models.values() if e.get("kind") == kind]
         counts[f"{kind}_pass"] = sum(e["status"] == PASS for e in built)
@@ -102,26 +99,14 @@ def _counts(models: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def _write(results: dict[str, dict[str, Any]]) -> None:
-    import transformers
-
-    models = {
-        model_type: {k: v for k, v in entry.items() if k != "seconds"}
-        for model_type, entry in sorted(results.items())
-    }
-    data = {
-        "about": (
-            "torch_tp.plans.auto.auto(model, tp_degree=2) at TP=2 against one device, for "
-            "every causal LM of the transformers below that declares a base_model_tp_plan "
-            "(the models and checks of test/test_zoo.py); 'replicated' lists the modules "
-            f"auto left whole on every rank; written by {UPDATE_ENV}=1 python -m pytest "
-            f"test/test_zoo_auto.py. {test_zoo.FIELDS}"
-        ),
-        "transformers": transformers.__version__,
-        "torch": torch.__version__.split("+")[0],
-        "counts": _counts(models),
-        "models": models,
-    }
-    STATUS_FILE.write_text(json.dumps(data, indent=1) + "\n")
+    about = (
+        "torch_tp.plans.auto.auto(model, tp_degree=2) at TP=2 against one device, for "
+        "every causal LM of the transformers below that declares a base_model_tp_plan "
+        "(the models and checks of test/test_zoo.py); 'replicated' lists the modules "
+        f"auto left whole on every rank; written by {UPDATE_ENV}=1 python -m pytest "
+        f"test/test_zoo_auto.py. {test_zoo.FIELDS}"
+    )
+    test_zoo.write_status(STATUS_FILE, about, results, _counts)
 
 
 def markdown(data: dict[str, Any] | None = None) -> str:

@@ -383,37 +383,18 @@ def _load() -> dict[str, Any]:
     return json.loads(STATUS_FILE.read_text())
 
 
-def _counts(models: dict[str, dict[str, Any]]) -> dict[str, int]:
-    return {
-        status: sum(e["status"] == status for e in models.values())
-        for status in (PASS, FAIL, DOES_NOT_BUILD)
-    }
-
-
 def _write(results: dict[str, dict[str, Any]]) -> None:
-    import transformers
-
-    models = {
-        model_type: {k: v for k, v in entry.items() if k != "seconds"}
-        for model_type, entry in sorted(results.items())
-    }
-    data = {
-        "about": (
-            "each architecture of test/test_zoo.py written by transformers' save_pretrained, "
-            "loaded by torch_tp.checkpoint.load_pretrained at TP=2 (plan_for) and, where the "
-            "config declares one, EP=2 (expert_parallel_plan), logits against transformers' "
-            "from_pretrained on one device (tp_/ep_max_logits_diff, tolerance_used: at most 1 "
-            "to pass), each rank reading the elements it holds; then written by torch_tp's "
-            "save_pretrained at TP=2 (and EP=2) and compared with transformers' files (keys, "
-            f"shapes, dtypes, values); written by {UPDATE_ENV}=1 python -m pytest "
-            "test/test_zoo_checkpoint.py -m slow"
-        ),
-        "transformers": transformers.__version__,
-        "torch": torch.__version__.split("+")[0],
-        "counts": _counts(models),
-        "models": models,
-    }
-    STATUS_FILE.write_text(json.dumps(data, indent=1) + "\n")
+    about = (
+        "each architecture of test/test_zoo.py written by transformers' save_pretrained, "
+        "loaded by torch_tp.checkpoint.load_pretrained at TP=2 (plan_for) and, where the "
+        "config declares one, EP=2 (expert_parallel_plan), logits against transformers' "
+        "from_pretrained on one device (tp_/ep_max_logits_diff, tolerance_used: at most 1 "
+        "to pass), each rank reading the elements it holds; then written by torch_tp's "
+        "save_pretrained at TP=2 (and EP=2) and compared with transformers' files (keys, "
+        f"shapes, dtypes, values); written by {UPDATE_ENV}=1 python -m pytest "
+        "test/test_zoo_checkpoint.py -m slow"
+    )
+    test_zoo.write_status(STATUS_FILE, about, results)
 
 
 def markdown(data: dict[str, Any] | None = None) -> str:
@@ -496,7 +477,7 @@ def test_status_file_is_consistent():
     data = _load()
     assert data, f"{STATUS_FILE.name} is missing: the status file is part of the test"
     models = data["models"]
-    assert data["counts"] == _counts(models)
+    assert data["counts"] == test_zoo.status_counts(models)
     for model_type, entry in models.items():
         if entry["status"] == PASS:
             assert entry["tolerance_used"] <= 1, model_type
