@@ -240,8 +240,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="hf_load_swaps_shared_memory",
         file="torch_tp/checkpoint/_staging.py",
-        old="if _alone(local) and _alone(buffer) and local.stride() == buffer.stride():",
-        new="if local.stride() == buffer.stride():",
+        old="if mine and _alone(local) and local.stride() == tensor.stride():",
+        new="if local.stride() == tensor.stride():",
         tests=("test/test_hf_checkpoint.py::test_load_pretrained_hands_its_buffers_to_the_model",),
         description="a loaded buffer replaces a tensor's memory that another tensor also "
         "views (the view keeps the old values)",
@@ -292,6 +292,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("test/test_llama.py::test_llama_parity[True-2]",),
         description="`_GatherFromSequenceRegion.backward` keeps this rank's slice of the "
         "gradient instead of reduce-scattering the partial sums",
+    ),
+    Mutation(
+        name="shape_check_replays_unlike_layers",
+        file="torch_tp/_repeats.py",
+        old="""            entries.append(("attr", path, name, _value(value, index, sub)))""",
+        new="""            entries.append(("attr", path, name, None))""",
+        tests=("test/test_shape_check.py::test_a_layer_unlike_the_first_is_traced_itself",),
+        description="the shape check takes layers whose attributes differ for repeats of the "
+        "first and replays its output: a wrong view in a later layer goes unreported",
     ),
 )
 

@@ -41,6 +41,7 @@ LAYERS = {
         "registry",
         "random",
         "shapes",
+        "_repeats",
         "_layouts",
         "_regions",
         "_torch_compat",

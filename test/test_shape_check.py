@@ -116,6 +116,93 @@ def test_transformers_llama_plan_reports_nothing():
     assert check_shapes(hf, hf_llama_plan(), 2, example_inputs={"input_ids": ids}) == []
 
 
+class Block(nn.Module):
+    """A layer of a stack (its ``layer_idx`` a position, as transformers' and Meta's layers
+    keep it). ``reads_width``: it views its hidden features with the width it keeps as an
+    attribute, which a column split does not divide (wrong on a rank); the same parameters
+    either way."""
+
+    calls = 0
+
+    def __init__(self, layer_idx: int, reads_width: bool = False, config: object = None) -> None:
+        super().__init__()
+        self.layer_idx, self.reads_width, self.config = layer_idx, reads_width, config
+        self.up = nn.Linear(EMBD, 4 * EMBD)
+        self.down = nn.Linear(4 * EMBD, EMBD)
+        self.hidden = 4 * EMBD
+        self.act = F.gelu
+
+    def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        type(self).calls += 1
+        h = self.act(self.up(x))
+        kinds = getattr(self.config, "kinds", None)
+        if self.reads_width or wide or (kinds is not None and kinds[self.layer_idx] == "wide"):
+            h = h.view(*h.shape[:-1], 4, self.hidden // 4).flatten(-2)  # view: width
+        return x + self.down(h)
+
+
+class Stack(nn.Module):
+    """Layers in an ``nn.ModuleList``; ``wide_at``: the layer called with ``wide=True``."""
+
+    def __init__(self, n: int, config: object = None, wide_at: int | None = None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(i, config=config) for i in range(n))
+        self.wide_at = wide_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, wide=i == self.wide_at)
+        return x
+
+
+def _wide_gelu(h: torch.Tensor) -> torch.Tensor:
+    return F.gelu(h).view(*h.shape[:-1], 4, EMBD).flatten(-2)  # view: width
+
+
+STACK_PLAN = {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
+
+
+def _check_stack(model: nn.Module) -> list:
+    Block.calls = 0
+    return check_shapes(model, STACK_PLAN, 2, example_inputs=torch.randn(B, T, EMBD))
+
+
+def test_repeated_layers_are_traced_once_each_way():
+    from torch_tp._repeats import repeated_blocks
+
+    model = Stack(6)
+    assert repeated_blocks(model) == {f"layers.{i}": "layers.0" for i in range(1, 6)}
+    assert _check_stack(model) == []
+    # as one device and as one rank: layers.0, and layers.1, the first whose input requires
+    # grad (the example input does not); the other four replayed
+    assert Block.calls == 4
+
+
+def test_a_layer_unlike_the_first_is_traced_itself():
+    """A layer whose attributes differ (``reads_width``; ``act``, another function), whose
+    config entry at its position differs (``config.kinds``), or that is called with other
+    inputs (``wide=True``) is traced: its problem is found, and named by its own path."""
+    different = Stack(6)
+    different.layers[4].reads_width = True
+    other_function = Stack(4)
+    other_function.layers[3].act = _wide_gelu
+    config = type("Config", (), {})()
+    config.kinds = ["plain", "plain", "plain", "wide", "plain"]
+    by_config = Stack(5, config=config)
+    by_input = Stack(6, wide_at=2)
+    cases = (
+        (different, "layers.4"),
+        (other_function, "layers.3"),
+        (by_config, "layers.3"),
+        (by_input, "layers.2"),
+    )
+    for model, path in cases:
+        problems = _check_stack(model)
+        assert [(p.module, p.op) for p in problems] == [(path, "view")], path
+        assert problems[0].found == (B, T, 2 * EMBD)  # a rank's half of the 512 features
+        assert Block.calls > 4
+
+
 class ReadsValues(nn.Module):
     """A forward that reads values (``.item()``, ``bool()``) and makes CPU scalars."""
 

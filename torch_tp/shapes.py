@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from torch_tp import _torch_compat as compat
 from torch_tp._layouts import normalize
+from torch_tp._repeats import Replays, repeated_blocks
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.contract import Layout
 from torch_tp.plan import PlanEntry, planned_placements, resolve_plan
@@ -145,20 +146,47 @@ def check_shapes(
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise ValueError(f"degree must be a positive int, found {short_repr(degree)}")
     args, kwargs = _inputs(example_inputs, example_kwargs)
+    # each repeated layer traced once: the answer when it finds nothing; otherwise every op
+    # is traced, so that what is reported (and the error) is the whole model's
+    repeats = repeated_blocks(module)
+    if repeats:
+        problems = _traced(module, plan, degree, args, kwargs, repeats)
+        if problems == []:
+            return problems
+    problems = _traced(module, plan, degree, args, kwargs, {})
+    if problems is None:
+        # the forward failed as one device: traced again to report it
+        _traced(module, plan, degree, args, kwargs, {}, raise_single=True)
+    return problems or []
 
+
+def _traced(
+    module: nn.Module,
+    plan: Any,
+    degree: int,
+    args: tuple,
+    kwargs: dict,
+    repeats: dict[str, str],
+    raise_single: bool = False,
+) -> list[ShapeProblem] | None:
+    """Both traces and their problems, each block in ``repeats`` replayed from its first
+    sibling where its inputs are alike (``None``: the single-device forward failed; with
+    ``raise_single``, :class:`ShapeCheckError` says why)."""
     rank_model = _meta_copy(module)
     rank_entries = _entries(rank_model, plan)
     _check_applies(rank_model, rank_entries, degree)
 
-    single = _Tracer(degree, rank=False)
+    single = _Tracer(degree, rank=False, repeats=repeats)
     single_model = _meta_copy(module)
     single_entries = _entries(single_model, plan)
     _stock_forwards(single_model, single_entries)
     error = single.run(single_model, single_entries, args, kwargs)
     if error is not None:
-        raise ShapeCheckError(single.cannot_trace(type(module).__name__, error)) from error
+        if raise_single:
+            raise ShapeCheckError(single.cannot_trace(type(module).__name__, error)) from error
+        return None
 
-    rank = _Tracer(degree, rank=True)
+    rank = _Tracer(degree, rank=True, repeats=repeats)
     _stock_forwards(rank_model, rank_entries)
     _as_one_rank(rank_model, rank_entries, degree, rank.uneven)
     error = rank.run(rank_model, rank_entries, args, kwargs)
@@ -456,9 +484,10 @@ class _Recorder(TorchFunctionMode):
 class _Tracer:
     """One trace: every op with its shapes, module and source line."""
 
-    def __init__(self, n: int, rank: bool) -> None:
+    def __init__(self, n: int, rank: bool, repeats: dict[str, str] | None = None) -> None:
         self.n = n
         self.rank = rank
+        self.replays = Replays(repeats or {}, self._state, self._adopt, self._untraced)
         self.ops: list[_Op] = []
         self.scope: list[str] = [""]
         self.alive: list[torch.Tensor] = []  # keeps ids unique while the trace runs
@@ -538,13 +567,11 @@ class _Tracer:
             handles.append(sub.register_forward_hook(self._leave))
             entry = entry_of.get(id(sub))
             contract = None if entry is None else getattr(entry.style, "contract", None)
-            if contract is None:
-                continue
-            if contract.meta_output is not None:
+            if contract is not None and contract.meta_output is not None:
                 # a forward that reads its inputs' values (routing): its output's shapes
-                style = entry.style
-                sub.forward = _meta_forward(contract.meta_output, style, sub)
-            if self.rank:
+                sub.forward = _meta_forward(contract.meta_output, entry.style, sub)
+            self.replays.install(path, sub)
+            if contract is not None and self.rank:
                 handles.append(
                     sub.register_forward_pre_hook(self._inputs_of(entry), with_kwargs=True)
                 )
@@ -566,6 +593,22 @@ class _Tracer:
             for handle in handles:
                 handle.remove()
         return None
+
+    def _state(self, t: torch.Tensor) -> Placement | None:
+        return self.dtensors.get(id(t))
+
+    def _adopt(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` replays ``old``: it stands for what ``old`` stood for."""
+        if id(old) in self.dtensors:
+            self.dtensors[id(new)] = self.dtensors[id(old)]
+        self.alive.append(new)
+
+    def _untraced(self, make: Callable[[], Any]) -> Any:
+        self.paused += 1
+        try:
+            return make()
+        finally:
+            self.paused -= 1
 
     def _enter(self, path: str) -> Callable:
         def enter(module: nn.Module, args: tuple) -> None:
