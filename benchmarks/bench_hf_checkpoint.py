@@ -66,7 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import render  # noqa: E402
 
 MODELS = ("llama", "mixtral")
-LIBRARIES = ("torch_tp", "transformers")
+# torch_tp+mmap: load_pretrained(mmap=True), parameters kept as copy-on-write views of the files
+# where a rank's part is one range of them, as transformers' from_pretrained keeps them
+LIBRARIES = ("torch_tp", "torch_tp+mmap", "transformers")
 _MB = 10**6  # as transformers' max_shard_size="500MB" counts
 
 # the checkpoints' shapes per size: (config keywords, max_shard_size)
@@ -128,6 +130,7 @@ class Row:
     library: str
     checkpoint: Checkpoint
     load_s: float | None = None
+    write_s: float | None = None  # the first in-place write of every parameter, after the load
     peak: list[float] = field(default_factory=list)  # per rank, bytes
     baseline: list[float] = field(default_factory=list)
     shards: list[float] = field(default_factory=list)
@@ -410,7 +413,7 @@ def _load_and_save(library: str, checkpoint: Checkpoint, out: str, layouts: list
     start = time.perf_counter()
     try:
         with _count_reads() as counted:
-            if library == "torch_tp":
+            if library.startswith("torch_tp"):
                 phases = result["phases"]
 
                 def step(name: str) -> None:
@@ -429,7 +432,7 @@ def _load_and_save(library: str, checkpoint: Checkpoint, out: str, layouts: list
                 step("parallelize_module")
                 torch_tp.materialize(model)
                 step("materialize")
-                load_pretrained(model, checkpoint.directory)
+                load_pretrained(model, checkpoint.directory, mmap=library == "torch_tp+mmap")
                 step("load_pretrained")
             else:
                 model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -449,6 +452,14 @@ def _load_and_save(library: str, checkpoint: Checkpoint, out: str, layouts: list
     )
     if result["error"]:
         return result
+    # the first write of every parameter (an optimizer step writes them all): where a mapped
+    # file's page is first written, it is copied
+    dist.barrier()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for param in model.parameters():
+            (param.to_local() if isinstance(param, DTensor) else param).mul_(1)
+    result["write_s"] = time.perf_counter() - start
     # one untimed save first: a process's first save was 2-3 s slower here, whichever call
     # made it (Llama, torch_tp's two layouts swapped: the second was the faster each time)
     saves = [(False, layouts[0])] if layouts else []
@@ -479,7 +490,10 @@ def _load_and_save(library: str, checkpoint: Checkpoint, out: str, layouts: list
 
 def _measure(model: str, library: str, checkpoint: Checkpoint, args: argparse.Namespace) -> Row:
     """One row, in the ranks of this process (fresh ones: see :func:`bench`)."""
-    layouts = [] if args.no_save else _layouts() if library == "torch_tp" else [""]
+    if args.no_save or library == "torch_tp+mmap":  # saves as torch_tp: not measured twice
+        layouts: list[str] = []
+    else:
+        layouts = _layouts() if library == "torch_tp" else [""]
     row = Row(model, library, checkpoint)
     with tempfile.TemporaryDirectory(dir=args.dir) as out:
         try:
@@ -492,6 +506,7 @@ def _measure(model: str, library: str, checkpoint: Checkpoint, args: argparse.Na
     row.error = "; ".join(sorted({r["error"] for r in results if r["error"]}))
     row.save_error = "; ".join(sorted({r["save_error"] for r in results if r["save_error"]}))
     row.load_s = max(r["load_s"] for r in results)
+    row.write_s = max(r.get("write_s", 0.0) for r in results)
     for name in ("peak", "baseline", "shards", "read"):
         setattr(row, name, [float(r[name]) for r in results])
     for layout in results[0]["save_s"]:
@@ -531,6 +546,7 @@ def _merge(runs: list[Row]) -> Row:
         return row
     row.load_runs = [r.load_s for r in runs]
     row.load_s = statistics.median(row.load_runs)
+    row.write_s = statistics.median(r.write_s or 0.0 for r in runs)
     row.peak = [max(r.peak[i] for r in runs) for i in range(len(row.peak))]
     for layout in row.save_s:
         row.save_s[layout] = statistics.median(r.save_s.get(layout, math.nan) for r in runs)
@@ -581,6 +597,7 @@ def table(rows: list[Row], args: argparse.Namespace, markdown: bool = False) -> 
         "model",
         "library",
         "load s",
+        "first write s",
         "peak RSS/rank MB",
         "baseline MB",
         "shards + largest MB",
@@ -604,6 +621,7 @@ def table(rows: list[Row], args: argparse.Namespace, markdown: bool = False) -> 
                 r.library,
                 f"{r.load_s:.1f}"
                 + (f" ({min(r.load_runs):.1f}-{max(r.load_runs):.1f})" if r.load_runs else ""),
+                f"{r.write_s:.1f}" if r.write_s is not None else "-",
                 _mb(r.peak[w]),
                 _mb(r.baseline[w]),
                 f"{_mb(r.shards[w])} + {_mb(r.checkpoint.largest_bytes)}",
@@ -656,8 +674,12 @@ def _goals(rows: list[Row]) -> list[str]:
         "- load s: max over ranks, from a barrier to the model loaded (torch_tp: config, meta "
         "model, parallelize_module, materialize, load_pretrained; transformers: from_pretrained)"
         "; with --repeats, the median (the range) over fresh processes, and the largest peaks"
-        ". save s: after one untimed save. peak RSS: VmHWM of the rank (the worst rank "
-        "against its goal), reset after the imports; baseline: VmRSS then. read: bytes "
+        ". first write s: every parameter of a rank written in place once after the load (as "
+        "an optimizer step does), max over ranks: a page of a mapped file (transformers; "
+        "torch_tp+mmap) is copied then, so load s + first write s compares loads that copy "
+        "with loads that map. save s: after one untimed save. peak RSS: VmHWM of the rank "
+        "after the load (the worst rank against its goal; mapped pages count once touched), "
+        "reset after the imports; baseline: VmRSS then. read: bytes "
         "returned by safetensors reads per rank "
         "(share of the checkpoint's tensor bytes, rank 0 / rank 1). largest: the model's "
         "largest tensor, whole. save peak RSS: VmHWM during the save, max over ranks, reset "

@@ -352,6 +352,70 @@ def test_a_loaded_model_is_saved_in_its_checkpoints_layout_as_transformers_does(
     assert not hasattr(fresh, "_weight_conversions")  # chosen for the save only
 
 
+def _file_backed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of a ``.safetensors`` file."""
+    pointer = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= pointer < end:
+                    return True
+    return False
+
+
+def _load_mapped(path: str, dtype: torch.dtype) -> tuple[dict, set, dict]:
+    """Load into a TP model with ``mmap=True`` and take an SGD step: the full state dict,
+    the parameters backed by the checkpoint's files (on this rank), and the full state dict
+    after the step, beside the same step after a load that copies."""
+    from torch.distributed.tensor import DTensor
+
+    from torch_tp import _torch_compat as compat
+
+    states, mapped = [], set()
+    for mmap in (True, False):
+        model = _model("llama", seed=1).to(dtype)
+        parallelize_module(model, tp_mesh(), plan_for(model))
+        load_pretrained(model, path, mmap=mmap)
+        if mmap:
+            loaded = {k: v.clone() for k, v in full_state_dict(model).items()}
+            for name, p in model.named_parameters():
+                if _file_backed(compat.local_tensor(p) if isinstance(p, DTensor) else p):
+                    mapped.add(name)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(torch.arange(16).view(2, 8)).logits.square().mean().backward()
+        optimizer.step()
+        states.append(full_state_dict(model))
+    torch.testing.assert_close(states[0], states[1], rtol=0, atol=0)
+    return loaded, mapped, states[0]
+
+
+def _bytes(path) -> dict:
+    return {f.name: f.read_bytes() for f in sorted(path.glob("*.safetensors"))}
+
+
+def test_load_pretrained_mmap_maps_the_files_copy_on_write(tmp_path):
+    """``mmap=True``: each tensor a rank holds as one range of its file (q, k, v, gate and up
+    rows, the replicated norms, the embedding's and head's rows) is a view of the file,
+    mapped; row-parallel shards (columns) are copied; the values are the checkpoint's, an
+    optimizer step matches the one after a copying load, and the files are not written. A
+    model of another dtype than the checkpoint's maps nothing."""
+    expected = _saved("llama", str(tmp_path))
+    files = _bytes(tmp_path)
+    rowwise = ("o_proj", "down_proj")
+    rows = {n for n in expected if not any(r in n for r in rowwise)}
+    for loaded, mapped, _ in run_distributed(_load_mapped, 2, str(tmp_path), torch.float32):
+        for name, value in expected.items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+        assert mapped == rows
+    assert _bytes(tmp_path) == files  # copy-on-write: the step changed no file
+    for loaded, mapped, _ in run_distributed(_load_mapped, 2, str(tmp_path), torch.bfloat16):
+        assert mapped == set()
+        for name, value in expected.items():
+            torch.testing.assert_close(loaded[name], value.to(torch.bfloat16), msg=name)
+
+
 def _load_swapping(path: str) -> list[str]:
     """Load into a TP model while holding a view of one parameter's memory: the view's
     parameter is copied into (the view sees the loaded values), the others take the staged

@@ -27,7 +27,7 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,11 +59,14 @@ def _stage_local(
     targets: Mapping[str, Tensor],
     result: IncompatibleKeys,
     threads: int = 1,
+    mapped: Callable[[str, list[_Piece] | None, Tensor], Tensor | None] | None = None,
 ) -> dict[str, Tensor]:
     """Read this rank's part of every present tensor into new buffers; raise naming every
     tensor that could not be read. With ``threads`` > 1, that many tensors are read at a
     time (for a source whose ``copy_to`` may run in several threads at once: reads from
-    files release the GIL)."""
+    files release the GIL). ``mapped(name, pieces, local)``, where given, is tried first: a
+    tensor of ``local``'s shape, dtype and strides that views the source's memory (a file
+    mapped copy-on-write), or ``None`` (then it is read into a buffer)."""
     skip = set(result.missing_keys)
     work = []
     for name, target in targets.items():
@@ -71,12 +74,17 @@ def _stage_local(
             continue
         local = target.to_local() if isinstance(target, DTensor) else target
         pieces = _local_pieces(name, target) if isinstance(target, DTensor) else None
-        work.append((name, pieces, torch.empty_like(local)))
+        work.append((name, pieces, local))
+    staged: dict[str, Tensor] = {}
 
     def read(item: tuple[str, list[_Piece] | None, Tensor]) -> str | None:
-        name, pieces, buffer = item
+        name, pieces, local = item
         try:
-            source.copy_to(name, pieces, buffer)
+            view = None if mapped is None else mapped(name, pieces, local)
+            if view is None:
+                view = torch.empty_like(local)
+                source.copy_to(name, pieces, view)
+            staged[name] = view
         except Exception as exc:  # noqa: BLE001 - collected, raised below with every key
             found = getattr(source, "describe", lambda name: "")(name)
             return f"{name!r}{f' ({found})' if found else ''}: {_first_line(exc)}"
@@ -95,26 +103,34 @@ def _stage_local(
             f"could not read from {source.description}: " + "; ".join(failed) + ". The "
             "model is unchanged."
         )
-    return {name: buffer for name, _, buffer in work}
+    return {name: staged[name] for name, _, _ in work}
 
 
-def _copy_staged(targets: Mapping[str, Tensor], staged: dict[str, Tensor]) -> None:
-    """Put every staged buffer into the model, freeing each once in (so that the peak stays
+def _copy_staged(
+    targets: Mapping[str, Tensor], staged: dict[str, Tensor], mapped: Container[str] = ()
+) -> None:
+    """Put every staged tensor into the model, freeing each once in (so that the peak stays
     near one copy of the shard when the model's memory is untouched).
 
-    A buffer becomes the model's memory itself (``set_``, no copy) where ``targets`` holds
-    the model's own tensors (``state_dict(keep_vars=True)``) and the tensor's memory is its
-    alone, of the buffer's layout: nothing else can see the memory swapped out (no view of
-    it, no FSDP2 shard inside a padded flat buffer). Elsewhere it is copied."""
+    A staged tensor's memory becomes the model tensor's (``set_``, no copy) where ``targets``
+    holds the model's own tensors (``state_dict(keep_vars=True)``), the model tensor's memory
+    is its alone, and the staged tensor, of the same strides, is a buffer no other tensor
+    shares or, by name in ``mapped``, a view of a file mapped copy-on-write for this load
+    (which only the reader that made it also holds, and never writes): nothing else can see
+    the memory swapped out (no view of it, no FSDP2 shard inside a padded flat buffer).
+    Elsewhere it is copied."""
     with torch.no_grad():
         for name in list(staged):
             target = targets[name]
             local = compat.local_tensor(target) if isinstance(target, DTensor) else target
-            buffer = staged.pop(name)
-            if _alone(local) and _alone(buffer) and local.stride() == buffer.stride():
-                local.set_(buffer)
+            tensor = staged.pop(name)
+            mine = name in mapped or _alone(tensor)
+            if mine and _alone(local) and local.stride() == tensor.stride():
+                local.set_(
+                    tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+                )
             else:
-                local.copy_(buffer)
+                local.copy_(tensor)
 
 
 def _alone(tensor: Tensor) -> bool:

@@ -145,6 +145,7 @@ class _PretrainedSource:
             )
         self.shapes, self.dtypes = self.layout.shapes, self.layout.dtypes
         self.describe = self.layout.describe
+        self.views: set[str] = set()  # the names read as views of their files (mapped)
 
     def _read(self, key: str, region: tuple[slice, ...]) -> Tensor:
         """``key[region]`` from its file (all of it for ``()``), reading only those bytes;
@@ -176,6 +177,35 @@ class _PretrainedSource:
             for whole, mine in pieces:
                 dst[mine].copy_(tensor_slice[whole])
 
+    def mapped(self, name: str, pieces: list[_Piece] | None, local: Tensor) -> Tensor | None:
+        """This rank's part of ``name`` as a view of its file, mapped copy-on-write (pages are
+        read when first touched; a write copies the page, never reaching the file), where it
+        is one piece of ``local``'s shape, dtype and strides as the file holds it: a
+        replicated tensor, or a shard of rows. ``None`` elsewhere (a shard of columns, another
+        dtype, a converted tensor): read it into a buffer."""
+        from safetensors import safe_open
+
+        if name in self.layout.converted or self.dtypes[name] != local.dtype:
+            return None
+        if pieces is None:
+            pieces = [(tuple(slice(0, s) for s in self.shapes[name]), (slice(None),) * local.ndim)]
+        if len(pieces) != 1 or not self.shapes[name]:
+            return None
+        whole, mine = pieces[0]
+        shape = self.shapes[name]
+        rows_only = all(
+            w.indices(n) == (0, n, 1) for w, n in zip(whole[1:], shape[1:], strict=True)
+        )
+        if local[mine].shape != local.shape or not rows_only or not local.is_contiguous():
+            return None  # checked before the read: a tensor is read once
+        key = self.layout.plain[name]
+        with safe_open(str(self._file[key]), framework="pt", device="cpu") as file:
+            view = file.get_slice(key)[whole]
+        if view.shape != local.shape or view.stride() != local.stride():
+            return None
+        self.views.add(name)
+        return view
+
     def read(self, name: str) -> Tensor:
         out = torch.empty(self.shapes[name], dtype=self.dtypes[name])
         self.copy_to(name, None, out)
@@ -196,7 +226,7 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
 
 
 def load_pretrained(
-    model: nn.Module, directory: str | os.PathLike, *, strict: bool = True
+    model: nn.Module, directory: str | os.PathLike, *, strict: bool = True, mmap: bool = False
 ) -> IncompatibleKeys:
     """Load a Hugging Face ``save_pretrained`` directory into a parallelized model.
 
@@ -236,6 +266,17 @@ def load_pretrained(
 
     Keyword Args:
         strict (bool, optional): raise for missing and unexpected keys. Default: ``True``.
+        mmap (bool, optional): as ``torch.load(mmap=True)`` and transformers'
+            ``from_pretrained``: a tensor this rank holds as one range of its file (a
+            replicated tensor or a shard of rows, of the checkpoint's dtype, not converted)
+            becomes a copy-on-write view of the file, mapped, instead of a copy: the load
+            reads nothing up front and memory holds the file's pages as the model touches
+            them; the first write to a page (an optimizer step) copies it, and nothing is
+            ever written to the file. The files must then not be changed in place while the
+            model lives (a file truncated under a mapping faults the process;
+            :func:`save_pretrained` writes new files, so it may replace this directory).
+            Other tensors are copied as without it. Default: ``False`` (every tensor copied
+            into the model's own memory during the load).
 
     Returns:
         ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``.
@@ -279,14 +320,15 @@ def load_pretrained(
             if not (k in aliases and k not in source.shapes and aliases[k] in source.shapes)
         }
         result = _check_keys(model, wanted, source, strict)
-        staged = _stage_local(source, wanted, result, threads=_READERS)
+        mapped = source.mapped if mmap else None
+        staged = _stage_local(source, wanted, result, threads=_READERS, mapped=mapped)
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = exc
     if _distributed() and any(isinstance(t, DTensor) for t in targets.values()):
         _agree(error, _load_failed(f"loading {str(directory)!r}"))
     elif error is not None:
         raise error
-    _copy_staged(targets, staged)
+    _copy_staged(targets, staged, source.views if source is not None else ())
     if source is not None and source.layout.mapping is not None:
         # as transformers' from_pretrained: the conversions applied, reverted on save
         model._weight_conversions = source.layout.used()
