@@ -391,6 +391,21 @@ def _load_mapped(path: str, dtype: torch.dtype) -> tuple[dict, set, dict]:
     return loaded, mapped, states[0]
 
 
+def _replace_mapped(path: str) -> tuple[dict, dict]:
+    """Load with ``mmap=True``, then save the model over the directory it maps (the old
+    files are unlinked under the mapping): the model's state dict after, and a fresh load
+    of what was written."""
+    model = _model("llama", seed=1)
+    parallelize_module(model, tp_mesh(), plan_for(model))
+    load_pretrained(model, path, mmap=True)
+    save_pretrained(model, path, max_shard_size=SHARD)
+    after = full_state_dict(model)
+    again = _model("llama", seed=2)
+    parallelize_module(again, tp_mesh(), plan_for(again))
+    load_pretrained(again, path)
+    return after, full_state_dict(again)
+
+
 def _bytes(path) -> dict:
     return {f.name: f.read_bytes() for f in sorted(path.glob("*.safetensors"))}
 
@@ -400,7 +415,8 @@ def test_load_pretrained_mmap_maps_the_files_copy_on_write(tmp_path):
     rows, the replicated norms, the embedding's and head's rows) is a view of the file,
     mapped; row-parallel shards (columns) are copied; the values are the checkpoint's, an
     optimizer step matches the one after a copying load, and the files are not written. A
-    model of another dtype than the checkpoint's maps nothing."""
+    model of another dtype than the checkpoint's maps nothing. ``save_pretrained`` may
+    replace the directory a model maps: the model keeps its values."""
     expected = _saved("llama", str(tmp_path))
     files = _bytes(tmp_path)
     rowwise = ("o_proj", "down_proj")
@@ -414,6 +430,9 @@ def test_load_pretrained_mmap_maps_the_files_copy_on_write(tmp_path):
         assert mapped == set()
         for name, value in expected.items():
             torch.testing.assert_close(loaded[name], value.to(torch.bfloat16), msg=name)
+    for after, again in run_distributed(_replace_mapped, 2, str(tmp_path)):
+        torch.testing.assert_close(after, expected, rtol=0, atol=0)
+        torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
 
 def _load_swapping(path: str) -> list[str]:
