@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from torch_tp import _torch_compat as compat
+
 __all__: list[str] = []
 
 # the attributes every nn.Module has (its own bookkeeping), left out of a block's signature
@@ -74,9 +76,10 @@ def _signature(block: nn.Module, index: int, count: int) -> list[tuple]:
     entries: list[tuple] = []
     for path, sub in block.named_modules():
         entries.append(("module", path, type(sub)))
-        for kind, tensors in (("param", sub._parameters), ("buffer", sub._buffers)):
-            for name, t in tensors.items():
-                entries.append((kind, path, name, _tensor(t)))
+        for name, t in compat.direct_parameters(sub).items():  # None slots (bias=False) too
+            entries.append(("param", path, name, _tensor(t)))
+        for name, t in sub.named_buffers(recurse=False):
+            entries.append(("buffer", path, name, _tensor(t)))
         for name, value in vars(sub).items():
             if name in _MODULE_STATE:
                 continue
