@@ -111,6 +111,7 @@ def parallelize_module(
         return module
 
     entries = resolve_plan(module, parallelize_plan, strict=strict)
+    _check_mesh_dims(entries, device_mesh)
     # styles that read the model's config find it; a partial-sum region, the modules the
     # plan gives a style
     styled = frozenset(id(entry.module) for entry in entries)
@@ -118,9 +119,16 @@ def parallelize_module(
         validate_plan(entries, device_mesh, module, strict=strict)
     _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
     if example_inputs is not None:
+        if device_mesh.ndim != 1:
+            raise NotImplementedError(
+                "the shape check (example_inputs) takes plans on a 1-D mesh; this plan is on "
+                f"a {device_mesh.ndim}-D mesh: leave example_inputs out and check it with "
+                "torch_tp.testing.check_parity"
+            )
         _check_shapes(module, parallelize_plan, device_mesh.size(), example_inputs)
     # dropout in a fork() region works out of the box; this never reseeds the default stream
-    _ensure_tracker(device_mesh)
+    # (on an N-D mesh, its last dimension: each expert's matrices are split over it)
+    _ensure_tracker(device_mesh if device_mesh.ndim == 1 else _last_dim(device_mesh))
 
     result = module
     # every style of this call gets the runtime TORCH_TP_RUNTIME selects now
@@ -149,10 +157,40 @@ def _resolve_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
         device_mesh = compat.current_mesh()  # RuntimeError when there is none
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a DeviceMesh, found {type(device_mesh)}")
-    if device_mesh.ndim != 1:
+    return device_mesh
+
+
+def _check_mesh_dims(entries: list, device_mesh: DeviceMesh) -> None:
+    """A 1-D mesh for 1-D styles; an N-D mesh only for a plan all of whose styles take one
+    (:class:`~torch_tp.ExpertTensorParallel` on ``(ep, tp)``), with named dimensions."""
+    if device_mesh.ndim == 1:
+        return
+    contract_dims = [
+        (e, getattr(getattr(e.style, "contract", None), "mesh_ndim", 1)) for e in entries
+    ]
+    others = [
+        f"{e.path or '<root>'!r} ({type(e.style).__name__})"
+        for e, n in contract_dims
+        if n != device_mesh.ndim
+    ]
+    if others or not entries:
         raise ValueError(
             f"parallelize_module takes a 1-D tensor-parallel mesh, found {device_mesh.ndim}-D "
             f"mesh with dims {device_mesh.mesh_dim_names}: pass its tensor-parallel dimension, "
             'e.g. mesh["tp"]'
+            + (
+                f" (only styles on a {device_mesh.ndim}-D mesh, such as ExpertTensorParallel "
+                f"on (ep, tp), take it; these do not: {', '.join(others)})"
+                if entries
+                else ""
+            )
         )
-    return device_mesh
+    if not device_mesh.mesh_dim_names:
+        raise ValueError(
+            f"a {device_mesh.ndim}-D mesh must name its dimensions, e.g. "
+            'init_device_mesh(device, (ep, tp), mesh_dim_names=("ep", "tp"))'
+        )
+
+
+def _last_dim(device_mesh: DeviceMesh) -> DeviceMesh:
+    return device_mesh[device_mesh.mesh_dim_names[-1]]

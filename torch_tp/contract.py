@@ -189,6 +189,10 @@ class StyleContract:
             one. ``"either"``: no collective either, right inside a region or outside.
             ``None`` (the default): the style issues collectives of its own, and is refused
             inside a region, whose sum would count them again.
+        mesh_ndim (int): the dimensions of the mesh the style is applied on. Default: 1.
+            A style on an N-D mesh (:class:`~torch_tp.ExpertTensorParallel`, on ``(ep,
+            tp)``) gives each parameter a tuple of N placements in ``parameters``; the
+            dry-run report and the shape check take 1-D styles only, and refuse it by name.
     """
 
     names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -210,6 +214,7 @@ class StyleContract:
     attributes: Callable[[Any, nn.Module, int], Mapping[str, Any] | None] = (
         lambda style, module, degree: None
     )
+    mesh_ndim: int = 1
 
     def accepts(self, module: nn.Module) -> bool:
         """Whether ``module`` is of a kind this contract lists (any, if it lists none)."""

@@ -668,6 +668,22 @@ def _attribute(parameter_path: str) -> str:
     return f"model.get_submodule({module!r}).{name}"  # e.g. "layers.0"
 
 
+def refuse_multi_dimensional(entries: list[PlanEntry], what: str) -> None:
+    """Raise ``NotImplementedError`` naming each entry whose style is applied on an N-D mesh
+    (:class:`~torch_tp.ExpertTensorParallel`): ``what`` (the shape check, the dry-run report)
+    reads 1-D styles only."""
+    found = [
+        f"{_describe(e.path)} ({type(e.style).__name__}, on a {e.style.contract.mesh_ndim}-D mesh)"
+        for e in entries
+        if getattr(getattr(e.style, "contract", None), "mesh_ndim", 1) != 1
+    ]
+    if found:
+        raise NotImplementedError(
+            f"{what} takes styles on a 1-D mesh only; the plan puts {', '.join(found)}: "
+            "check it with torch_tp.testing.check_parity"
+        )
+
+
 def planned_placements(entry: PlanEntry) -> Mapping[str, Placement]:
     """The placement ``entry``'s style gives each of its module's own parameters, as its
     contract declares (empty: the style distributes none, or declares no contract)."""

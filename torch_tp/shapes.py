@@ -50,7 +50,12 @@ from torch_tp._layouts import normalize
 from torch_tp._repeats import Replays, repeated_blocks
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.contract import Layout
-from torch_tp.plan import PlanEntry, planned_placements, resolve_plan
+from torch_tp.plan import (
+    PlanEntry,
+    planned_placements,
+    refuse_multi_dimensional,
+    resolve_plan,
+)
 from torch_tp.style.base import (
     ParallelStyle,
     _project,
@@ -174,6 +179,7 @@ def _traced(
     ``raise_single``, :class:`ShapeCheckError` says why)."""
     rank_model = _meta_copy(module)
     rank_entries = _entries(rank_model, plan)
+    refuse_multi_dimensional(rank_entries, "check_shapes")
     _check_applies(rank_model, rank_entries, degree)
 
     single = _Tracer(degree, rank=False, repeats=repeats)

@@ -55,6 +55,7 @@ from torch_tp.plan import (
     PlanEntry,
     parameter_owners,
     planned_placements,
+    refuse_multi_dimensional,
     resolve_plan,
     tied_parameters,
     unsummed_gradients,
@@ -163,6 +164,7 @@ def plan_report(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         entries = resolve_plan(model, plan, strict=False)
+    refuse_multi_dimensional(entries, "plan_report")
     # what parallelize_module would raise for, reported all at once
     matched = Counter(e.key for e in entries)
     unmatched = [str(w.message) for w in caught if "matches no submodule" in str(w.message)]

@@ -24,7 +24,7 @@ contract beside it:
   :class:`SequenceParallel` and :class:`ReplicateParallel`, and those that only move layouts,
   :class:`PrepareModuleInput`, :class:`PrepareModuleOutput`, :class:`PrepareModuleInputOutput`;
 * :mod:`torch_tp.style.experts`: :class:`TensorParallelExperts`, :class:`ExpertParallel`,
-  :class:`IdentityExpertParallel`;
+  :class:`IdentityExpertParallel`, :class:`ExpertTensorParallel` (on a 2-D mesh);
 * :mod:`torch_tp.style.attention`: :class:`MLAKVAProjParallel`, :class:`LocalParamsParallel`,
   :class:`AttentionHeads`;
 * :mod:`torch_tp.style.regions`: :class:`PartialSumParallel` and its parts,
@@ -56,7 +56,12 @@ from torch_tp.style.sequence import (
     ReplicateParallel,
     SequenceParallel,
 )
-from torch_tp.style.experts import ExpertParallel, IdentityExpertParallel, TensorParallelExperts
+from torch_tp.style.experts import (
+    ExpertParallel,
+    ExpertTensorParallel,
+    IdentityExpertParallel,
+    TensorParallelExperts,
+)
 from torch_tp.style.attention import AttentionHeads, LocalParamsParallel, MLAKVAProjParallel
 from torch_tp.style.regions import LocalLinearParallel, PartialSumParallel
 
@@ -75,6 +80,7 @@ __all__ = [
     "TensorParallelExperts",
     "ExpertParallel",
     "IdentityExpertParallel",
+    "ExpertTensorParallel",
     "MLAKVAProjParallel",
     "LocalParamsParallel",
     "LocalLinearParallel",

@@ -326,7 +326,7 @@ def _distribute_and_wrap(
     style: ParallelStyle,
     module: nn.Module,
     device_mesh: DeviceMesh,
-    placements: Mapping[str, Placement],
+    placements: Mapping[str, Placement | tuple[Placement, ...]],
     *bound: Any,
 ) -> nn.Module:
     """Distribute ``module``'s parameters as ``placements`` say, and run ``style._forward(
@@ -341,11 +341,11 @@ def _distribute_and_wrap(
 def _distribute_parameters(
     module: nn.Module,
     rt: _layouts.DTensorRuntime,
-    placements: dict[str, Placement],
+    placements: Mapping[str, Placement | tuple[Placement, ...]],
     src_data_rank: int | None,
 ) -> None:
-    """Replace each named direct parameter of ``module`` by a DTensor with that placement, on
-    the runtime's mesh.
+    """Replace each named direct parameter of ``module`` by a DTensor with that placement (a
+    tuple of them on an N-D mesh), on the runtime's mesh.
 
     A parameter tied between modules (GPT-2's ``wte`` and ``lm_head``) is distributed once:
     the first module's style leaves the new DTensor parameter on the old one, and the
@@ -357,14 +357,14 @@ def _distribute_parameters(
         param = getattr(module, name)
         if param is None:
             continue
+        # one placement per mesh dimension (a tuple, on an N-D mesh)
+        spec = tuple(placement) if isinstance(placement, tuple) else (placement,)
         tied = getattr(param, _DISTRIBUTED_AS, None)
-        if tied is not None and tied.device_mesh == device_mesh and tied.placements == (placement,):
+        if tied is not None and tied.device_mesh == device_mesh and tied.placements == spec:
             module.register_parameter(name, tied)
             continue
         # src_data_rank=None keeps each rank's local values (no scatter or broadcast)
-        dtensor = distribute_tensor(
-            param.detach(), device_mesh, (placement,), src_data_rank=src_data_rank
-        )
+        dtensor = distribute_tensor(param.detach(), device_mesh, spec, src_data_rank=src_data_rank)
         new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
         if isinstance(placement, Replicate) and new.requires_grad:
             # computing on shards (a sequence shard, a sharded output) leaves each rank with a
@@ -525,7 +525,7 @@ def _distribute_whole(
     style: ParallelStyle,
     module: nn.Module,
     device_mesh: DeviceMesh,
-    placements: Mapping[str, Placement],
+    placements: Mapping[str, Placement | tuple[Placement, ...]],
     *bound: Any,
 ) -> nn.Module:
     """:func:`_distribute_and_wrap` for a style that computes with its whole module: the

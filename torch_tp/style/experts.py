@@ -26,7 +26,12 @@ from torch_tp.style.base import (
     short_repr,
 )
 
-__all__ = ["TensorParallelExperts", "ExpertParallel", "IdentityExpertParallel"]
+__all__ = [
+    "TensorParallelExperts",
+    "ExpertParallel",
+    "ExpertTensorParallel",
+    "IdentityExpertParallel",
+]
 
 
 class TensorParallelExperts(ParallelStyle):
@@ -346,82 +351,15 @@ class ExpertParallel(ParallelStyle):
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        mesh = rt.mesh
-        n, rank = mesh.size(), mesh.get_local_rank()
-        local_experts = n_experts // n
         replicated = isinstance(self.input_layouts, Replicate)
         if replicated:
             hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
-        elif any(isinstance(t, DTensor) for t in (hidden_states, top_k_index, top_k_weights)):
-            raise ValueError(
-                f"{_where(self, module)}: expected this rank's tokens as local tensors, found a "
-                "DTensor (give the module local tensors, e.g. with use_local_output=True)"
-            )
-        # the routing slots grouped by expert, ids out of range counted last
-        slots = top_k_index.reshape(-1)
-        in_range = (slots >= 0) & (slots < n_experts)
-        slots = torch.where(in_range, slots, n_experts)
-        order = slots.argsort(stable=True)
-        counts = torch.bincount(slots, minlength=n_experts + 1)
-        if replicated:
-            # the same routing on every rank: each takes the slots of its own experts. The
-            # ids out of range are agreed over the mesh (one all-reduce of one number), so
-            # that one rank's bad routing is an error on all, not a wait in the reduction
-            group = mesh.get_group()
-            flag = counts[-1:].to(_regions._flag_device(group), copy=True)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-            sent = torch.cat([counts, flag.to(counts.device)]).tolist()
-            if sent[-1]:
-                error = _bad_expert_ids(self, module, n_experts) if sent[-2] else None
-                _regions.raise_agreed(error, [group])
-            sent = sent[:-1]
-            bad = ""
-            first = sum(sent[: rank * local_experts])
-            mine = sent[rank * local_experts : (rank + 1) * local_experts]
         else:
-            # each rank's count per expert to the rank holding it, with the number of ids out
-            # of range: every rank learns whether any rank must raise, before any token moves
-            outgoing = torch.cat(
-                [counts[:-1].view(n, local_experts), counts[-1:].expand(n, 1)], dim=1
-            )
-            incoming = _regions._all_to_all(
-                outgoing.reshape(-1), mesh, [local_experts + 1] * n, [local_experts + 1] * n
-            )
-            both = torch.cat([counts[:-1], incoming]).tolist()
-            sent, received = both[:n_experts], both[n_experts:]
-            per_source = [
-                received[r * (local_experts + 1) : (r + 1) * (local_experts + 1)] for r in range(n)
-            ]
-            bad_ranks = [str(r) for r, row in enumerate(per_source) if row[-1]]
-            bad = bad_ranks and f" (on rank {', '.join(bad_ranks)} of the expert-parallel group)"
-        if bad:
-            raise ValueError(
-                f"{_where(self, module)}: the router gave expert ids outside [0, {n_experts})"
-                f"{bad}; top_k_index must hold ids of the module's experts"
-            )
-        top_k = top_k_index.shape[-1]
-        routed = order[: sum(sent[:n_experts])]
-        weights = top_k_weights.reshape(-1)[routed].unsqueeze(-1)
-        token = routed // top_k
-        if replicated:
-            token = token[first : first + sum(mine)]
-            weights = weights[first : first + sum(mine)]
-            rows = hidden_states[token]
-            out_rows = self._run_experts(module, rt, own_forward, rows, mine)
-        else:
-            to_rank = [sum(sent[r * local_experts : (r + 1) * local_experts]) for r in range(n)]
-            from_rank = [sum(row[:-1]) for row in per_source]
-            rows = _regions.all_to_all_expert_parallel_region(
-                hidden_states[token], mesh, from_rank, to_rank
-            )
-            # rows from each source rank, by local expert within each
-            out_rows = self._run_experts(
-                module, rt, own_forward, rows, [c for row in per_source for c in row[:-1]]
-            )
-            out_rows = _regions.all_to_all_expert_parallel_region(
-                out_rows, mesh, to_rank, from_rank
-            )
-        out = torch.zeros_like(hidden_states).index_add(0, token, out_rows * weights)
+            _refuse_dtensor_tokens(self, module, (hidden_states, top_k_index, top_k_weights))
+        out = _route(
+            self, module, rt, rt.mesh, own_forward, n_experts, hidden_states, top_k_index,
+            top_k_weights, replicated=replicated,
+        )  # fmt: skip
         if replicated:
             return rt.reduce_partial(out, Replicate(), True)
         return out
@@ -460,6 +398,110 @@ class ExpertParallel(ParallelStyle):
         return _run_on_local_parameters(module, rt, False, compute, rows, ids)
 
 
+def _route(
+    style: ParallelStyle,
+    module: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    mesh: DeviceMesh,
+    own_forward,
+    n_experts: int,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    replicated: bool,
+    agree_over: DeviceMesh | None = None,
+) -> torch.Tensor:
+    """The experts' output for ``hidden_states``' tokens, the experts split whole over the
+    1-D ``mesh`` (``rt`` holds the module's parameters: :meth:`ExpertParallel._run_experts`).
+
+    ``replicated``: every rank has every token; each computes its experts on the slots routed
+    to them, and the output is this rank's partial sum (the caller reduces it). Otherwise each
+    rank's tokens go to their experts' ranks and back by all-to-all over ``mesh``, and the
+    output is this rank's tokens' whole (over ``mesh``) output. ``agree_over``: another mesh
+    whose ranks must raise together for ids out of range (the ``tp`` ranks of
+    :class:`ExpertTensorParallel`, which reduce the output over it): the count of such ids is
+    agreed over it first (one all-reduce of one number), then travels with the counts."""
+    n, rank = mesh.size(), mesh.get_local_rank()
+    local_experts = n_experts // n
+    # the routing slots grouped by expert, ids out of range counted last
+    slots = top_k_index.reshape(-1)
+    in_range = (slots >= 0) & (slots < n_experts)
+    slots = torch.where(in_range, slots, n_experts)
+    order = slots.argsort(stable=True)
+    counts = torch.bincount(slots, minlength=n_experts + 1)
+    if replicated:
+        # the same routing on every rank: each takes the slots of its own experts. The
+        # ids out of range are agreed over the mesh (one all-reduce of one number), so
+        # that one rank's bad routing is an error on all, not a wait in the reduction
+        group = mesh.get_group()
+        flag = counts[-1:].to(_regions._flag_device(group), copy=True)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        sent = torch.cat([counts, flag.to(counts.device)]).tolist()
+        if sent[-1]:
+            error = _bad_expert_ids(style, module, n_experts) if sent[-2] else None
+            _regions.raise_agreed(error, [group])
+        sent = sent[:-1]
+        bad = ""
+        first = sum(sent[: rank * local_experts])
+        mine = sent[rank * local_experts : (rank + 1) * local_experts]
+    else:
+        # each rank's count per expert to the rank holding it, with the number of ids out
+        # of range: every rank learns whether any rank must raise, before any token moves
+        out_of_range = counts[-1:]
+        if agree_over is not None:
+            group = agree_over.get_group()
+            flag = out_of_range.to(_regions._flag_device(group), copy=True)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+            out_of_range = flag.to(counts.device)
+        outgoing = torch.cat([counts[:-1].view(n, local_experts), out_of_range.expand(n, 1)], dim=1)
+        incoming = _regions._all_to_all(
+            outgoing.reshape(-1), mesh, [local_experts + 1] * n, [local_experts + 1] * n
+        )
+        both = torch.cat([counts[:-1], incoming]).tolist()
+        sent, received = both[:n_experts], both[n_experts:]
+        per_source = [
+            received[r * (local_experts + 1) : (r + 1) * (local_experts + 1)] for r in range(n)
+        ]
+        bad_ranks = [str(r) for r, row in enumerate(per_source) if row[-1]]
+        also = ", or on a rank of its tensor-parallel group" if agree_over is not None else ""
+        bad = bad_ranks and f" (on rank {', '.join(bad_ranks)} of the expert-parallel group{also})"
+    if bad:
+        raise ValueError(
+            f"{_where(style, module)}: the router gave expert ids outside [0, {n_experts})"
+            f"{bad}; top_k_index must hold ids of the module's experts"
+        )
+    top_k = top_k_index.shape[-1]
+    routed = order[: sum(sent[:n_experts])]
+    weights = top_k_weights.reshape(-1)[routed].unsqueeze(-1)
+    token = routed // top_k
+    if replicated:
+        token = token[first : first + sum(mine)]
+        weights = weights[first : first + sum(mine)]
+        rows = hidden_states[token]
+        out_rows = ExpertParallel._run_experts(module, rt, own_forward, rows, mine)
+    else:
+        to_rank = [sum(sent[r * local_experts : (r + 1) * local_experts]) for r in range(n)]
+        from_rank = [sum(row[:-1]) for row in per_source]
+        rows = _regions.all_to_all_expert_parallel_region(
+            hidden_states[token], mesh, from_rank, to_rank
+        )
+        # rows from each source rank, by local expert within each
+        out_rows = ExpertParallel._run_experts(
+            module, rt, own_forward, rows, [c for row in per_source for c in row[:-1]]
+        )
+        out_rows = _regions.all_to_all_expert_parallel_region(out_rows, mesh, to_rank, from_rank)
+    return torch.zeros_like(hidden_states).index_add(0, token, out_rows * weights)
+
+
+def _refuse_dtensor_tokens(style: ParallelStyle, module: nn.Module, inputs: tuple) -> None:
+    if any(isinstance(t, DTensor) for t in inputs):
+        raise ValueError(
+            f"{_where(style, module)}: expected this rank's tokens as local tensors, found a "
+            "DTensor (give the module local tensors, e.g. with use_local_output=True)"
+        )
+
+
 class IdentityExpertParallel(ParallelStyle):
     """An identity ("zero") expert inside tensor-parallel experts: its output divided by the
     TP degree.
@@ -492,6 +534,116 @@ class IdentityExpertParallel(ParallelStyle):
         n = device_mesh.size()
         module.register_forward_hook(lambda mod, args, output: output / n)
         return module
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Split the experts of a mixture-of-experts layer over two mesh dimensions: whole
+    experts over the first (``ep``), each expert's matrices over the second (``tp``).
+
+    Applied on a 2-D mesh ``(ep, tp)`` with named dimensions, to an experts module with
+    stacked weights as :class:`TensorParallelExperts` takes them (``gate_up_proj`` ``[E, 2I,
+    H]`` and ``down_proj`` ``[E, H, I]``, their transposes, or ungated ``up_proj``). Rank
+    ``(e, t)`` holds experts ``e * E / ep`` to ``(e + 1) * E / ep - 1`` and, of each, slice ``t``
+    of its gate rows and of its up rows and the matching slice of ``down_proj``: each
+    parameter is ``(Shard(0), p)`` where ``p`` is :class:`TensorParallelExperts`'s placement.
+    This is expert tensor parallelism (Megatron-core's ETP, torchtitan's
+    ``ExpertTensorParallel``).
+
+    The tokens: each rank of ``ep`` brings its own (expert parallelism borrowed from data
+    parallelism: each ``ep`` rank its own batch), the same on every rank of ``tp`` (attention
+    and the dense layers tensor-parallel on ``mesh["tp"]``; under sequence parallelism the MoE
+    block gathers the sequence before the experts, as for :class:`TensorParallelExperts`).
+    Each (token, expert) pair is sent to its expert's ``ep`` rank by an all-to-all over ``ep``
+    (the counts, then the tokens), computed there on that rank's ``tp`` slices, and sent
+    back by a second all-to-all; each rank adds its tokens' results, times their routing
+    weights, and the partial sums are summed over ``tp`` in one all-reduce. In the backward:
+    the two reverse all-to-alls, and one all-reduce over ``tp`` of the tokens' and routing
+    weights' gradients. An expert's gradient gathers the contributions of every ``ep``
+    rank's tokens (the all-to-all's backward): the sum over the ``ep`` ranks' losses, as for
+    :class:`ExpertParallel` over data-parallel ranks.
+
+    Expert ids outside ``[0, E)`` on any rank raise a ``ValueError`` naming the module on
+    every rank before any token moves: their count is agreed over ``tp`` (one all-reduce of
+    one number) and travels with the counts over ``ep``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("ep", "tp"))
+        >>> parallelize_module(model, mesh["tp"], dense_plan)  # attention, router, ...
+        >>> experts = {"layers.*.feed_forward.experts": ExpertTensorParallel()}
+        >>> parallelize_module(model, mesh, experts)  # the 2-D mesh
+    """
+
+    contract = StyleContract(
+        names={"ep_tp_experts": {}},
+        arguments=lambda s: {},
+        parameters=lambda s, m: {
+            name: (Shard(0), placement)
+            for name, placement in TensorParallelExperts()._parameter_placements(m).items()
+        },
+        local_forward=lambda s, m: True,
+        meta_output=lambda s, m, args, kwargs: _tokens_like(args),
+        mesh_ndim=2,
+    )
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        self._check_kind(module)
+        names = device_mesh.mesh_dim_names
+        if device_mesh.ndim != 2 or not names:
+            raise ValueError(
+                "ExpertTensorParallel takes a 2-D mesh with named dimensions, (ep, tp): "
+                "experts split over the first, each expert's matrices over the second; found "
+                f"a {device_mesh.ndim}-D mesh with dims {names}"
+            )
+        ep, tp = device_mesh[names[0]], device_mesh[names[1]]
+        # each expert's matrices: as TensorParallelExperts over tp (stacked, hidden divisible)
+        TensorParallelExperts()._validate(module, tp)
+        placed = set(TensorParallelExperts()._parameter_placements(module))
+        others = sorted(set(compat.direct_parameters(module)) - placed)
+        if others:
+            raise NotImplementedError(
+                f"ExpertTensorParallel splits the stacked expert weights only; "
+                f"{type(module).__qualname__} also holds {', '.join(map(repr, others))}"
+            )
+        stacked = module.up_proj if TensorParallelExperts._ungated(module) else module.gate_up_proj
+        experts, n = stacked.shape[0], ep.size()
+        if experts % n:
+            raise ValueError(
+                f"{experts} experts do not split over the {n} ranks of {names[0]!r}: each rank "
+                f"must hold the same number of whole experts (use an expert-parallel degree "
+                f"that divides {experts})"
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)  # an unsupported module must not be half-applied
+        names = device_mesh.mesh_dim_names
+        ungated = TensorParallelExperts._ungated(module)
+        n_experts = (module.up_proj if ungated else module.gate_up_proj).shape[0]
+        ep, tp = device_mesh[names[0]], _layouts.runtime(device_mesh[names[1]])
+        placements = self.contract.parameters(self, module)
+        return _distribute_and_wrap(self, module, device_mesh, placements, ep, tp, n_experts)
+
+    def _forward(
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        own_forward,
+        ep: DeviceMesh,
+        tp: _layouts.DTensorRuntime,
+        n_experts: int,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        _refuse_dtensor_tokens(self, module, (hidden_states, top_k_index, top_k_weights))
+        # every tp rank computes with all its ep rank's tokens: their gradients are partial
+        # sums over tp, summed in one all-reduce
+        hidden_states, top_k_weights = tp.enter_replicated_many((hidden_states, top_k_weights))
+        partial = _route(
+            self, module, rt, ep, own_forward, n_experts, hidden_states, top_k_index,
+            top_k_weights, replicated=False, agree_over=tp.mesh,
+        )  # fmt: skip
+        return tp.reduce_partial(partial, Replicate(), True)
 
 
 def _check_expert_ids(

@@ -1,0 +1,222 @@
+"""Experts over two mesh dimensions (:class:`torch_tp.ExpertTensorParallel`): whole experts
+split over ``ep``, each expert's matrices over ``tp``, against one device.
+
+On a ``(ep, tp)`` mesh of four CPU ranks, the reference MoE Llama's dense layers, router and
+shared expert are tensor-parallel on ``mesh["tp"]`` (its ready plan, with and without sequence
+parallelism) and its experts are ``ExpertTensorParallel()`` on the 2-D mesh. Each ``ep`` rank
+trains on its own micro-batch (expert parallelism borrowed from data parallelism, as
+torchtitan does): FSDP2 shards the dense parameters over ``mesh["ep"]`` (the data-parallel
+dimension here) and averages their gradients; the experts, split by ``ep`` already, are left
+to FSDP2's ``ignored_params``, and their gradients, which the all-to-all sums over the ``ep``
+ranks' tokens, are divided by the ``ep`` degree as FSDP2 divides the others. The reference is
+the single-device model trained on the same micro-batches, their gradients accumulated (the
+mean of the micro-batch losses), in float64, for three AdamW steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import adamw, full_tensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+import torch_tp
+from torch_tp import ExpertTensorParallel
+from torch_tp.models import MoEConfig, MoELlama
+from torch_tp.plans.moe import moe_llama_plan
+from torch_tp.testing import device_type, run_distributed
+
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-8}
+PARAM_TOL = {"rtol": 1e-5, "atol": 1e-7}
+EXPERTS = "layers.*.feed_forward.experts"
+
+
+def _model(n_experts: int = 4) -> MoELlama:
+    torch.manual_seed(0)
+    config = MoEConfig(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        n_experts=n_experts,
+        expert_hidden_dim=16,
+        shared_expert_hidden_dim=16,
+        vocab_size=128,
+        max_seq_len=32,
+    )
+    return MoELlama(config).double()
+
+
+def _loss(model: MoELlama, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()) + model.aux_loss()
+
+
+def _parallelize(
+    model: MoELlama, sequence_parallel: bool, shape: tuple[int, int]
+) -> torch.distributed.DeviceMesh:
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("ep", "tp"))
+    plan = moe_llama_plan(experts="tp", shared_expert=True, sequence_parallel=sequence_parallel)
+    del plan[EXPERTS]  # the experts go on the 2-D mesh
+    torch_tp.parallelize_module(model, mesh["tp"], plan)
+    torch_tp.parallelize_module(model, mesh, {EXPERTS: ExpertTensorParallel()})
+    ep = mesh["ep"].size()
+    for block in model.layers:
+        experts = list(block.feed_forward.experts.parameters())
+        for p in experts:  # summed over the ep ranks' tokens; FSDP2 averages the others
+            p.register_hook(lambda grad: grad / ep)
+        fully_shard(block, mesh=mesh["ep"], ignored_params=set(experts))
+    fully_shard(model, mesh=mesh["ep"])
+    return mesh
+
+
+def _train(sequence_parallel: bool, shape: tuple[int, int]) -> None:
+    reference = _model()
+    model = copy.deepcopy(reference)
+    mesh = _parallelize(model, sequence_parallel, shape)
+    data_rank, data_ranks = mesh["ep"].get_local_rank(), mesh["ep"].size()
+    gate_up = model.layers[0].feed_forward.experts.gate_up_proj
+    assert gate_up.device_mesh == mesh and gate_up.placements[0] == Shard(0)
+    # of 4 experts of 2 x 16 gate and up rows: this rank's experts, its slice of their rows
+    assert gate_up.to_local().shape == (4 // shape[0], 32 // shape[1], 32)
+    ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
+    names = [name for name, _ in reference.named_parameters()]
+    assert names == [name for name, _ in model.named_parameters()]
+    per_rank = 2
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, 128, (data_ranks * per_rank, 16), generator=gen)
+        targets = torch.randint(0, 128, (data_ranks * per_rank, 16), generator=gen)
+        ref_losses = []
+        for r in range(data_ranks):
+            mine = slice(r * per_rank, (r + 1) * per_rank)
+            ref_loss = _loss(reference, tokens[mine], targets[mine]) / data_ranks
+            ref_loss.backward()
+            ref_losses.append(ref_loss.detach())
+        mine = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
+        loss = _loss(model, tokens[mine], targets[mine])
+        loss.backward()
+        torch.testing.assert_close(loss.detach() / data_ranks, ref_losses[data_rank])
+        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
+            assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+            torch.testing.assert_close(
+                full_tensor(p.grad), ref_p.grad, **GRAD_TOL, msg=lambda m, n=name: f"grad {n}: {m}"
+            )
+        ref_optim.step()
+        optim.step()
+        ref_optim.zero_grad()
+        optim.zero_grad()
+        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(
+                full_tensor(p.detach()),
+                ref_p.detach(),
+                **PARAM_TOL,
+                msg=lambda m, n=name: f"{n}: {m}",
+            )
+
+
+@pytest.mark.four_ranks
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_experts_over_ep2_and_tp2_match_one_device(sequence_parallel):
+    run_distributed(_train, 4, sequence_parallel, (2, 2))
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)], ids=["ep2-tp1", "ep1-tp2"])
+def test_experts_over_one_of_two_dimensions_match_one_device(shape):
+    """The same on two ranks, one dimension of size 1: all-to-alls over ``ep`` and no
+    tensor parallelism, or tensor-parallel experts whose tokens all stay on their rank."""
+    run_distributed(_train, 2, False, shape)
+
+
+def _refusals() -> list[str]:
+    """Plans ExpertTensorParallel cannot take, each refused before anything changes."""
+    from torch_tp import ColwiseParallel
+
+    errors = []
+
+    def refused(model, mesh, plan, **kwargs):
+        before = {n: p for n, p in model.named_parameters()}
+        with pytest.raises((ValueError, NotImplementedError)) as caught:
+            torch_tp.parallelize_module(model, mesh, plan, **kwargs)
+        after = dict(model.named_parameters())
+        assert all(after[n] is p and not isinstance(p, DTensor) for n, p in before.items())
+        errors.append(str(caught.value))
+
+    mesh = init_device_mesh(device_type(), (1, 2), mesh_dim_names=("ep", "tp"))
+    experts = {EXPERTS: ExpertTensorParallel()}
+    refused(_model(), mesh["tp"], experts)  # a 1-D mesh
+    refused(_model(), mesh, {**experts, "layers.*.attention.wq": ColwiseParallel()})
+    unnamed = init_device_mesh(device_type(), (1, 2))
+    refused(_model(), unnamed, experts)
+    model = _model()
+    model.layers[1].feed_forward.experts.gate_up_proj = torch.nn.Parameter(
+        torch.zeros(4, 30, 32, dtype=torch.double)
+    )
+    model.layers[1].feed_forward.experts.down_proj = torch.nn.Parameter(
+        torch.zeros(4, 32, 15, dtype=torch.double)
+    )
+    refused(model, mesh, experts)  # a hidden size of 15 over tp2
+    refused(_model(), mesh, experts, example_inputs=torch.zeros(1, 4, dtype=torch.long))
+    ep_mesh = init_device_mesh(device_type(), (2, 1), mesh_dim_names=("ep", "tp"))
+    refused(_model(n_experts=3), ep_mesh, experts)  # 3 experts over ep2
+    return errors
+
+
+def test_plans_it_cannot_take_are_refused_before_anything_changes():
+    errors = run_distributed(_refusals, 2)[0]
+    one_d, one_d_style, unnamed, hidden, shapes, experts = errors
+    assert "takes a 2-D mesh with named dimensions, (ep, tp)" in one_d and "1-D" in one_d
+    assert "'layers.*.attention.wq'" in one_d_style or "layers.0.attention.wq" in one_d_style
+    assert "ColwiseParallel" in one_d_style and "2-D mesh" in one_d_style
+    assert "must name its dimensions" in unnamed
+    assert "layers.1.feed_forward.experts" in hidden and "hidden size 15" in hidden
+    assert "shape check" in shapes and "2-D" in shapes
+    assert "3 experts do not split over the 2 ranks of 'ep'" in experts
+    assert "ExpertTensorParallel" in experts and "layers.0.feed_forward.experts" in experts
+
+
+def _bad_ids_on_one_rank(shape: tuple[int, int]) -> str:
+    """Rank 1's router gives an expert id out of range, rank 0's does not."""
+    model = _model()
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("ep", "tp"))
+    torch_tp.parallelize_module(model, mesh, {EXPERTS: ExpertTensorParallel()})
+    experts = model.layers[0].feed_forward.experts
+    tokens = torch.randn(6, 32, dtype=torch.double)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+    if dist.get_rank() == 1:
+        ids[4, 1] = 4
+    with pytest.raises(ValueError) as caught:
+        experts(tokens, ids, torch.full((6, 2), 0.5, dtype=torch.double))
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)], ids=["ep2-tp1", "ep1-tp2"])
+def test_one_ranks_bad_routing_raises_on_every_rank(shape):
+    for message in run_distributed(_bad_ids_on_one_rank, 2, shape):
+        assert "layers.0.feed_forward.experts" in message
+        assert "expert ids outside [0, 4)" in message
+
+
+def test_the_shape_check_and_the_report_refuse_it_by_name():
+    """Both read 1-D styles only: they say so, naming the module, rather than checking or
+    predicting a 2-D layout as if it were 1-D."""
+    from torch_tp.report import plan_report
+    from torch_tp.shapes import check_shapes
+
+    with torch.device("meta"):
+        model = _model()
+    plan = {EXPERTS: ExpertTensorParallel()}
+    for run in (
+        lambda: check_shapes(model, plan, 2),
+        lambda: plan_report(model, plan, 2, batch_size=2, seq_len=8, device_type="cpu"),
+    ):
+        with pytest.raises(NotImplementedError, match="1-D mesh only") as caught:
+            run()
+        assert "'layers.0.feed_forward.experts' (ExpertTensorParallel, on a 2-D mesh)" in str(
+            caught.value
+        )
