@@ -41,8 +41,10 @@ def parallelize_module(
     Args:
         module (:class:`nn.Module`): the module to parallelize, in place.
         device_mesh (:class:`DeviceMesh`, optional): the 1-D tensor-parallel mesh. For a 2-D
-            or N-D mesh pass its tensor-parallel dimension (``mesh["tp"]``). If not given,
-            the call must be inside a ``with device_mesh:`` context.
+            or N-D mesh pass its tensor-parallel dimension (``mesh["tp"]``), except for a plan
+            all of whose styles take an N-D mesh with named dimensions
+            (:class:`ExpertTensorParallel` on ``(ep, tp)``). If not given, the call must be
+            inside a ``with device_mesh:`` context.
         parallelize_plan (Union[:class:`ParallelStyle`, Dict[str, :class:`ParallelStyle`]],
             optional): the plan. If not given, nothing happens (with a warning).
 
@@ -82,13 +84,15 @@ def parallelize_module(
         TypeError: the plan is not a style or a dict, or a plan value is not a style.
         ValueError: a key matches no submodule or a tied weight would come apart (when
             ``strict``), two keys match one module, a module was parallelized before, a
-            style name is unknown, the mesh is not 1-D, or ``TORCH_TP_RUNTIME`` names no
+            style name is unknown, the mesh is not 1-D (for a style that is not N-D, or
+            unnamed), or ``TORCH_TP_RUNTIME`` names no
             runtime, or (with ``example_inputs``) the shape check finds a problem (the
             message names each module, source line, op and both shapes).
         ShapeCheckError: (with ``example_inputs``) the forward cannot be traced on the meta
             device; the message says where and why.
-        NotImplementedError: a style does not support the type of the module it names, or a
-            style name has no torch_tp style yet.
+        NotImplementedError: a style does not support the type of the module it names, a
+            style name has no torch_tp style yet, or ``example_inputs`` are given for a plan
+            on an N-D mesh (the shape check reads 1-D styles).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
