@@ -34,6 +34,8 @@ from torch_tp.testing import device_type, run_distributed
 
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-8}
 PARAM_TOL = {"rtol": 1e-5, "atol": 1e-7}
+# transformers' MoE routers: float32 softmax (see _hf_train)
+HF_TOL = {"rtol": 1e-4, "atol": 1e-6}
 EXPERTS = "layers.*.feed_forward.experts"
 
 
@@ -220,3 +222,68 @@ def test_the_shape_check_and_the_report_refuse_it_by_name():
         assert "'layers.0.feed_forward.experts' (ExpertTensorParallel, on a 2-D mesh)" in str(
             caught.value
         )
+
+
+def _hf_train(family: str) -> None:
+    """transformers' ``family`` at (ep2, tp2): its own ``_tp_plan`` on ``mesh["tp"]`` but for
+    the experts, which are ``ExpertTensorParallel()`` on the 2-D mesh; each ep rank its own
+    micro-batch; two AdamW steps against one device."""
+    from test_transformers_moe import _model as hf_model
+    from test_transformers_moe import _plan as hf_plan
+
+    reference = hf_model(family)
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("ep", "tp"))
+    plan = {k: v for k, v in hf_plan(model).items() if ".experts" not in k}
+    torch_tp.parallelize_module(model, mesh["tp"], plan)
+    torch_tp.parallelize_module(model, mesh, {"model.layers.*.mlp.experts": "ep_tp_experts"})
+    ep, data_rank = mesh["ep"].size(), mesh["ep"].get_local_rank()
+    moe = [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert moe and all(e.gate_up_proj.device_mesh == mesh for e in moe)
+    for layer in model.model.layers:
+        experts = set(layer.mlp.experts.parameters()) if hasattr(layer.mlp, "experts") else set()
+        for p in experts:
+            p.register_hook(lambda grad: grad / ep)
+        fully_shard(layer, mesh=mesh["ep"], ignored_params=experts)
+    fully_shard(model, mesh=mesh["ep"])
+    names = [name for name, _ in reference.named_parameters()]
+    ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
+    for step in range(2):
+        gen = torch.Generator().manual_seed(200 + step)
+        ids = torch.randint(2, 128, (ep * 2, 12), generator=gen)
+        labels = torch.randint(2, 128, (ep * 2, 12), generator=gen)
+        for r in range(ep):
+            mine = slice(2 * r, 2 * r + 2)
+            out = reference(input_ids=ids[mine], labels=labels[mine], use_cache=False)
+            (out.loss / ep).backward()
+            if r == data_rank:
+                expected = out.logits.detach()
+        mine = slice(2 * data_rank, 2 * data_rank + 2)
+        out = model(input_ids=ids[mine], labels=labels[mine], use_cache=False)
+        out.loss.backward()  # FSDP2 averages over the ep ranks
+        # transformers' routers compute their softmax in float32: after a step, the float32
+        # rounding of the routing weights (differently summed) shows through AdamW's update
+        tol = {} if step == 0 else HF_TOL
+        torch.testing.assert_close(out.logits.detach(), expected, **tol)
+        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(
+                full_tensor(p.grad),
+                ref_p.grad,
+                **(tol or GRAD_TOL),
+                msg=lambda m, n=name: f"grad {n}: {m}",
+            )
+        ref_optim.step()
+        optim.step()
+        ref_optim.zero_grad()
+        optim.zero_grad()
+    for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(
+            full_tensor(p.detach()), ref_p.detach(), **HF_TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.four_ranks
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+def test_transformers_moe_families_over_ep_and_tp_match_one_device(family):
+    pytest.importorskip("transformers")
+    run_distributed(_hf_train, 4, family)
