@@ -10,7 +10,9 @@ arrive exactly, each rank's shard must be what ``distribute_tensor`` gives it, a
 load must read only the bytes of this rank's slices, and the loaded model's logits must be
 the saved model's. The layouts: ``"ep"`` and ``"tp"`` over every rank, ``"fsdp-ep"`` and
 ``"fsdp-tp"`` the same on the ``tp`` dim of a (dp=2, tp=2) mesh with FSDP2 on ``dp`` (which
-splits the experts, dim 0, again), and ``"one"``, a single device.
+splits the experts, dim 0, again), ``"etp"``, ``"etp-ep"`` and ``"etp-tp"``, the experts
+``ExpertTensorParallel`` on an (ep, tp) mesh of (2, 2), (2, 1) and (1, 2) (whole experts over
+ep, each one's hidden dimension over tp: ``(Shard(0), p)``), and ``"one"``, a single device.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ CONFIG = {
 EXPERTS = [
     f"layers.{i}.feed_forward.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")
 ]
+# ExpertTensorParallel's layouts: experts over ep and each expert's matrices over tp, (ep, tp)
+ETP = {"etp": (2, 2), "etp-ep": (2, 1), "etp-tp": (1, 2)}
 
 
 def _model(seed: int = 0, layout: str = "one", meta: bool = False) -> MoELlama:
@@ -60,7 +64,13 @@ def _model(seed: int = 0, layout: str = "one", meta: bool = False) -> MoELlama:
                 if ".experts." in name:
                     param.normal_(std=0.2)
         perturb_norms(model)
-    if layout != "one":
+    if layout in ETP:
+        mesh = init_device_mesh(device_type(), ETP[layout], mesh_dim_names=("ep", "tp"))
+        plan = moe_llama_plan(experts="tp", shared_expert=True)
+        del plan["layers.*.feed_forward.experts"]
+        parallelize_module(model, mesh["tp"], plan)
+        parallelize_module(model, mesh, {"layers.*.feed_forward.experts": "ep_tp_experts"})
+    elif layout != "one":
         experts = layout.removeprefix("fsdp-")
         plan = moe_llama_plan(experts=experts, shared_expert=True)
         if layout == experts:
@@ -88,8 +98,29 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 def _train_step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
     logits = model(_tokens())
     F.cross_entropy(logits.flatten(0, 1), _tokens().roll(1, -1).flatten()).backward()
+    _average_over_ep(model)
     optim.step()
     optim.zero_grad()
+
+
+def _average_over_ep(model: nn.Module) -> None:
+    """Under ExpertTensorParallel the ep ranks are data-parallel replicas (here with the same
+    tokens): average their gradients, as FSDP2 or DDP over ep would. The other parameters'
+    differ between them by rounding only (each ep rank's rows sit elsewhere in its experts'
+    batches), but replicas must agree to be saved; the experts' is a sum over the ep ranks'
+    tokens."""
+    grid = [p.device_mesh for p in model.parameters() if getattr(p, "device_mesh", None)]
+    grid = next((mesh for mesh in grid if mesh.mesh_dim_names == ("ep", "tp")), None)
+    if grid is None:
+        return
+    ep = grid["ep"]
+    for param in model.parameters():
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        if isinstance(param, DTensor) and param.device_mesh == grid:  # an expert
+            grad.div_(ep.size())
+        else:
+            dist.all_reduce(grad, group=ep.get_group())
+            grad.div_(ep.size())
 
 
 def _snapshot(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> dict:
@@ -124,7 +155,10 @@ def _assert_shards(model: nn.Module, layout: str, expected: dict[str, torch.Tens
     its chunk of that), and the expert parameters have the placements under test."""
     state = model.state_dict()
     for name in EXPERTS:
-        if layout.endswith("ep"):
+        if layout in ETP:  # (ep, tp): whole experts, then each one's hidden dimension
+            split = StridedShard(1, split_factor=2) if name.endswith("gate_up_proj") else Shard(2)
+            want = (Shard(0), split)
+        elif layout.endswith("ep"):
             want = (Shard(0),)
         elif name.endswith("gate_up_proj"):
             want = (StridedShard(1, split_factor=2),)
@@ -174,9 +208,10 @@ def _dcp_load(ckpt_dir: str, layout: str) -> dict:
 
 # where each saved checkpoint is loaded (beside a single device)
 DCP_TARGETS = {
-    ("ep", 2): [("ep", 4), ("tp", 2), ("tp", 4), ("fsdp-ep", 4), ("fsdp-tp", 4)],
+    ("ep", 2): [("ep", 4), ("tp", 2), ("tp", 4), ("fsdp-ep", 4), ("fsdp-tp", 4), ("etp", 4)],
     ("tp", 2): [("ep", 2), ("ep", 4)],
     ("fsdp-tp", 4): [("ep", 2), ("tp", 4)],
+    ("etp", 4): [("ep", 2), ("tp", 4), ("etp-ep", 2), ("etp-tp", 2)],
 }
 
 
@@ -247,7 +282,16 @@ def _load_full(path: str, layout: str, expected: dict) -> dict[str, int]:
     return bytes_read
 
 
-LAYOUTS = [("ep", 2), ("ep", 4), ("tp", 2), ("tp", 4), ("fsdp-ep", 4), ("fsdp-tp", 4)]
+LAYOUTS = [
+    ("ep", 2),
+    ("ep", 4),
+    ("tp", 2),
+    ("tp", 4),
+    ("fsdp-ep", 4),
+    ("fsdp-tp", 4),
+    ("etp", 4),
+    ("etp-tp", 2),
+]
 
 
 @pytest.mark.parametrize(

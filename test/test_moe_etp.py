@@ -287,3 +287,53 @@ def _hf_train(family: str) -> None:
 def test_transformers_moe_families_over_ep_and_tp_match_one_device(family):
     pytest.importorskip("transformers")
     run_distributed(_hf_train, 4, family)
+
+
+def _load_hub_mixtral(path: str, shape: tuple[int, int]) -> tuple[dict, dict[str, int], int]:
+    """transformers' Mixtral checkpoint (the Hub's per-expert ``block_sparse_moe.experts.<e>.
+    w1/w2/w3`` keys) loaded into ExpertTensorParallel on ``shape``: the full state dict, the
+    elements read per key, and the elements this rank's tensors hold."""
+    from helpers import safetensors_reads
+    from test_hf_checkpoint import _model as hub_model
+
+    from torch_tp.checkpoint import full_state_dict, load_pretrained
+    from torch_tp.plans.hf import plan_for
+
+    model = hub_model("mixtral", seed=1)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("ep", "tp"))
+    plan = {k: v for k, v in plan_for(model).items() if ".experts" not in k}
+    torch_tp.parallelize_module(model, mesh["tp"], plan)
+    torch_tp.parallelize_module(model, mesh, {"model.layers.*.mlp.experts": "ep_tp_experts"})
+    with safetensors_reads() as reads:
+        load_pretrained(model, path)
+    mine = sum(
+        (v.to_local() if isinstance(v, DTensor) else v).numel() for v in model.state_dict().values()
+    )
+    return full_state_dict(model), {k: sum(v) for k, v in reads.items()}, mine
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param((2, 2), marks=pytest.mark.four_ranks), (1, 2), (2, 1)],
+    ids=["ep2-tp2", "ep1-tp2", "ep2-tp1"],
+)
+def test_a_hub_mixtral_checkpoint_loads_into_experts_over_ep_and_tp(tmp_path, shape):
+    """Each rank reads its experts' slices only: with 4 experts, expert ``e``'s ``w1`` (gate)
+    is read by the ep rank holding it, each tp rank its half of the rows."""
+    pytest.importorskip("transformers")
+    from test_hf_checkpoint import _saved
+
+    expected = _saved("mixtral", str(tmp_path))
+    ep, tp = shape
+    results = run_distributed(_load_hub_mixtral, ep * tp, str(tmp_path), shape)
+    w1 = "model.layers.0.block_sparse_moe.experts.{}.w1.weight"
+    for rank, (state, reads, mine) in enumerate(results):
+        assert sorted(state) == sorted(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
+        assert sum(reads.values()) == mine  # exactly this rank's elements
+        e = rank // tp  # the ep rank: experts 4 / ep * e onward
+        held = range(4 // ep * e, 4 // ep * (e + 1))
+        for expert in range(4):
+            read = reads.get(w1.format(expert), 0)
+            assert read == (64 * 32 // tp if expert in held else 0), (rank, expert, read)
