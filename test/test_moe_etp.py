@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from helpers import adamw, full_tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import torch_tp
 from torch_tp import ExpertTensorParallel
@@ -337,3 +337,72 @@ def test_a_hub_mixtral_checkpoint_loads_into_experts_over_ep_and_tp(tmp_path, sh
         for expert in range(4):
             read = reads.get(w1.format(expert), 0)
             assert read == (64 * 32 // tp if expert in held else 0), (rank, expert, read)
+
+
+def _shard_of(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's shard of ``full`` laid out as ``like`` (sliced here, nothing sent). Each
+    rank compares its own shard, so together they compare every element: ``full_tensor()``
+    cannot gather the experts under FSDP2 here (torch 2.13's redistribution of dim 0 split
+    by dp's strided shard and by ep's shard fails its unpadding check)."""
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _train_dp_ep_tp(sequence_parallel: bool) -> None:
+    """(dp2, ep2, tp2) on eight ranks: the dense layers tensor-parallel on ``tp`` and sharded
+    by FSDP2 over ``dp x ep`` (flattened: four data-parallel ranks), the experts
+    ``ExpertTensorParallel`` on ``(ep, tp)`` and sharded by FSDP2 over ``dp``; each of the
+    four data-parallel ranks its own micro-batch."""
+    reference = _model()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh(device_type(), (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    data = mesh["dp", "ep"]._flatten("dp_ep")  # the data-parallel ranks: dp x ep
+    plan = moe_llama_plan(experts="tp", shared_expert=True, sequence_parallel=sequence_parallel)
+    del plan[EXPERTS]
+    torch_tp.parallelize_module(model, mesh["tp"], plan)
+    torch_tp.parallelize_module(model, mesh["ep", "tp"], {EXPERTS: ExpertTensorParallel()})
+    data_ranks = data.size()
+    for block in model.layers:
+        experts = block.feed_forward.experts
+        fully_shard(experts, mesh=mesh["dp"])
+        # summed over the ep ranks' tokens by the all-to-all, then over dp by FSDP2: the
+        # mean over all four data-parallel ranks
+        experts.set_gradient_divide_factor(float(data_ranks))
+        fully_shard(block, mesh=data)
+    fully_shard(model, mesh=data)
+    data_rank = data.get_local_rank()
+    ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
+    names = [name for name, _ in reference.named_parameters()]
+    per_rank = 2
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, 128, (data_ranks * per_rank, 16), generator=gen)
+        targets = torch.randint(0, 128, (data_ranks * per_rank, 16), generator=gen)
+        for r in range(data_ranks):
+            mine = slice(r * per_rank, (r + 1) * per_rank)
+            (_loss(reference, tokens[mine], targets[mine]) / data_ranks).backward()
+        mine = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
+        _loss(model, tokens[mine], targets[mine]).backward()
+        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(
+                p.grad.to_local(),
+                _shard_of(ref_p.grad, p),
+                **GRAD_TOL,
+                msg=lambda m, n=name: f"grad {n}: {m}",
+            )
+        ref_optim.step()
+        optim.step()
+        ref_optim.zero_grad()
+        optim.zero_grad()
+        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(
+                p.detach().to_local(),
+                _shard_of(ref_p.detach(), p),
+                **PARAM_TOL,
+                msg=lambda m, n=name: f"{n}: {m}",
+            )
+
+
+@pytest.mark.slow  # eight ranks
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_experts_over_dp_ep_tp_with_fsdp2_match_one_device(sequence_parallel):
+    run_distributed(_train_dp_ep_tp, 8, sequence_parallel)
