@@ -13,6 +13,8 @@ import textwrap
 import threading
 import time
 import types
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,10 @@ def _rank_1_sleeps_forever() -> None:
 def _rank_1_dies() -> None:
     if dist.get_rank() == 1:
         os._exit(3)
+
+
+def _environment_variable(name: str) -> str | None:
+    return os.environ.get(name)
 
 
 def _unpicklable_result_on_rank_0() -> object:
@@ -269,6 +275,17 @@ def test_argument_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _harness._resolve_timeout(None) == 120.0
 
 
+def test_a_new_pool_gets_the_parents_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as of now, not as of when the first pool started (forked workers inherit that one)
+    run_distributed(_pid, 2)
+    monkeypatch.setenv("TORCH_TP_TEST_MARKER", "set in the parent")
+    try:
+        found = run_distributed(_environment_variable, 1, "TORCH_TP_TEST_MARKER")
+    finally:
+        _harness._drop_pool(1)
+    assert found == ["set in the parent"]
+
+
 # ---- functions the workers cannot import: refused in the parent, before any worker runs ----
 
 _WHY = "by its module and qualified name"
@@ -349,14 +366,60 @@ _MAIN_PROGRAM = textwrap.dedent(
     """
 )
 
+# A script run as a file: the workers re-run it as __mp_main__ and find on_rank.
+_SCRIPT = textwrap.dedent(
+    """
+    import torch.distributed as dist
+    from torch_tp.testing import run_distributed
+
+    def on_rank():
+        return dist.get_rank()
+
+    if __name__ == "__main__":
+        print("ranks:", run_distributed(on_rank, 2))
+    """
+)
+
+# Code read from stdin may run functions of importable modules.
+_STDIN_PROGRAM = (
+    "import torch.distributed as dist\nfrom torch_tp.testing import run_distributed\n"
+    "print('ranks:', run_distributed(dist.get_rank, 2))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def python_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
+    """The fresh interpreters of the tests below, by name, each run in a directory of its own.
+
+    Each spends seconds importing torch, mostly on one core: they are all started when the
+    first of these tests runs, side by side, and each test waits for its own and checks it.
+    """
+    script = tmp_path_factory.mktemp("script") / "script.py"
+    script.write_text(_SCRIPT)
+    runs = {
+        "-c": (["-c", _MAIN_PROGRAM], None),
+        "stdin": (["-"], _MAIN_PROGRAM),
+        "script": ([str(script)], None),
+        "stdin, module function": (["-"], _STDIN_PROGRAM),
+    }
+    with ThreadPoolExecutor(len(runs)) as executor:
+        yield {
+            name: executor.submit(
+                _python,
+                args,
+                script.parent if name == "script" else tmp_path_factory.mktemp("run"),
+                stdin,
+            )
+            for name, (args, stdin) in runs.items()
+        }
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["-c", "stdin"])
-def test_a_function_of_python_c_or_stdin_is_refused(how: str, tmp_path: Path) -> None:
-    if how == "-c":
-        proc = _python(["-c", _MAIN_PROGRAM], tmp_path)
-    else:
-        proc = _python(["-"], tmp_path, stdin=_MAIN_PROGRAM)
+def test_a_function_of_python_c_or_stdin_is_refused(
+    how: str, python_runs: dict[str, Future]
+) -> None:
+    proc = python_runs[how].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TypeError: run_distributed cannot run __main__.on_rank" in proc.stdout, (
         proc.stdout + proc.stderr
@@ -366,29 +429,12 @@ def test_a_function_of_python_c_or_stdin_is_refused(how: str, tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_main_of_a_script_file_and_module_functions_from_stdin_still_run(tmp_path: Path) -> None:
-    # A script run as a file: the spawned workers re-run it as __mp_main__ and find on_rank.
-    script = tmp_path / "script.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import torch.distributed as dist
-            from torch_tp.testing import run_distributed
-
-            def on_rank():
-                return dist.get_rank()
-
-            if __name__ == "__main__":
-                print("ranks:", run_distributed(on_rank, 2))
-            """
-        )
-    )
-    proc = _python([str(script)], tmp_path)
+def test_main_of_a_script_file_and_module_functions_from_stdin_still_run(
+    python_runs: dict[str, Future],
+) -> None:
+    proc = python_runs["script"].result()
     assert proc.returncode == 0 and "ranks: [0, 1]" in proc.stdout, proc.stdout + proc.stderr
-    # Code read from stdin may run functions of importable modules.
-    program = "import torch.distributed as dist\nfrom torch_tp.testing import run_distributed\n"
-    program += "print('ranks:', run_distributed(dist.get_rank, 2))\n"
-    proc = _python(["-"], tmp_path, stdin=program)
+    proc = python_runs["stdin, module function"].result()
     assert proc.returncode == 0 and "ranks: [0, 1]" in proc.stdout, proc.stdout + proc.stderr
 
 

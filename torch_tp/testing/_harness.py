@@ -49,9 +49,23 @@ _FAILURE_GRACE = 3.0
 # How often the parent checks for dead workers while it waits for results.
 _POLL_INTERVAL = 0.2
 
-# Workers are started fresh ("spawn"): nothing of the parent's state (CUDA, threads) is
-# inherited, at the cost of every rank importing torch (seconds per pool).
-_START_METHOD = "spawn"
+# Workers start with nothing of the parent's state (CUDA, threads). On Linux they are forked
+# from multiprocessing's fork server: a process started fresh once, which imports the torch
+# modules below (no CUDA call; not torch_tp, which the workers import from the parent's
+# sys.path like any test file) and then only forks. A pool then starts in well under a second
+# instead of every rank importing torch for seconds, which counts because a pool is replaced
+# after every hang or death. Elsewhere (macOS, where forking after importing system frameworks
+# is unsafe; Windows) they are spawned: fresh interpreters. Either way a worker gets the
+# parent's sys.path, __main__ (re-run as __mp_main__ where possible) and environment.
+_START_METHOD = "forkserver" if sys.platform.startswith("linux") else "spawn"
+_FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.debug",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+]
 
 # Tags of the messages a worker sends to the parent.
 _READY, _INIT_FAILED, _OK, _FAILED = "ready", "init_failed", "ok", "failed"
@@ -126,12 +140,12 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    # A SIGKILLed parent runs no atexit handler; this thread makes sure the worker goes too.
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+def _exit_when_orphaned() -> None:
+    # A SIGKILLed parent runs no atexit handler; this thread makes sure the worker goes too. It
+    # waits on multiprocessing's sentinel of the process that started the worker (not on the
+    # parent process id: a forked worker's is the fork server's, which the workers keep alive).
+    multiprocessing.parent_process().join()  # returns once that process has exited
+    os._exit(1)
 
 
 def _apply_sys_path(parent_path: list[str]) -> None:
@@ -202,14 +216,18 @@ def _worker_main(
     init_file: str,
     tasks: multiprocessing.Queue,
     results: multiprocessing.Queue,
-    parent_pid: int,
+    parent_environ: dict[str, str],
 ) -> None:
     global _IN_WORKER
     _IN_WORKER = True
+    # A forked worker has the fork server's environment: give it the parent's, as spawn would
+    # (what the server's imports set, the parent's own import of this module set too).
+    os.environ.clear()
+    os.environ.update(parent_environ)
     # Ctrl-C reaches the whole process group; the parent handles it by killing the pool, so
     # idle workers should not die noisily on their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, daemon=True).start()
     try:
         _init_worker(rank, world_size, init_file)
     except BaseException:  # noqa: BLE001 - report anything, the parent decides
@@ -247,6 +265,8 @@ class _Pool:
 
     def __init__(self, world_size: int) -> None:
         ctx = multiprocessing.get_context(_START_METHOD)
+        if _START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # read when the server starts
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix=f"torch_tp_pool{world_size}_")
         self.results: multiprocessing.Queue = ctx.Queue()
@@ -260,7 +280,7 @@ class _Pool:
                     os.path.join(self.tmpdir, "store"),
                     self.tasks[rank],
                     self.results,
-                    os.getpid(),
+                    dict(os.environ),
                 ),
                 name=f"torch_tp-rank{rank}-of-{world_size}",
                 daemon=True,
@@ -397,7 +417,7 @@ def _qualname(fn: Callable[..., Any]) -> str:
 # --------------------------------------------------------------------------------------------
 # What the workers can import
 #
-# The workers are spawned: fresh interpreters that receive fn (and any function or class in
+# The workers start fresh (see _START_METHOD): they receive fn (and any function or class in
 # its arguments) as a module name and a qualified name, and import it. Before starting, each
 # worker re-runs the parent's __main__ as "__mp_main__" when it can: by module name after
 # `python -m module`, by path after `python script.py`. Anything else defined in __main__ does
@@ -406,7 +426,7 @@ def _qualname(fn: Callable[..., Any]) -> str:
 # --------------------------------------------------------------------------------------------
 
 _IMPORT_BY_NAME = (
-    "The ranks are worker processes started fresh (spawn): they import fn, and every function "
+    "The ranks are worker processes started fresh: they import fn, and every function "
     "or class in its arguments, by its module and qualified name"
 )
 _WHAT_TO_DO = (
@@ -538,11 +558,12 @@ def run_distributed(
     (gloo on CPU; NCCL, with ``torch.cuda.set_device(rank)``, when there is a GPU per rank; see
     :func:`device_type`). Each worker runs with ``torch.set_num_threads(1)``.
 
-    ``fn``, ``args``, ``kwargs`` and the return values are pickled. The workers are spawned
-    (fresh interpreters), and they import ``fn``, and any function or class in its arguments,
-    by its module and qualified name: ``fn`` must be a function defined at module level (in a
-    test file, say), not a lambda or a nested function. The caller's ``sys.path`` is applied
-    in the workers before ``fn`` is unpickled, so the workers find the module ``fn`` lives in.
+    ``fn``, ``args``, ``kwargs`` and the return values are pickled. The workers start with
+    nothing of the parent's state, and they import ``fn``, and any function or class in its
+    arguments, by its module and qualified name: ``fn`` must be a function defined at module
+    level (in a test file, say), not a lambda or a nested function. The caller's ``sys.path``
+    is applied in the workers before ``fn`` is unpickled, so the workers find the module
+    ``fn`` lives in.
     A function defined in a script run as a file (``python script.py``) or as a module
     (``python -m script``) works as long as the script keeps its top-level code under
     ``if __name__ == "__main__":``: the workers re-run the script to find it. The ``__main__``
@@ -723,4 +744,17 @@ def shutdown() -> None:
             pool.close()
 
 
-atexit.register(shutdown)
+def _at_exit() -> None:
+    shutdown()
+    # Then kill the fork server, unless a process it forked still runs: its own exit (torch's
+    # finalization) takes seconds, all the while holding this process's stdout and stderr, which
+    # whoever reads them through a pipe (subprocess.run(capture_output=True)) waits for.
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is not None and not multiprocessing.active_children():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+atexit.register(_at_exit)
