@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from unittest import mock
 
 import torch
@@ -74,6 +74,41 @@ def adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     parameter difference of order ``lr``; ``eps=1e-6`` (instead of 1e-8) caps that at
     ``lr * rounding / eps`` (see ``test_fsdp.py``)."""
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+def check_step(
+    model: nn.Module,
+    reference: nn.Module,
+    optim: torch.optim.Optimizer,
+    ref_optim: torch.optim.Optimizer,
+    *,
+    grad_tol: dict,
+    param_tol: dict,
+    shard_of: Callable[[torch.Tensor, DTensor], torch.Tensor] | None = None,
+) -> None:
+    """After a backward of both: every gradient of ``model`` equals ``reference``'s (same
+    parameter names), both optimizers step, and every parameter equals the reference's.
+    DTensors are gathered to full tensors, or, with ``shard_of(full, dtensor)``, each rank's
+    shard is compared with its shard of the reference's tensor (together the ranks compare
+    every element)."""
+
+    def compare(actual: torch.Tensor, expected: torch.Tensor, tol: dict, what: str) -> None:
+        if shard_of is not None and isinstance(actual, DTensor):
+            actual, expected = actual.to_local(), shard_of(expected, actual)
+        else:
+            actual = full_tensor(actual)
+        torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
+
+    named = list(model.named_parameters())
+    assert [n for n, _ in named] == [n for n, _ in reference.named_parameters()]
+    for name, param in named:
+        compare(param.grad, reference.get_parameter(name).grad, grad_tol, f"grad {name}")
+    optim.step()
+    ref_optim.step()
+    optim.zero_grad()
+    ref_optim.zero_grad()
+    for name, param in named:
+        compare(param.detach(), reference.get_parameter(name).detach(), param_tol, name)
 
 
 # --------------------------------------------------------------------------- the reference Llama

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import adamw, full_tensor
+from helpers import adamw, check_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -87,8 +87,7 @@ def _train(sequence_parallel: bool, shape: tuple[int, int]) -> None:
     # of 4 experts of 2 x 16 gate and up rows: this rank's experts, its slice of their rows
     assert gate_up.to_local().shape == (4 // shape[0], 32 // shape[1], 32)
     ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
-    names = [name for name, _ in reference.named_parameters()]
-    assert names == [name for name, _ in model.named_parameters()]
+    optim_params = list(model.parameters())
     per_rank = 2
     for step in range(3):
         gen = torch.Generator().manual_seed(100 + step)
@@ -104,22 +103,8 @@ def _train(sequence_parallel: bool, shape: tuple[int, int]) -> None:
         loss = _loss(model, tokens[mine], targets[mine])
         loss.backward()
         torch.testing.assert_close(loss.detach() / data_ranks, ref_losses[data_rank])
-        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
-            assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
-            torch.testing.assert_close(
-                full_tensor(p.grad), ref_p.grad, **GRAD_TOL, msg=lambda m, n=name: f"grad {n}: {m}"
-            )
-        ref_optim.step()
-        optim.step()
-        ref_optim.zero_grad()
-        optim.zero_grad()
-        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(
-                full_tensor(p.detach()),
-                ref_p.detach(),
-                **PARAM_TOL,
-                msg=lambda m, n=name: f"{n}: {m}",
-            )
+        assert all(isinstance(p, DTensor) and isinstance(p.grad, DTensor) for p in optim_params)
+        check_step(model, reference, optim, ref_optim, grad_tol=GRAD_TOL, param_tol=PARAM_TOL)
 
 
 @pytest.mark.four_ranks
@@ -246,7 +231,6 @@ def _hf_train(family: str) -> None:
             p.register_hook(lambda grad: grad / ep)
         fully_shard(layer, mesh=mesh["ep"], ignored_params=experts)
     fully_shard(model, mesh=mesh["ep"])
-    names = [name for name, _ in reference.named_parameters()]
     ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
     for step in range(2):
         gen = torch.Generator().manual_seed(200 + step)
@@ -265,21 +249,7 @@ def _hf_train(family: str) -> None:
         # rounding of the routing weights (differently summed) shows through AdamW's update
         tol = {} if step == 0 else HF_TOL
         torch.testing.assert_close(out.logits.detach(), expected, **tol)
-        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(
-                full_tensor(p.grad),
-                ref_p.grad,
-                **(tol or GRAD_TOL),
-                msg=lambda m, n=name: f"grad {n}: {m}",
-            )
-        ref_optim.step()
-        optim.step()
-        ref_optim.zero_grad()
-        optim.zero_grad()
-    for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(
-            full_tensor(p.detach()), ref_p.detach(), **HF_TOL, msg=lambda m, n=name: f"{n}: {m}"
-        )
+        check_step(model, reference, optim, ref_optim, grad_tol=tol or GRAD_TOL, param_tol=HF_TOL)
 
 
 @pytest.mark.four_ranks
@@ -371,7 +341,6 @@ def _train_dp_ep_tp(sequence_parallel: bool) -> None:
     fully_shard(model, mesh=data)
     data_rank = data.get_local_rank()
     ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
-    names = [name for name, _ in reference.named_parameters()]
     per_rank = 2
     for step in range(3):
         gen = torch.Generator().manual_seed(100 + step)
@@ -382,24 +351,10 @@ def _train_dp_ep_tp(sequence_parallel: bool) -> None:
             (_loss(reference, tokens[mine], targets[mine]) / data_ranks).backward()
         mine = slice(data_rank * per_rank, (data_rank + 1) * per_rank)
         _loss(model, tokens[mine], targets[mine]).backward()
-        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(
-                p.grad.to_local(),
-                _shard_of(ref_p.grad, p),
-                **GRAD_TOL,
-                msg=lambda m, n=name: f"grad {n}: {m}",
-            )
-        ref_optim.step()
-        optim.step()
-        ref_optim.zero_grad()
-        optim.zero_grad()
-        for name, p, ref_p in zip(names, model.parameters(), reference.parameters(), strict=True):
-            torch.testing.assert_close(
-                p.detach().to_local(),
-                _shard_of(ref_p.detach(), p),
-                **PARAM_TOL,
-                msg=lambda m, n=name: f"{n}: {m}",
-            )
+        check_step(
+            model, reference, optim, ref_optim, grad_tol=GRAD_TOL, param_tol=PARAM_TOL,
+            shard_of=_shard_of,
+        )  # fmt: skip
 
 
 @pytest.mark.slow  # eight ranks
