@@ -46,6 +46,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,54 @@ class MoECounter(CollectiveCounter):
     """``bench_tp.CollectiveCounter`` (c10d and functional collectives, by module and pass),
     with all-to-alls of integer tensors (the per-expert token counts exchanged before a
     dispatch) recorded under their own kind, ``all_to_all(counts)``, and all-reduces of one
-    or two integers (checks agreed over the ranks) under ``all_reduce(check)``."""
+    or two integers (checks agreed over the ranks) under ``all_reduce(check)``.
+
+    The collectives of an MoE layer's output hooks (a plan's ``PrepareModuleOutput`` on the
+    block: the reduce-scatter of its partial output, and that one's backward, the all-gather
+    of the output's gradient) run after the module tracker has left the layer (its global
+    hooks run before the module's own): they are attributed to the layer here, by hooks put
+    around the layer's own output hooks."""
+
+    def __enter__(self) -> MoECounter:
+        super().__enter__()
+        self._hooked: dict[int, list[Any]] = {}
+        # after the tracker's own global pre-hook, which names the module
+        self._pre_hook = nn.modules.module.register_module_forward_pre_hook(self._hook_layer)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pre_hook.remove()
+        for handles in self._hooked.values():
+            for handle in handles:
+                handle.remove()
+        super().__exit__(*exc)
+
+    def _hook_layer(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self._hooked:
+            return
+        name = self._name(module)
+        if name.split(".")[-1] not in ("feed_forward", "mlp"):
+            return
+        # hooks registered now take part in this very call: one before the layer's own
+        # output hooks, one after them
+        self._hooked[id(module)] = [
+            module.register_forward_hook(partial(self._outputs_begin, name), prepend=True),
+            module.register_forward_hook(partial(self._outputs_end, name)),
+        ]
+
+    def _outputs_begin(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        self._active.append((name, False))
+        self._computed = output
+
+    def _outputs_end(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        self._remove((name, False))
+        computed, self._computed = self._computed, None
+        moved = isinstance(output, torch.Tensor) and output is not computed
+        if moved and isinstance(computed, torch.Tensor) and computed.requires_grad:
+            # backward: the layer's from the gradient of what its output hooks returned to
+            # that of what it computed (then the tracker's own entry takes over)
+            output.register_hook(lambda grad: self._active.append((name, True)))
+            computed.register_hook(lambda grad: self._remove((name, True)) and None)
 
     def __torch_dispatch__(
         self,

@@ -159,12 +159,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         file="torch_tp/style/sequence.py",
         old="""        swapped = _swap_in_local_parameters(inner, rt, self.sum_gradients)
         try:
-            return _run_on_local_parameters(
+            out = _run_on_local_parameters(
                 module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
             )""",
         new="""        swapped = _swap_in_local_parameters(inner, rt, False)
         try:
-            return _run_on_local_parameters(
+            out = _run_on_local_parameters(
                 module, rt, False, own_forward, *inputs, **kwargs
             )""",
         tests=(

@@ -6,18 +6,32 @@ through the reference MoE Llama's ready plans."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from helpers import adamw, full_tensor, tp_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from torch_tp import ExpertParallel, ReplicateParallel, TensorParallelExperts, parallelize_module
+from torch_tp import (
+    ExpertParallel,
+    PrepareModuleInput,
+    ReplicateParallel,
+    TensorParallelExperts,
+    parallelize_module,
+)
 from torch_tp.models import Experts, MoEConfig, MoEFeedForward, MoELlama
 from torch_tp.plans.moe import moe_llama_plan
 from torch_tp.testing import check_parity, collective_counts, run_distributed
+
+# the benchmark's counter and minima (not a package: imported from its directory, where the
+# tests that use it need it; the test ranks import this module too, so they get the same path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def _config(**fields) -> MoEConfig:
@@ -304,3 +318,173 @@ def _refusals() -> None:
 
 def test_bad_input_is_refused():
     run_distributed(_refusals, 2)
+
+
+# --- minimal collectives per MoE layer ------------------------------------------------------
+# Every layout of moe_llama_plan counted per MoE layer against the minimum
+# (benchmarks/bench_moe.py's expected_moe, with its counter): tp+sp gathers the sequence once
+# and reduce-scatters the block's partial output once (the experts' and the shared expert's
+# outputs left partial sums), and the router's load-balancing gradient, whole on every rank,
+# is counted once.
+
+_LAYOUTS = {
+    # name: (experts, sequence_parallel, bench_moe's minimum)
+    "tp": ("tp", False, "tp"),
+    "tp+sp": ("tp", True, "tp+sp"),
+    "ep": ("ep", False, "ep-replicated"),
+    "ep+sp": ("ep", True, "ep-dispatch"),
+}
+
+
+def _small_config(shared: bool) -> MoEConfig:
+    return MoEConfig(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        vocab_size=128,
+        n_experts=4,
+        expert_hidden_dim=16,
+        shared_expert_hidden_dim=16 if shared else None,
+    )
+
+
+def _counts(names: list[str], shared: bool) -> dict[str, dict]:
+    """On each rank: one forward and backward of the MoE Llama (batch 2: the experts'
+    flattened tokens are not a sequence shard) in each layout, its collectives by pass inside
+    the MoE layers (bench_moe's split) and their total against CommDebugMode's."""
+    import bench_moe
+
+    torch.manual_seed(0)
+    config = _small_config(shared)
+    reference = MoELlama(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 8))
+    result = {}
+    for name in names:
+        experts, sp, _ = _LAYOUTS[name]
+        model = MoELlama(config)
+        model.load_state_dict(reference.state_dict())
+        plan = moe_llama_plan(experts=experts, shared_expert=shared, sequence_parallel=sp)
+        parallelize_module(model, tp_mesh(), plan)
+
+        def step(model=model) -> None:
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            (loss + model.aux_loss()).backward()
+
+        with bench_moe.MoECounter() as counter:
+            step()
+        with CommDebugMode() as comm:
+            step()
+        split = bench_moe.split_records(counter.records)
+        result[name] = {
+            "fwd": {k: c for k, (c, _) in split["fwd"].items()},
+            "bwd": {k: c for k, (c, _) in split["bwd"].items()},
+            "all": len(counter.records),
+            "comm_debug": comm.get_total_counts(),
+        }
+    return result
+
+
+def _check(names: list[str], shared: bool) -> None:
+    import bench_moe
+
+    result = run_distributed(_counts, 2, names, shared)[0]
+    for name in names:
+        fwd, bwd = bench_moe.expected_moe(_LAYOUTS[name][2], _small_config(shared).n_layers)
+        got = result[name]
+        assert (got["fwd"], got["bwd"]) == (fwd, bwd), (name, got)
+        # the counter misses no collective CommDebugMode sees
+        assert got["all"] == got["comm_debug"], (name, got)
+
+
+@pytest.mark.fast_runtime  # plain DTensor reduces gradients apart, as they arrive
+def test_tp_sp_issues_the_minimal_collectives():
+    # the sequence gathered once, the experts' partial output reduce-scattered once
+    _check(["tp+sp"], shared=False)
+
+
+@pytest.mark.slow
+@pytest.mark.fast_runtime
+def test_every_moe_layout_issues_the_minimal_collectives():
+    _check(list(_LAYOUTS), shared=False)
+
+
+@pytest.mark.slow
+@pytest.mark.fast_runtime
+def test_minimal_collectives_with_a_shared_expert():
+    # tp+sp: the shared expert's partial output joins the experts' before the one
+    # reduce-scatter (without sequence parallelism the shared expert still reduces its own
+    # output, and under ep+sp it gathers and scatters its tokens: not expected_moe's minima)
+    _check(["tp+sp"], shared=True)
+
+
+def _tp_sp_parity(batch: int, shared: bool) -> None:
+    torch.manual_seed(0)
+    config = _small_config(shared)
+    model = MoELlama(config).double()
+    tokens = torch.randint(0, config.vocab_size, (batch, 8))
+
+    plan = moe_llama_plan(experts="tp", shared_expert=shared, sequence_parallel=True)
+    model.config.router_aux_loss_coef = 10.0  # a gradient counted once per rank would show
+    check_parity(
+        WithAuxLoss(model),
+        tp_mesh(),
+        {f"model.{path}".rstrip("."): style for path, style in plan.items()},
+        (tokens,),
+        optimizer_fn=adamw,
+        steps=2,
+    )
+
+
+@pytest.mark.parametrize(
+    ("batch", "shared"),
+    [(2, False), pytest.param(3, True, marks=pytest.mark.slow)],
+    ids=["batch2", "batch3_shared_expert"],
+)
+def test_tp_sp_reduce_scatter_matches_one_device(batch, shared):
+    run_distributed(_tp_sp_parity, 2, batch, shared)
+
+
+def _refusals() -> None:
+    with pytest.raises(ValueError, match="output_layouts must be Replicate"):
+        TensorParallelExperts(output_layouts=Shard(0))
+    with pytest.raises(ValueError, match="needs sum_gradients=True"):
+        ReplicateParallel(whole_gradient_outputs=(0,))
+    with pytest.raises(TypeError, match="whole_gradient_outputs must be a tuple"):
+        ReplicateParallel(sum_gradients=True, whole_gradient_outputs=0)
+    with pytest.raises(ValueError, match="desired Replicate"):
+        PrepareModuleInput(
+            input_layouts=Replicate(), desired_input_layouts=Shard(1), partial_input_gradients=True
+        )
+    with pytest.raises(ValueError, match="use_local_output"):
+        PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), partial_input_gradients=True
+        )
+    with pytest.raises(ValueError, match=r"Replicate\(\) or Shard\(d\)"):
+        PrepareModuleInput(
+            input_layouts=Partial(),
+            desired_input_layouts=Replicate(),
+            use_local_output=True,
+            partial_input_gradients=True,
+        )
+
+
+def test_bad_options_are_refused():
+    _refusals()
+    assert dist.is_available()
+
+
+def _whole_experts_in_the_region() -> None:
+    torch.manual_seed(0)
+    model = MoELlama(_small_config(shared=False))
+    plan = moe_llama_plan(experts="tp", sequence_parallel=True)
+    # the old default: the experts' output reduced inside a block that reduce-scatters it
+    plan["layers.*.feed_forward.experts"] = TensorParallelExperts()
+    parallelize_module(model, tp_mesh(), plan)
+    with pytest.raises(ValueError, match=r"must leave their output partial"):
+        model(torch.randint(0, 128, (2, 8)))
+    dist.barrier()  # every rank raised, none waits
+
+
+def test_replicated_experts_inside_the_reduce_scattered_block_are_refused():
+    run_distributed(_whole_experts_in_the_region, 2)

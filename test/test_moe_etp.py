@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from helpers import adamw, check_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 import torch_tp
 from torch_tp import ExpertTensorParallel
@@ -66,7 +66,10 @@ def _parallelize(
     plan = moe_llama_plan(experts="tp", shared_expert=True, sequence_parallel=sequence_parallel)
     del plan[EXPERTS]  # the experts go on the 2-D mesh
     torch_tp.parallelize_module(model, mesh["tp"], plan)
-    torch_tp.parallelize_module(model, mesh, {EXPERTS: ExpertTensorParallel()})
+    # under sequence parallelism the block reduce-scatters its output: the experts leave
+    # theirs a partial sum over tp
+    experts = ExpertTensorParallel(output_layouts=Partial() if sequence_parallel else None)
+    torch_tp.parallelize_module(model, mesh, {EXPERTS: experts})
     ep = mesh["ep"].size()
     for block in model.layers:
         experts = list(block.feed_forward.experts.parameters())
@@ -329,7 +332,8 @@ def _train_dp_ep_tp(sequence_parallel: bool) -> None:
     plan = moe_llama_plan(experts="tp", shared_expert=True, sequence_parallel=sequence_parallel)
     del plan[EXPERTS]
     torch_tp.parallelize_module(model, mesh["tp"], plan)
-    torch_tp.parallelize_module(model, mesh["ep", "tp"], {EXPERTS: ExpertTensorParallel()})
+    experts = ExpertTensorParallel(output_layouts=Partial() if sequence_parallel else None)
+    torch_tp.parallelize_module(model, mesh["ep", "tp"], {EXPERTS: experts})
     data_ranks = data.size()
     for block in model.layers:
         experts = block.feed_forward.experts

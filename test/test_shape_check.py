@@ -203,6 +203,22 @@ def test_a_layer_unlike_the_first_is_traced_itself():
         assert Block.calls > 4
 
 
+def test_layers_planned_differently_are_not_alike():
+    """Layers 1 and 2 are alike but for their plan (layer 2's ``down`` column-parallel, which
+    cannot take the column-parallel ``up``'s shard): layer 2 is traced, not replayed from
+    layer 1, so its problem is found."""
+    from torch_tp._repeats import repeated_blocks
+    from torch_tp.plan import resolve_plan
+
+    model = Stack(3)
+    plan = {"layers.*.up": ColwiseParallel(), "layers.[01].down": RowwiseParallel()}
+    plan["layers.2.down"] = ColwiseParallel()
+    styles = {id(e.module): e.style for e in resolve_plan(model, plan)}
+    assert repeated_blocks(model, styles) == {"layers.1": "layers.0"}
+    problems = check_shapes(model, plan, 2, example_inputs=torch.randn(B, T, EMBD))
+    assert problems and problems[0].module == "layers.2.down", problems
+
+
 class ReadsValues(nn.Module):
     """A forward that reads values (``.item()``, ``bool()``) and makes CPU scalars."""
 

@@ -320,7 +320,7 @@ def describe(style: object) -> str:
 
     def show(value: Any) -> str:
         if isinstance(value, list):
-            inner = ", ".join("None" if v is None else v for v in value)
+            inner = ", ".join("None" if v is None else str(v) for v in value)
             return f"({inner},)" if len(value) == 1 else f"({inner})"
         if isinstance(value, dict):
             return "{" + ", ".join(f"{k!r}: {v}" for k, v in value.items()) + "}"

@@ -10,7 +10,7 @@ inputs.
 Two siblings of an ``nn.ModuleList`` or ``nn.Sequential`` are *alike* when everything their
 forward could read a shape from is the same:
 
-* the classes and paths of all their submodules;
+* the classes and paths of all their submodules, and the style the plan gives each;
 * each parameter's and buffer's shape, dtype and ``requires_grad``;
 * every attribute of every submodule: plain values (numbers, strings, dtypes and tuples or
   lists of them) by value, tensors by shape and dtype, any other object by identity (a shared
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -45,11 +45,14 @@ _MODULE_STATE = frozenset(vars(nn.Module())) - {"training"}
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
-def repeated_blocks(model: nn.Module) -> dict[str, str]:
+def repeated_blocks(model: nn.Module, styles: Mapping[int, Any] | None = None) -> dict[str, str]:
     """The blocks of ``model`` alike to an earlier sibling: path -> the first sibling's path.
 
     Blocks are the children of every ``nn.ModuleList`` and ``nn.Sequential`` in ``model``;
-    nested lists (the experts of each layer) are covered inside their block's own replay."""
+    nested lists (the experts of each layer) are covered inside their block's own replay.
+    ``styles`` (``id(module) -> style``, a plan's) are part of what must be alike: two layers
+    planned differently are not."""
+    styles = styles or {}
     repeats: dict[str, str] = {}
     for path, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or any(
@@ -60,7 +63,7 @@ def repeated_blocks(model: nn.Module) -> dict[str, str]:
         count = len(children)
         firsts: list[tuple[str, list[tuple]]] = []  # the first of each kind, with its signature
         for index, (name, child) in enumerate(children):
-            signature = _signature(child, index, count)
+            signature = _signature(child, index, count, styles)
             for first, first_signature in firsts:
                 if _alike(first_signature, signature):
                     repeats[f"{path}.{name}" if path else name] = first
@@ -70,12 +73,13 @@ def repeated_blocks(model: nn.Module) -> dict[str, str]:
     return repeats
 
 
-def _signature(block: nn.Module, index: int, count: int) -> list[tuple]:
+def _signature(block: nn.Module, index: int, count: int, styles: Mapping[int, Any]) -> list[tuple]:
     """Everything the forward of ``block`` (at ``index`` of ``count`` siblings) could read a
-    shape from, as a list of comparable entries."""
+    shape from, its submodules' styles included, as a list of comparable entries."""
     entries: list[tuple] = []
     for path, sub in block.named_modules():
-        entries.append(("module", path, type(sub)))
+        style = styles.get(id(sub))
+        entries.append(("module", path, type(sub), type(style), repr(style)))
         for name, t in compat.direct_parameters(sub).items():  # None slots (bias=False) too
             entries.append(("param", path, name, _tensor(t)))
         for name, t in sub.named_buffers(recurse=False):

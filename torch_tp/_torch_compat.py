@@ -252,6 +252,12 @@ def own_alias(value: torch.Tensor) -> torch.Tensor:
 _SOLE_USE_COUNT: list[int] = []
 
 
+def view_base(value: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``value`` is a view of (``None``: it is not a view). Private
+    (``Tensor._base``), and the only one."""
+    return value._base
+
+
 def sole_owner(value: torch.Tensor) -> bool:
     """Whether no other tensor shares ``value``'s memory (no view of it, no base it views):
     the use count of its storage is that of a fresh tensor's (measured once, so that a torch

@@ -153,7 +153,7 @@ def check_shapes(
     args, kwargs = _inputs(example_inputs, example_kwargs)
     # each repeated layer traced once: the answer when it finds nothing; otherwise every op
     # is traced, so that what is reported (and the error) is the whole model's
-    repeats = repeated_blocks(module)
+    repeats = repeated_blocks(module, {id(e.module): e.style for e in _entries(module, plan)})
     if repeats:
         problems = _traced(module, plan, degree, args, kwargs, repeats)
         if problems == []:

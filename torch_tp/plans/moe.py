@@ -7,8 +7,14 @@ experts and an optional shared expert, planned in one of two ways:
 ``experts="tp"``: tensor-parallel experts (:class:`~torch_tp.TensorParallelExperts`)
     Every rank holds a slice of every expert's hidden dimension. The router is replicated
     (it sees every token). One all-reduce forward and one backward per MoE layer, as a dense
-    MLP costs; with ``sequence_parallel`` the block's sequence shard is gathered before the
-    feed-forward and the replicated output sliced back after it.
+    MLP costs. With ``sequence_parallel`` the block's sequence shard is gathered before the
+    feed-forward, the experts' and the shared expert's outputs are left partial sums, added,
+    and the block's output reduce-scattered back to the sequence shard: one all-gather and
+    one reduce-scatter forward, the same backward (the output's gradient gathered, the
+    input's partial gradient reduce-scattered). The router then sees every token but its
+    gradients are partial sums (summed at the end of backward with the norms'), and the
+    load-balancing loss, computed alike on every rank, reaches it once: rank 0 hands its
+    whole gradient back, the others zeros (``ReplicateParallel(whole_gradient_outputs=(0,))``).
 
 ``experts="ep"``: expert parallelism (:class:`~torch_tp.ExpertParallel`)
     Each rank holds whole experts (``n_experts`` must divide by the degree). Without
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from torch_tp.plans.llama import llama_plan
 from torch_tp.style import (
@@ -95,32 +101,45 @@ def moe_llama_plan(
     }
     ff = "layers.*.feed_forward"
     dispatch = experts == "ep" and sequence_parallel
+    # tensor-parallel experts under sequence parallelism: the block's output is a partial
+    # sum, reduce-scattered onto the sequence (a region whose input gradients are partial)
+    region = experts == "tp" and sequence_parallel
     if experts == "tp":
-        plan[f"{ff}.experts"] = TensorParallelExperts()
+        plan[f"{ff}.experts"] = TensorParallelExperts(
+            output_layouts=Partial() if region else Replicate()
+        )
     else:
         plan[f"{ff}.experts"] = ExpertParallel(
             input_layouts=Shard(0) if sequence_parallel else Replicate()
         )
-    # a router on a sequence shard sees part of the tokens: its gradients are partial sums
-    plan[f"{ff}.router"] = ReplicateParallel(sum_gradients=dispatch)
-    if sequence_parallel and not dispatch:
-        # the tensor-parallel experts compute with every token: gather the sequence before
-        # the feed-forward, keep this rank's shard of the (replicated) result after it
+    # a router on a sequence shard sees part of the tokens: its gradients are partial sums;
+    # in the region, so are they (its routing weights' from the experts), but the gradient of
+    # its probabilities (output 0, the load-balancing loss's) is whole on every rank
+    if region:
+        plan[f"{ff}.router"] = ReplicateParallel(sum_gradients=True, whole_gradient_outputs=(0,))
+    else:
+        plan[f"{ff}.router"] = ReplicateParallel(sum_gradients=dispatch)
+    if region:
+        # gather the sequence before the feed-forward (its gradient reduce-scattered back),
+        # reduce-scatter the block's partial output onto the sequence after it. On [batch,
+        # seq, dim]: the experts' flattened tokens are not a sequence shard when batch > 1
         plan[ff] = PrepareModuleInputOutput(
             input_layouts=Shard(1),
             desired_input_layouts=Replicate(),
             use_local_input=True,
-            output_layouts=Replicate(),
+            partial_input_gradients=True,
+            output_layouts=Partial(),
             desired_output_layouts=Shard(1),
         )
     if not shared_expert:
         return plan
-    # the shared expert's tokens: flattened [tokens, dim], this rank's (dispatch) or all
+    # the shared expert's tokens: flattened [tokens, dim], this rank's (dispatch) or all;
+    # in the region, its output is left a partial sum and its input's gradient too
     tokens = Shard(0) if dispatch else Replicate()
     plan[f"{ff}.shared_expert"] = PrepareModuleInput(
-        input_layouts=tokens, desired_input_layouts=Replicate()
+        input_layouts=tokens, desired_input_layouts=Replicate(), partial_input_gradients=region
     )
     plan[f"{ff}.shared_expert.w1"] = ColwiseParallel()
     plan[f"{ff}.shared_expert.w3"] = ColwiseParallel()
-    plan[f"{ff}.shared_expert.w2"] = RowwiseParallel(output_layouts=tokens)
+    plan[f"{ff}.shared_expert.w2"] = RowwiseParallel(output_layouts=Partial() if region else tokens)
     return plan

@@ -107,6 +107,9 @@ class _Local:
     layout: Placement
     origin: str
     ndim: int  # of the tensor the layout was given to, to show it as its producer made it
+    # whole, but its gradient is a partial sum, summed where it was entered (a block's input
+    # under PrepareModuleInput's partial_input_gradients)
+    partial_gradient: bool = False
 
 
 @dataclass(eq=False)
@@ -139,11 +142,17 @@ class _Node:
     grads: list[Placement] = field(default_factory=list)
     # nodes of one group send their gradients back in one collective (Boundary.coalesced)
     group: int | None = None
+    # its gradient goes back as this rank's partial sum, summed further back: no collective
+    handed_back: bool = False
 
 
 _State = _Local | _Node | _DTensorAfterOps | _Broken
 
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
+# ops whose second input gives only a shape: the output is the first's data (expand_as is
+# not one: a mask expanded to a sharded tensor's shape is that tensor's local shape, as a
+# broadcast in any elementwise op)
+_LIKE = {torch.Tensor.view_as, torch.Tensor.reshape_as}
 # ops that cut a packed output into its parts: each part is a plain shard (q_r, k_r, v_r)
 _SPLITS = {
     torch.split,
@@ -373,6 +382,11 @@ class _Trace:
                     self.entered.add((id(t), given))
                     self.alive.append(t)
             node = self.node(target, t, entry.key, origin=given)
+            # a whole value inside a partial-gradient region, read whole again: its
+            # gradient goes back as it is, to be summed where the region began
+            node.handed_back = (
+                state.partial_gradient and isinstance(grad, Partial) and given == target
+            )
         else:
             return state
         if not layout.local:
@@ -380,7 +394,8 @@ class _Trace:
                 node.grads.append(grad)
             return node
         node.grads.append(grad if node.placement == target else node.placement)
-        return _Local(_neg(node.placement, ndim), entry.key, ndim)
+        partial = isinstance(grad, Partial) and isinstance(node.placement, Replicate)
+        return _Local(_neg(node.placement, ndim), entry.key, ndim, partial_gradient=partial)
 
     def boundary(
         self, entry: PlanEntry, boundary: Boundary, values: tuple, kwargs: dict, side: str
@@ -553,6 +568,8 @@ class _Trace:
         if not outputs:
             return
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func in _LIKE:
+            inputs = inputs[:1]  # the other gives only the shape
         if func in _VIEWS and inputs and id(inputs[0]) in self.colwise_outputs:
             # a column-parallel output viewed as (..., heads, head_dim): remember the heads
             x, y = inputs[0], outputs[0]
@@ -758,7 +775,7 @@ def _backward(trace: _Trace) -> None:
     for index in reversed(range(len(trace.nodes))):
         transfers_after(index)
         node = trace.nodes[index]
-        if not node.requires_grad or not node.grads:
+        if not node.requires_grad or not node.grads or node.handed_back:
             continue
         grad = node.grads[0]
         source = node.parent.placement if node.parent is not None else node.origin

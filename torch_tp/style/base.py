@@ -559,3 +559,20 @@ def _swap_in_local_parameters(
 def _swap_back(swapped: list[tuple[nn.Module, dict]]) -> None:
     for sub, original in reversed(swapped):
         compat.swap_direct_parameters(sub, original)
+
+
+# set on the local tensor PrepareModuleInput(partial_input_gradients=True) hands a module: a
+# whole value whose gradient each rank gives back as a partial sum (see in_partial_region)
+PARTIAL_GRADIENT_REGION = "_torch_tp_partial_gradient_region"
+
+
+def in_partial_region(value: Any) -> bool:
+    """Whether ``value`` (or the tensor it is a view of) is a block's input whose gradients
+    are partial sums, summed where the block began (``partial_input_gradients``)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return False
+    base = compat.view_base(value)
+    base = value if base is None else base
+    return bool(
+        value.__dict__.get(PARTIAL_GRADIENT_REGION) or base.__dict__.get(PARTIAL_GRADIENT_REGION)
+    )

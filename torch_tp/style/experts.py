@@ -23,6 +23,7 @@ from torch_tp.style.base import (
     _distribute_and_wrap,
     _run_on_local_parameters,
     _where,
+    in_partial_region,
     short_repr,
 )
 
@@ -58,6 +59,18 @@ class TensorParallelExperts(ParallelStyle):
     ``down_proj`` ``[n_experts, dim, hidden]`` (Nemotron-H), are sharded on the same
     dimension: ``up_proj`` ``Shard(1)``, ``down_proj`` ``Shard(2)``.
 
+    With ``output_layouts=Partial()`` neither all-reduce happens here: the output is this
+    rank's partial sum, and the gradients of the tokens and routing weights are handed back
+    as this rank's partial sums, for a caller that sums them itself (a block whose sequence
+    is gathered before and whose output is reduce-scattered after, as
+    :class:`PrepareModuleInputOutput` with ``partial_input_gradients`` does: one all-gather
+    and one reduce-scatter each way for the whole block).
+
+    Keyword Args:
+        output_layouts (Placement, optional): ``Replicate()``, the experts' output summed over
+            the ranks, or ``Partial()``, left a partial sum (and the inputs' gradients too).
+            Default: ``None``, ``Replicate()``.
+
     Example::
         >>> # xdoctest: +SKIP("distributed")
         >>> plan = {
@@ -68,18 +81,23 @@ class TensorParallelExperts(ParallelStyle):
 
     contract = StyleContract(
         names={"moe_tp_experts": {}},
-        arguments=lambda s: {},
+        arguments=lambda s: _output_arguments(s),
         parameters=lambda s, m: s._parameter_placements(m),
         # every rank computes with all the tokens and routing weights: partial gradients
-        inputs=lambda s, m: Boundary(
-            (
-                Layout(Replicate(), Replicate(), grad=Partial()),
-                None,
-                Layout(Replicate(), Replicate(), grad=Partial()),
-            ),
-            coalesced=True,
+        # (summed here, or handed back as they are with a partial output)
+        inputs=lambda s, m: (
+            Boundary(
+                (
+                    Layout(Replicate(), Replicate(), grad=Partial()),
+                    None,
+                    Layout(Replicate(), Replicate(), grad=Partial()),
+                ),
+                coalesced=True,
+            )
+            if isinstance(s.output_layouts, Replicate)
+            else None
         ),
-        outputs=lambda s, m: Boundary((Layout(Partial(), Replicate()),)),
+        outputs=lambda s, m: Boundary((Layout(Partial(), s.output_layouts),)),
         local_forward=lambda s, m: True,
         # whether any rank's expert ids are out of range, agreed (see _check_expert_ids)
         transfers=lambda s, m, inputs, degree: (
@@ -87,6 +105,10 @@ class TensorParallelExperts(ParallelStyle):
         ),
         meta_output=lambda s, m, args, kwargs: _tokens_like(args),
     )
+
+    def __init__(self, *, output_layouts: Placement | None = None) -> None:
+        super().__init__()
+        self.output_layouts = _check_output_layouts(output_layouts)
 
     @staticmethod
     def _transposed(module: nn.Module) -> bool | None:
@@ -185,15 +207,24 @@ class TensorParallelExperts(ParallelStyle):
                 "top_k_weights), or experts(hidden_states) for tokens routed already, found "
                 f"{1 + len(routing)} positional inputs"
             )
-        if routing:  # (top_k_index, top_k_weights): the weights' gradient is partial too
+        _refuse_whole_in_partial_region(self, module, hidden_states)
+        if routing:
             top_k_index, top_k_weights = routing
             stacked = module.up_proj if self._ungated(module) else module.gate_up_proj
             _check_expert_ids(self, module, rt, top_k_index, stacked.shape[0])
+        partial_output = isinstance(self.output_layouts, Partial)
+        if partial_output:
+            # the caller sums the inputs' partial gradients (and the output) itself
+            _refuse_dtensor_tokens(self, module, (hidden_states, *routing))
+        elif routing:  # (top_k_index, top_k_weights): the weights' gradient is partial too
+            top_k_index, top_k_weights = routing
             hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
             routing = (top_k_index, top_k_weights)
         else:  # tokens routed and weighted already (Llama 4)
             (hidden_states,) = rt.enter_replicated_many((hidden_states,))
         partial = _run_on_local_parameters(module, rt, False, own_forward, hidden_states, *routing)
+        if partial_output:
+            return partial
         return rt.reduce_partial(partial, Replicate(), True)
 
 
@@ -566,6 +597,17 @@ class ExpertTensorParallel(ParallelStyle):
     every rank before any token moves: their count is agreed over ``tp`` (one all-reduce of
     one number) and travels with the counts over ``ep``.
 
+    With ``output_layouts=Partial()`` the sum over ``tp`` is left to the caller, as for
+    :class:`TensorParallelExperts`: the output is this rank's partial sum over ``tp``, and
+    the tokens' and routing weights' gradients are handed back as partial sums over ``tp``
+    (a block gathering its sequence over ``tp`` before and reduce-scattering its output
+    after).
+
+    Keyword Args:
+        output_layouts (Placement, optional): ``Replicate()`` (summed over ``tp``) or
+            ``Partial()`` (left a partial sum over ``tp``). Default: ``None``,
+            ``Replicate()``.
+
     Example::
         >>> # xdoctest: +SKIP("distributed")
         >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("ep", "tp"))
@@ -576,7 +618,7 @@ class ExpertTensorParallel(ParallelStyle):
 
     contract = StyleContract(
         names={"ep_tp_experts": {}},
-        arguments=lambda s: {},
+        arguments=lambda s: _output_arguments(s),
         parameters=lambda s, m: {
             name: (Shard(0), placement)
             for name, placement in TensorParallelExperts()._parameter_placements(m).items()
@@ -585,6 +627,10 @@ class ExpertTensorParallel(ParallelStyle):
         meta_output=lambda s, m, args, kwargs: _tokens_like(args),
         mesh_ndim=2,
     )
+
+    def __init__(self, *, output_layouts: Placement | None = None) -> None:
+        super().__init__()
+        self.output_layouts = _check_output_layouts(output_layouts)
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         self._check_kind(module)
@@ -636,14 +682,52 @@ class ExpertTensorParallel(ParallelStyle):
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         _refuse_dtensor_tokens(self, module, (hidden_states, top_k_index, top_k_weights))
+        _refuse_whole_in_partial_region(self, module, hidden_states)
         # every tp rank computes with all its ep rank's tokens: their gradients are partial
-        # sums over tp, summed in one all-reduce
-        hidden_states, top_k_weights = tp.enter_replicated_many((hidden_states, top_k_weights))
+        # sums over tp, summed in one all-reduce (or by the caller, with a partial output)
+        partial_output = isinstance(self.output_layouts, Partial)
+        if not partial_output:
+            hidden_states, top_k_weights = tp.enter_replicated_many((hidden_states, top_k_weights))
         partial = _route(
             self, module, rt, ep, own_forward, n_experts, hidden_states, top_k_index,
             top_k_weights, replicated=False, agree_over=tp.mesh,
         )  # fmt: skip
+        if partial_output:
+            return partial
         return tp.reduce_partial(partial, Replicate(), True)
+
+
+def _refuse_whole_in_partial_region(
+    style: ParallelStyle, module: nn.Module, hidden_states: torch.Tensor
+) -> None:
+    """A replicated output (and whole input gradients) inside a block whose gradients are
+    partial sums would be counted once per rank: refused, on every rank alike."""
+    if isinstance(style.output_layouts, Replicate) and in_partial_region(hidden_states):
+        raise ValueError(
+            f"{_where(style, module)}: the tokens come from a block whose input gradients are "
+            "partial sums and whose output is reduced after it (PrepareModuleInputOutput("
+            "partial_input_gradients=True, output_layouts=Partial()), as moe_llama_plan("
+            "experts='tp', sequence_parallel=True) plans the feed-forward): the experts must "
+            f"leave their output partial, {type(style).__name__}(output_layouts=Partial()), "
+            "found output_layouts=Replicate()"
+        )
+
+
+def _check_output_layouts(output_layouts: Placement | None) -> Placement:
+    """``Replicate()`` (the default) or ``Partial()`` (sum), else a ``ValueError``."""
+    layout = Replicate() if output_layouts is None else output_layouts
+    if not (isinstance(layout, Replicate) or layout == Partial()):
+        raise ValueError(
+            "output_layouts must be Replicate() (the experts' partial outputs summed here) or "
+            f"Partial() (left partial sums, for the caller to reduce), found {short_repr(layout)}"
+        )
+    return layout
+
+
+def _output_arguments(style: ParallelStyle) -> dict[str, Any]:
+    """A contract's arguments: ``output_layouts`` where it is not the default."""
+    layout = style.output_layouts
+    return {} if isinstance(layout, Replicate) else {"output_layouts": layout}
 
 
 def _check_expert_ids(

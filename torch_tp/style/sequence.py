@@ -16,13 +16,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from torch_tp import _layouts
 from torch_tp import _torch_compat as compat
 from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.random import sequence_parallel_dropout
 from torch_tp.style.base import (
+    PARTIAL_GRADIENT_REGION,
     ParallelStyle,
     _arguments,
     _as_kwarg_layouts,
@@ -197,9 +198,20 @@ class ReplicateParallel(_ReplicatedParameters):
     produces: :func:`torch_tp.plan.unsummed_gradients`), and the dry-run report flags it
     wherever its trace finds it computing on one.
 
+    A router on the whole (gathered) tokens of a block whose gradients are partial sums
+    (tensor-parallel experts leaving their output partial, under sequence parallelism: see
+    :class:`PrepareModuleInput`'s ``partial_input_gradients``) gets partial gradients of its
+    routing weights from the experts, but the whole gradient, on every rank, of the
+    probabilities a load-balancing loss is computed from (every rank computes that loss
+    alike): ``whole_gradient_outputs`` names those outputs, whose gradient rank 0 alone hands
+    back (zeros on the others), so that the sum over the ranks counts it once, exactly.
+
     Keyword Args:
         sum_gradients (bool, optional): sum the parameters' gradients over the ranks.
             Default: ``False``.
+        whole_gradient_outputs (tuple of int, optional): positions of the outputs whose
+            gradient is whole on every rank where the module's other gradients are partial
+            sums; needs ``sum_gradients``. Default: ``()``.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -216,7 +228,14 @@ class ReplicateParallel(_ReplicatedParameters):
             # rank's routing slots itself, so the router stays whole on every rank
             "ep_router": {},
         },
-        arguments=lambda s: {"sum_gradients": s.sum_gradients},
+        arguments=lambda s: {
+            "sum_gradients": s.sum_gradients,
+            **(
+                {"whole_gradient_outputs": s.whole_gradient_outputs}
+                if s.whole_gradient_outputs
+                else {}
+            ),
+        },
         # the whole module: its own parameters and its unstyled submodules' (dotted names)
         parameters=lambda s, m: s._whole_placements(m),
         partial_gradients=lambda s, m: tuple(s._whole_placements(m)) if s.sum_gradients else (),
@@ -226,9 +245,29 @@ class ReplicateParallel(_ReplicatedParameters):
         partial_sum=lambda s: "either" if s.sum_gradients else None,
     )
 
-    def __init__(self, *, sum_gradients: bool = False) -> None:
+    def __init__(
+        self, *, sum_gradients: bool = False, whole_gradient_outputs: tuple[int, ...] = ()
+    ) -> None:
         super().__init__()
         self.sum_gradients = _check_flag(sum_gradients, "sum_gradients")
+        outputs = (
+            tuple(whole_gradient_outputs)
+            if isinstance(whole_gradient_outputs, (tuple, list))
+            else None
+        )
+        if outputs is None or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in outputs
+        ):
+            raise TypeError(
+                "whole_gradient_outputs must be a tuple of output positions (ints >= 0), "
+                f"found {whole_gradient_outputs!r}"
+            )
+        if outputs and not self.sum_gradients:
+            raise ValueError(
+                "whole_gradient_outputs counts a whole gradient once in gradients summed over "
+                "the ranks: it needs sum_gradients=True"
+            )
+        self.whole_gradient_outputs = outputs
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
@@ -274,11 +313,42 @@ class ReplicateParallel(_ReplicatedParameters):
     ):
         swapped = _swap_in_local_parameters(inner, rt, self.sum_gradients)
         try:
-            return _run_on_local_parameters(
+            out = _run_on_local_parameters(
                 module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
             )
         finally:
             _swap_back(swapped)
+        if not self.whole_gradient_outputs:
+            return out
+        outputs = out if isinstance(out, tuple) else (out,)
+        if max(self.whole_gradient_outputs) >= len(outputs):
+            raise ValueError(
+                f"{_where(self, module)}: whole_gradient_outputs {self.whole_gradient_outputs} "
+                f"names outputs the module does not return (it returns {len(outputs)})"
+            )
+        outputs = tuple(
+            _WholeGradientOnce.apply(value, rt.mesh)
+            if i in self.whole_gradient_outputs
+            and isinstance(value, torch.Tensor)
+            and value.requires_grad
+            else value
+            for i, value in enumerate(outputs)
+        )
+        return outputs if isinstance(out, tuple) else outputs[0]
+
+
+class _WholeGradientOnce(torch.autograd.Function):
+    """The identity forward; backward, a gradient that is whole on every rank handed back by
+    rank 0 alone (zeros on the others), so that a sum over the ranks counts it once."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _layouts._on_rank_zero(grad, ctx.mesh), None
 
 
 class PrepareModuleInput(ParallelStyle):
@@ -300,6 +370,15 @@ class PrepareModuleInput(ParallelStyle):
             receive for keyword inputs. Default: ``None``.
         use_local_output (bool, optional): give the module local :class:`torch.Tensor` inputs
             instead of DTensors. Default: ``False``.
+        partial_input_gradients (bool, optional): the module computes with its whole inputs
+            (every desired layout ``Replicate()``) against sharded weights and leaves its
+            results partial sums (tensor-parallel experts and a row-parallel layer with
+            ``output_layouts=Partial()``), so each rank's gradient of an input is a partial
+            sum too: an input laid out ``Shard(d)`` gets the sum, reduce-scattered back
+            (the sequence gathered forward, its gradient reduce-scattered backward); an input
+            laid out ``Replicate()`` (inside a module prepared this way) hands this rank's
+            partial sum back as it is, to be summed where the region began (a whole gradient,
+            computed alike on every rank, is handed back by rank 0 alone). Default: ``False``.
 
     Returns:
         A :class:`ParallelStyle` that prepares the module's inputs.
@@ -328,6 +407,7 @@ class PrepareModuleInput(ParallelStyle):
             "input_kwarg_layouts": s.input_kwarg_layouts if s.with_kwargs else None,
             "desired_input_kwarg_layouts": s.desired_input_kwarg_layouts or None,
             "use_local_output": s.use_local_output,
+            **({"partial_input_gradients": True} if s.partial_input_gradients else {}),
         },
         inputs=lambda s, m: s._boundary(),
     )
@@ -340,10 +420,14 @@ class PrepareModuleInput(ParallelStyle):
         input_kwarg_layouts: dict[str, Placement] | None = None,
         desired_input_kwarg_layouts: dict[str, Placement] | None = None,
         use_local_output: bool = False,
+        partial_input_gradients: bool = False,
     ) -> None:
         self.input_layouts = _as_tuple(input_layouts, "input_layouts")
         self.desired_input_layouts = _as_tuple(desired_input_layouts, "desired_input_layouts")
         self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        self.partial_input_gradients = _check_flag(
+            partial_input_gradients, "partial_input_gradients"
+        )
         if self.input_layouts is not None:
             # AssertionError, as upstream raises: callers may catch it
             if self.desired_input_layouts is None:
@@ -364,17 +448,41 @@ class PrepareModuleInput(ParallelStyle):
             raise AssertionError(
                 "input_kwarg_layouts and desired_input_kwarg_layouts should have same length!"
             )
+        if self.partial_input_gradients:
+            self._check_partial_input_gradients()
+
+    def _check_partial_input_gradients(self) -> None:
+        pairs = list(zip(self.input_layouts or (), self.desired_input_layouts or (), strict=True))
+        pairs += [
+            (layout, self.desired_input_kwarg_layouts.get(name))
+            for name, layout in self.input_kwarg_layouts.items()
+        ]
+        for layout, desired in pairs:
+            if layout is None:
+                continue
+            if not isinstance(desired, Replicate) or not isinstance(layout, (Replicate, Shard)):
+                raise ValueError(
+                    "partial_input_gradients: the module computes with whole inputs, so each "
+                    "input must be laid out Replicate() or Shard(d) and desired Replicate(); "
+                    f"found {layout} desired {desired}"
+                )
+            if isinstance(layout, Shard) and not self.use_local_output:
+                raise ValueError(
+                    "partial_input_gradients with an input laid out Shard(d) hands the module "
+                    "its gathered local tensor: set use_local_output (use_local_input) too"
+                )
 
     def _boundary(self) -> Boundary:
         local = self.use_local_output
+        grad = Partial() if self.partial_input_gradients else None
         args = tuple(
-            None if layout is None else Layout(layout, desired, local)
+            None if layout is None else Layout(layout, desired, local, grad)
             for layout, desired in zip(
                 self.input_layouts or (), self.desired_input_layouts or (), strict=True
             )
         )
         kwargs = {
-            name: Layout(layout, self.desired_input_kwarg_layouts.get(name), local)
+            name: Layout(layout, self.desired_input_kwarg_layouts.get(name), local, grad)
             for name, layout in self.input_kwarg_layouts.items()
         }
         return Boundary(args, kwargs, exact=self.input_layouts is not None)
@@ -449,9 +557,26 @@ class PrepareModuleInput(ParallelStyle):
                 f"{layouts[0]}, found {type(value).__name__}"
             )
         try:
+            if self.partial_input_gradients and layouts[0] is not None:
+                return self._enter_partial(rt, value, layouts[0])
             return rt.prepare(value, *layouts, self.use_local_output)
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
+
+    def _enter_partial(self, rt: _layouts.DTensorRuntime, value: torch.Tensor, layout: Placement):
+        """One whole input whose gradient comes back a partial sum (``partial_input_gradients``)."""
+        if isinstance(layout, Shard) or isinstance(value, DTensor):
+            # gathered, and the partial gradients summed back into the layout
+            local = rt.enter_replicated(value, layout)
+            if not self.use_local_output:
+                return DTensor.from_local(local, rt.mesh)
+            # marked, so that a style inside that would sum its own gradients can refuse
+            for t in (local, compat.view_base(local)):  # its views share the base
+                if t is not None:
+                    t.__dict__[PARTIAL_GRADIENT_REGION] = True
+            return local
+        # a replicated local input inside a partial-gradient region: handed back as it is
+        return value if self.use_local_output else _layouts._replicated(value, rt.mesh)
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -571,6 +696,8 @@ class PrepareModuleInputOutput(ParallelStyle):
         desired_output_layouts (Union[Placement, Tuple[Placement]]): the layouts to return.
         use_local_output (bool, optional): return local tensors instead of DTensors.
             Default: ``True``.
+        partial_input_gradients (bool, optional): the module's gradients of its whole inputs
+            are partial sums (see :class:`PrepareModuleInput`). Default: ``False``.
 
     Returns:
         A :class:`ParallelStyle` that prepares the module's inputs and outputs.
@@ -616,6 +743,7 @@ class PrepareModuleInputOutput(ParallelStyle):
         output_layouts: Placement | tuple[Placement | None, ...],
         desired_output_layouts: Placement | tuple[Placement, ...],
         use_local_output: bool = True,
+        partial_input_gradients: bool = False,
     ) -> None:
         _check_flag(use_local_input, "use_local_input")
         self.prepare_module_input = PrepareModuleInput(
@@ -624,6 +752,7 @@ class PrepareModuleInputOutput(ParallelStyle):
             input_kwarg_layouts=input_kwarg_layouts,
             desired_input_kwarg_layouts=desired_input_kwarg_layouts,
             use_local_output=use_local_input,
+            partial_input_gradients=partial_input_gradients,
         )
         self.prepare_module_output = PrepareModuleOutput(
             output_layouts=output_layouts,
