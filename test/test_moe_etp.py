@@ -154,12 +154,14 @@ def _refusals() -> list[str]:
     refused(_model(), mesh, experts, example_inputs=torch.zeros(1, 4, dtype=torch.long))
     ep_mesh = init_device_mesh(device_type(), (2, 1), mesh_dim_names=("ep", "tp"))
     refused(_model(n_experts=3), ep_mesh, experts)  # 3 experts over ep2
+    swapped = init_device_mesh(device_type(), (2, 1), mesh_dim_names=("tp", "ep"))
+    refused(_model(), swapped, experts)
     return errors
 
 
 def test_plans_it_cannot_take_are_refused_before_anything_changes():
     errors = run_distributed(_refusals, 2)[0]
-    one_d, one_d_style, unnamed, hidden, shapes, experts = errors
+    one_d, one_d_style, unnamed, hidden, shapes, experts, swapped = errors
     assert "takes a 2-D mesh with named dimensions, (ep, tp)" in one_d and "1-D" in one_d
     assert "'layers.*.attention.wq'" in one_d_style or "layers.0.attention.wq" in one_d_style
     assert "ColwiseParallel" in one_d_style and "2-D mesh" in one_d_style
@@ -168,6 +170,7 @@ def test_plans_it_cannot_take_are_refused_before_anything_changes():
     assert "shape check" in shapes and "2-D" in shapes
     assert "3 experts do not split over the 2 ranks of 'ep'" in experts
     assert "ExpertTensorParallel" in experts and "layers.0.feed_forward.experts" in experts
+    assert "dims are ('tp', 'ep')" in swapped and "pass mesh['ep', 'tp']" in swapped
 
 
 def _bad_ids_on_one_rank(shape: tuple[int, int]) -> str:

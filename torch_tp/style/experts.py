@@ -641,6 +641,11 @@ class ExpertTensorParallel(ParallelStyle):
                 "experts split over the first, each expert's matrices over the second; found "
                 f"a {device_mesh.ndim}-D mesh with dims {names}"
             )
+        if {"ep", "tp"} <= set(names) and tuple(names) != ("ep", "tp"):
+            raise ValueError(
+                f"the mesh's dims are {names}: ExpertTensorParallel splits the experts over the "
+                "first and each expert's matrices over the second; pass mesh['ep', 'tp']"
+            )
         ep, tp = device_mesh[names[0]], device_mesh[names[1]]
         # each expert's matrices: as TensorParallelExperts over tp (stacked, hidden divisible)
         TensorParallelExperts()._validate(module, tp)
