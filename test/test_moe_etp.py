@@ -16,6 +16,8 @@ mean of the micro-batch losses), in float64, for three AdamW steps.
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,10 @@ from torch_tp import ExpertTensorParallel
 from torch_tp.models import MoEConfig, MoELlama
 from torch_tp.plans.moe import moe_llama_plan
 from torch_tp.testing import device_type, run_distributed
+
+# bench_moe's counter of collectives (imported inside the ranks' functions: the mutation check's
+# copy of the repository has no benchmarks/)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-8}
 PARAM_TOL = {"rtol": 1e-5, "atol": 1e-7}
@@ -368,3 +374,59 @@ def _train_dp_ep_tp(sequence_parallel: bool) -> None:
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_experts_over_dp_ep_tp_with_fsdp2_match_one_device(sequence_parallel):
     run_distributed(_train_dp_ep_tp, 8, sequence_parallel)
+
+
+def _etp_counts(sequence_parallel: bool) -> dict:
+    """One forward and backward of the MoE Llama at (ep2, tp2): the collectives inside its
+    MoE layers, forward and backward (bench_moe's split: the counts all-to-alls and the agreed
+    checks apart), their checks, and the total against CommDebugMode's."""
+    import bench_moe
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = _model()
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("ep", "tp"))
+    plan = moe_llama_plan(experts="tp", shared_expert=False, sequence_parallel=sequence_parallel)
+    del plan[EXPERTS]
+    torch_tp.parallelize_module(model, mesh["tp"], plan)
+    experts = ExpertTensorParallel(output_layouts=Partial() if sequence_parallel else None)
+    torch_tp.parallelize_module(model, mesh, {EXPERTS: experts})
+    tokens = torch.randint(
+        0, 128, (2, 16), generator=torch.Generator().manual_seed(mesh["ep"].get_local_rank())
+    )
+
+    def step() -> None:
+        _loss(model, tokens, tokens.roll(1, -1)).backward()
+
+    with bench_moe.MoECounter() as counter:
+        step()
+    with CommDebugMode() as comm:
+        step()
+    split = bench_moe.split_records(counter.records)
+    return {
+        "fwd": {k: c for k, (c, _) in split["fwd"].items()},
+        "bwd": {k: c for k, (c, _) in split["bwd"].items()},
+        "counts": {k: c for k, (c, _) in split["counts"].items()},
+        "check_modules": [r.module for r in counter.records if r.kind == "all_reduce(check)"],
+        "all": len(counter.records),
+        "comm_debug": comm.get_total_counts(),
+    }
+
+
+@pytest.mark.four_ranks
+@pytest.mark.fast_runtime  # plain DTensor reduces gradients apart, as they arrive
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_experts_over_ep_and_tp_issue_the_minimal_collectives(sequence_parallel):
+    """Per MoE layer (2 layers): the tokens' two all-to-alls over ep each way, and one
+    reduction over tp each way (an all-reduce; under sequence parallelism the block's one
+    all-gather and one reduce-scatter), the counts all-to-all and the agreed check of expert
+    ids (over tp) apart."""
+    n = 2
+    tp = {"all_gather": n, "reduce_scatter": n} if sequence_parallel else {"all_reduce": n}
+    for rank, got in enumerate(run_distributed(_etp_counts, 4, sequence_parallel)):
+        assert got["fwd"] == {**tp, "all_to_all": 2 * n}, (rank, got)
+        assert got["bwd"] == {**tp, "all_to_all": 2 * n}, (rank, got)
+        assert got["counts"] == {"all_to_all(counts)": n}, (rank, got)
+        # the agreed checks: the embedding's token ids, and each MoE layer's expert ids (tp)
+        experts = [f"layers.{i}.feed_forward.experts" for i in range(n)]
+        assert got["check_modules"] == ["tok_embeddings", *experts], (rank, got)
+        assert got["all"] == got["comm_debug"], (rank, got)  # the counter misses none
