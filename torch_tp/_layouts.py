@@ -201,6 +201,24 @@ def _on_rank_zero(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return local * (1 - torch.sym_min(rank, 1))
 
 
+def gradient_on_rank_zero(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``value`` itself, whose gradient, whole on every rank, goes back on rank 0 of ``mesh``
+    and as zeros on the others: so that a sum of the gradients over the ranks (a partial-sum
+    region's, a replicated parameter's partial gradient) counts it once."""
+    return _GradientOnRankZero.apply(value, mesh)
+
+
+class _GradientOnRankZero(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _on_rank_zero(grad, ctx.mesh), None
+
+
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (as torch computes them)."""
     stride, acc = [], 1

@@ -132,20 +132,6 @@ class LocalLinearParallel(ParallelStyle):
         return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
 
 
-class _FirstRankGradient(torch.autograd.Function):
-    """Identity forward; the backward passes the gradient on one rank and zeros on the others
-    (for a replicated output of a partial-sum region: the region sums its gradients)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: bool) -> torch.Tensor:
-        ctx.keep = keep
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return (grad if ctx.keep else torch.zeros_like(grad)), None
-
-
 def _forward_inputs(module: nn.Module) -> tuple[list[str], bool]:
     """The names of ``module``'s forward's positional inputs, and whether it takes more
     (``*args``)."""
@@ -250,11 +236,10 @@ class PartialSumParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
-        keep = device_mesh.get_local_rank() == 0  # the rank keeping the other outputs' grads
         placements = self._parameter_placements(module)
         # its own replicated parameters: partial gradients, like those of the inner modules
         replicated = frozenset(n for n, p in placements.items() if isinstance(p, Replicate))
-        return _distribute_whole(self, module, device_mesh, placements, keep, replicated)
+        return _distribute_whole(self, module, device_mesh, placements, replicated)
 
     def _forward(
         self,
@@ -262,7 +247,6 @@ class PartialSumParallel(ParallelStyle):
         rt: _layouts.DTensorRuntime,
         own_forward,
         inner: list[nn.Module],
-        keep: bool,
         replicated: frozenset[str],
         *args: Any,
         **kwargs: Any,
@@ -294,11 +278,9 @@ class PartialSumParallel(ParallelStyle):
                 compat.swap_direct_parameters(module, params)
         finally:
             _swap_back(swapped)
-        return self._leave(module, rt, output, keep)
+        return self._leave(module, rt, output)
 
-    def _leave(
-        self, module: nn.Module, rt: _layouts.DTensorRuntime, output: Any, keep: bool
-    ) -> Any:
+    def _leave(self, module: nn.Module, rt: _layouts.DTensorRuntime, output: Any) -> Any:
         """The first output summed; the others' gradients kept on one rank."""
         if isinstance(output, torch.Tensor):
             return rt.reduce_partial(output, Replicate(), True)
@@ -309,7 +291,7 @@ class PartialSumParallel(ParallelStyle):
             )
         first, *rest = output
         rest = [
-            _FirstRankGradient.apply(t, keep)
+            _layouts.gradient_on_rank_zero(t, rt.mesh)
             if isinstance(t, torch.Tensor) and t.requires_grad
             else t
             for t in rest

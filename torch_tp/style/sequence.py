@@ -327,7 +327,7 @@ class ReplicateParallel(_ReplicatedParameters):
                 f"names outputs the module does not return (it returns {len(outputs)})"
             )
         outputs = tuple(
-            _WholeGradientOnce.apply(value, rt.mesh)
+            _layouts.gradient_on_rank_zero(value, rt.mesh)
             if i in self.whole_gradient_outputs
             and isinstance(value, torch.Tensor)
             and value.requires_grad
@@ -335,20 +335,6 @@ class ReplicateParallel(_ReplicatedParameters):
             for i, value in enumerate(outputs)
         )
         return outputs if isinstance(out, tuple) else outputs[0]
-
-
-class _WholeGradientOnce(torch.autograd.Function):
-    """The identity forward; backward, a gradient that is whole on every rank handed back by
-    rank 0 alone (zeros on the others), so that a sum over the ranks counts it once."""
-
-    @staticmethod
-    def forward(ctx, value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        ctx.mesh = mesh
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _layouts._on_rank_zero(grad, ctx.mesh), None
 
 
 class PrepareModuleInput(ParallelStyle):
