@@ -194,9 +194,15 @@ def _bad_ids_on_one_rank(shape: tuple[int, int]) -> str:
     return str(caught.value)
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (1, 2)], ids=["ep2-tp1", "ep1-tp2"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 1), (1, 2), pytest.param((2, 2), marks=pytest.mark.four_ranks)],
+    ids=["ep2-tp1", "ep1-tp2", "ep2-tp2"],
+)
 def test_one_ranks_bad_routing_raises_on_every_rank(shape):
-    for message in run_distributed(_bad_ids_on_one_rank, 2, shape):
+    """At (ep2, tp2) rank 1 is (ep 0, tp 1): its tp peer learns from the agreement over tp,
+    the other ep rank of each tp slice from the counts exchanged over ep."""
+    for message in run_distributed(_bad_ids_on_one_rank, shape[0] * shape[1], shape):
         assert "layers.0.feed_forward.experts" in message
         assert "expert ids outside [0, 4)" in message
 
