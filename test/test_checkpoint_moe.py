@@ -12,17 +12,21 @@ the saved model's. The layouts: ``"ep"`` and ``"tp"`` over every rank, ``"fsdp-e
 ``"fsdp-tp"`` the same on the ``tp`` dim of a (dp=2, tp=2) mesh with FSDP2 on ``dp`` (which
 splits the experts, dim 0, again), ``"etp"``, ``"etp-ep"`` and ``"etp-tp"``, the experts
 ``ExpertTensorParallel`` on an (ep, tp) mesh of (2, 2), (2, 1) and (1, 2) (whole experts over
-ep, each one's hidden dimension over tp: ``(Shard(0), p)``), and ``"one"``, a single device.
+ep, each one's hidden dimension over tp: ``(Shard(0), p)``), ``"fsdp-etp"`` the same on a
+(dp=2, ep=2, tp=2) mesh with FSDP2 over dp for the experts and over dp x ep for the rest, and
+``"one"``, a single device.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import full_tensor, perturb_norms, safetensors_reads, tp_mesh
+from helpers import perturb_norms, safetensors_reads, tp_mesh
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -31,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torch_tp import checkpoint, parallelize_module
 from torch_tp._torch_compat import StridedShard
+from torch_tp.checkpoint._staging import _full_tensor
 from torch_tp.models import MoEConfig, MoELlama
 from torch_tp.plans.moe import moe_llama_plan
 from torch_tp.testing import device_type, run_distributed
@@ -52,19 +57,36 @@ EXPERTS = [
 ETP = {"etp": (2, 2), "etp-ep": (2, 1), "etp-tp": (1, 2)}
 
 
-def _model(seed: int = 0, layout: str = "one", meta: bool = False) -> MoELlama:
+def _model(
+    seed: int = 0, layout: str = "one", meta: bool = False, vocab_size: int | None = None
+) -> MoELlama:
     """The reference MoE Llama in float64 (routing must not flip between layouts), with
     experts far from zero and perturbed norms, laid out as ``layout``."""
     torch.manual_seed(seed)
+    config = CONFIG if vocab_size is None else {**CONFIG, "vocab_size": vocab_size}
     with torch.device("meta" if meta else "cpu"):
-        model = MoELlama(MoEConfig(**CONFIG)).double()
+        model = MoELlama(MoEConfig(**config)).double()
     if not meta:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if ".experts." in name:
                     param.normal_(std=0.2)
         perturb_norms(model)
-    if layout in ETP:
+    if layout == "fsdp-etp":
+        mesh = init_device_mesh(device_type(), (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+        data = mesh["dp", "ep"]._flatten("dp_ep")
+        plan = moe_llama_plan(experts="tp", shared_expert=True)
+        del plan["layers.*.feed_forward.experts"]
+        parallelize_module(model, mesh["tp"], plan)
+        experts = {"layers.*.feed_forward.experts": "ep_tp_experts"}
+        parallelize_module(model, mesh["ep", "tp"], experts)
+        for block in model.layers:
+            fully_shard(block.feed_forward.experts, mesh=mesh["dp"])
+            # summed over the ep ranks' tokens, then averaged over dp: the mean over dp x ep
+            block.feed_forward.experts.set_gradient_divide_factor(float(data.size()))
+            fully_shard(block, mesh=data)
+        fully_shard(model, mesh=data)
+    elif layout in ETP:
         mesh = init_device_mesh(device_type(), ETP[layout], mesh_dim_names=("ep", "tp"))
         plan = moe_llama_plan(experts="tp", shared_expert=True)
         del plan["layers.*.feed_forward.experts"]
@@ -130,8 +152,8 @@ def _snapshot(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> d
     out = {"model": checkpoint.full_state_dict(model), "logits": logits}
     if optim is not None:
         _, state = get_state_dict(model, optim)
-        out["optim"] = {
-            f"{fqn}.{key}": full_tensor(value)
+        out["optim"] = {  # gathered as full_state_dict gathers (torch's fails on fsdp-etp)
+            f"{fqn}.{key}": _full_tensor(value) if isinstance(value, DTensor) else value
             for fqn, entry in state["state"].items()
             for key, value in entry.items()
         }
@@ -155,7 +177,7 @@ def _assert_shards(model: nn.Module, layout: str, expected: dict[str, torch.Tens
     its chunk of that), and the expert parameters have the placements under test."""
     state = model.state_dict()
     for name in EXPERTS:
-        if layout in ETP:  # (ep, tp): whole experts, then each one's hidden dimension
+        if layout in ETP or layout == "fsdp-etp":  # whole experts, each one's hidden dim
             split = StridedShard(1, split_factor=2) if name.endswith("gate_up_proj") else Shard(2)
             want = (Shard(0), split)
         elif layout.endswith("ep"):
@@ -164,14 +186,19 @@ def _assert_shards(model: nn.Module, layout: str, expected: dict[str, torch.Tens
             want = (StridedShard(1, split_factor=2),)
         else:
             want = (Shard(2),)
-        if layout.startswith("fsdp-"):  # FSDP2 splits dim 0 of each tensor-parallel shard
+        if layout == "fsdp-etp":  # FSDP2 over dp splits dim 0 of each ep shard
+            want = (StridedShard(0, split_factor=2),) + want
+        elif layout.startswith("fsdp-"):  # FSDP2 splits dim 0 of each tensor-parallel shard
             want = ((StridedShard(0, split_factor=2),) if want[0].dim == 0 else (Shard(0),)) + want
         assert state[name].placements == want, (name, state[name].placements)
     for name, value in state.items():
         if not isinstance(value, DTensor):
             continue
         mesh, placements = value.device_mesh, value.placements
-        if mesh.mesh_dim_names == ("dp",):  # FSDP2 alone (a parameter TP leaves alone)
+        if layout == "fsdp-etp":  # torch's own split, as FSDP2 holds it (dims even here)
+            want = distribute_tensor(expected[name], mesh, placements, src_data_rank=None)
+            want = want.to_local()
+        elif mesh.mesh_dim_names == ("dp",):  # FSDP2 alone (a parameter TP leaves alone)
             want = expected[name].chunk(mesh.size(), dim=0)[mesh.get_local_rank()]
         elif layout.startswith("fsdp-"):
             # the tensor-parallel shard, then FSDP2's chunk of its dim 0
@@ -185,18 +212,18 @@ def _assert_shards(model: nn.Module, layout: str, expected: dict[str, torch.Tens
 # ---------------------------------------------------------------- distributed checkpoints
 
 
-def _dcp_save(ckpt_dir: str, layout: str) -> dict:
+def _dcp_save(ckpt_dir: str, layout: str, vocab_size: int | None = None) -> dict:
     """Train one step on ``layout`` and save step 1."""
-    model = _model(layout=layout)
+    model = _model(layout=layout, vocab_size=vocab_size)
     optim = _adamw(model)
     _train_step(model, optim)
     checkpoint.save(ckpt_dir, model, optim, step=1)
     return _snapshot(model, optim)
 
 
-def _dcp_load(ckpt_dir: str, layout: str) -> dict:
+def _dcp_load(ckpt_dir: str, layout: str, vocab_size: int | None = None) -> dict:
     """Load step 1 into another init on ``layout``, with optimizer state to overwrite."""
-    model = _model(seed=1, layout=layout)
+    model = _model(seed=1, layout=layout, vocab_size=vocab_size)
     optim = _adamw(model)
     _train_step(model, optim)
     assert checkpoint.load(ckpt_dir, model, optim, rng=False) == 1
@@ -231,6 +258,45 @@ def test_dcp_between_expert_layouts(tmp_path, saved_on):
         for loaded in run_distributed(_dcp_load, world_size, ckpt, layout):
             _assert_same(loaded, saved)
     _assert_same(_dcp_load(ckpt, "one"), saved)  # this process, without a process group
+
+
+def _uneven_fsdp_etp(ckpt_dir: str) -> tuple[dict, str]:
+    """The full state dict of fsdp-etp with the 1001-row vocabulary, and the error saving it
+    to DCP raises: torch would place rank 6's FSDP2 chunk of the embedding's tensor-parallel
+    shard (rows 378-500: 123 of them) at another offset and size."""
+    model = _model(layout="fsdp-etp")
+    full = checkpoint.full_state_dict(model)
+    with pytest.raises(NotImplementedError) as caught:
+        checkpoint.save(ckpt_dir, model, step=1)
+    return full, str(caught.value)
+
+
+@pytest.mark.slow  # eight ranks
+def test_dcp_and_full_state_dicts_of_experts_over_dp_ep_tp(tmp_path):
+    """(dp2, ep2, tp2), FSDP2 on top: the experts' dim 0 split by ep and then by FSDP2's
+    strided shard over dp, their packed dim 1 over tp. DCP saves and loads it exactly, to
+    and from (ep, tp) and one device, and full state dicts gather it; with a vocabulary
+    FSDP2 splits unevenly, DCP (which would misplace the rows) is refused on every rank
+    before anything is written, naming the tensor, and the full state dict still gathers."""
+    even = 1024  # the rows split evenly by tp x dp x ep
+    ckpt = str(tmp_path / "from-fsdp-etp")
+    saved = run_distributed(_dcp_save, 8, ckpt, "fsdp-etp", even)[0]
+    for loaded in run_distributed(_dcp_load, 4, ckpt, "etp", even):
+        _assert_same(loaded, saved)
+    _assert_same(_dcp_load(ckpt, "one", even), saved)
+    ckpt = str(tmp_path / "to-fsdp-etp")
+    saved = run_distributed(_dcp_save, 4, ckpt, "etp", even)[0]
+    for loaded in run_distributed(_dcp_load, 8, ckpt, "fsdp-etp", even):
+        _assert_same(loaded, saved)
+    expected = _gather("one")["model"]
+    for full, error in run_distributed(_uneven_fsdp_etp, 8, str(tmp_path / "uneven")):
+        assert list(full) == list(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
+        # ranks 6 and 7 hold FSDP2's short chunks (123 and 125 rows): each raises its own
+        # error, the others rank 6's
+        assert re.search(r"tok_embeddings\.weight: rank [67] holds indices", error), error
+    assert not (tmp_path / "uneven" / "step-1").exists()
 
 
 # ------------------------------------------------------------------------ full state dicts

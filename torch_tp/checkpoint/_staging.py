@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import pickle
 import shutil
@@ -41,7 +42,6 @@ from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import (
     IncompatibleKeys,
     StridedShard,
-    compute_local_shape_and_global_offset,
 )
 
 if TYPE_CHECKING:
@@ -240,69 +240,124 @@ def _local_pieces(name: str, target: DTensor) -> list[_Piece]:
 
     One piece for a shard that is one block of the whole tensor; for a packed parameter
     (a strided shard, e.g. a packed part's slice or each expert's gate and up slices), one
-    piece per block of the index sets it holds along each dim (see :func:`_strided_pieces`).
+    piece per block of the index sets it holds along each dim (see :func:`_held_indices`).
     """
     if any(isinstance(p, Partial) for p in target.placements):
         raise NotImplementedError(
             f"{name}: cannot load a full tensor into a Partial DTensor ({target.placements})"
         )
     local_shape = tuple(target.to_local().shape)
-    everything = tuple(slice(0, s) for s in local_shape)
-    if _packed_placement(target) is not None:
-        return _strided_pieces(name, target, local_shape)
-    shape, offset = compute_local_shape_and_global_offset(
-        target.shape, target.device_mesh, target.placements
-    )
-    if tuple(shape) != local_shape:
-        raise NotImplementedError(
-            f"{name}: the local shard of shape {list(local_shape)} is not one block of the "
-            f"{list(target.shape)} tensor with placements {target.placements}"
-        )
-    return [(tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True)), everything)]
-
-
-def _strided_pieces(name: str, target: DTensor, local_shape: tuple[int, ...]) -> list[_Piece]:
-    """The pieces of a shard with a packed (strided) placement.
-
-    Along each tensor dim, the indices this rank holds are found the way DTensor itself
-    splits: each mesh dim's placement on that tensor dim, in mesh order, applied to an
-    ``arange`` (so that the shard equals ``distribute_tensor(full, mesh, placements)``'s).
-    The shard is the product of those index sets (each dim's split is independent of the
-    others': :func:`_refuse_nested_packed` refuses a packed dim that another mesh dim splits
-    too), so its pieces are the products of each dim's runs of consecutive indices: for
-    tensor-parallel experts' ``gate_up_proj`` ``[E, 2I, H]``, one for its slice of every
-    expert's gate rows and one for its slice of their up rows, each over this rank's experts
-    (all of them, or its FSDP2 shard).
-    """
-    mesh = target.device_mesh
-    coordinate = mesh.get_coordinate()
+    coordinate = target.device_mesh.get_coordinate()
     if coordinate is None:  # not in the mesh: nothing to hold
         return []
-    held = [torch.arange(size) for size in target.shape]
-    for mesh_dim, placement in enumerate(target.placements):
-        if not isinstance(placement, (Shard, StridedShard)):
-            continue  # Replicate (a Partial was refused by the caller)
-        dim = placement.dim % target.ndim
-        along = (
-            StridedShard(0, split_factor=placement.split_factor)
-            if isinstance(placement, StridedShard)
-            else Shard(0)
-        )
-        chunks = compat.shard_split_tensor(along, held[dim], mesh.size(mesh_dim), contiguous=False)
-        held[dim] = chunks[coordinate[mesh_dim]]
+    held = _held_indices(target, coordinate)
     runs_per_dim: list[list[tuple[slice, slice]]] = []
     for dim, indices in enumerate(held):
-        indices = indices.tolist()
         if len(indices) != local_shape[dim]:
             raise NotImplementedError(
                 f"{name}: the local shard of shape {list(local_shape)} does not match the "
                 f"{list(target.shape)} tensor with placements {target.placements}"
             )
-        runs_per_dim.append(_runs(indices))
+        runs_per_dim.append(_runs(indices.tolist()))
     return [
         (tuple(whole for whole, _ in runs), tuple(mine for _, mine in runs))
         for runs in itertools.product(*runs_per_dim)
     ]
+
+
+def _held_indices(target: DTensor, coordinate: list[int]) -> list[Tensor]:
+    """The indices of the whole tensor, along each dim, that the rank at ``coordinate`` of
+    ``target``'s mesh holds: its shard is their product.
+
+    Each dim's indices are found the way DTensor and FSDP2 split it, on an ``arange``, so that
+    the shard equals ``distribute_tensor(full, mesh, placements)``'s, uneven sizes included:
+
+    * a ``Shard`` splits the indices as ``torch.chunk`` does, in mesh order;
+    * FSDP2's strided shard (``StridedShard(d, sf)`` that later ``Shard(d)`` of ``sf``
+      ranks in all follow) chunks what those later shards leave, so it is applied after them
+      (FSDP2 shards each tensor-parallel shard);
+    * any other strided shard (a packed parameter's) is applied in mesh order as DTensor
+      splits it: one slice of each of its ``sf`` parts.
+
+    Each dim's split is independent of the others' (:func:`_refuse_nested_packed` refuses a
+    packed dim that another mesh dim splits too).
+    """
+    mesh = target.device_mesh
+    placements = target.placements
+    held = [torch.arange(size) for size in target.shape]
+    deferred: list[int] = []  # FSDP2's strided shards, each applied after its dim's shards
+    order = []
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, StridedShard) and _is_fsdp_strided(target, mesh_dim):
+            deferred.append(mesh_dim)
+        elif isinstance(placement, (Shard, StridedShard)):
+            order.append(mesh_dim)
+    for mesh_dim in order + deferred[::-1]:
+        placement = placements[mesh_dim]
+        dim = placement.dim % target.ndim
+        along = (
+            StridedShard(0, split_factor=placement.split_factor)
+            if isinstance(placement, StridedShard) and mesh_dim not in deferred
+            else Shard(0)
+        )
+        chunks = compat.shard_split_tensor(along, held[dim], mesh.size(mesh_dim), contiguous=False)
+        held[dim] = chunks[coordinate[mesh_dim]]
+    return held
+
+
+def _is_fsdp_strided(target: DTensor, mesh_dim: int) -> bool:
+    """Whether ``target.placements[mesh_dim]``, a strided shard, is FSDP2's: later plain
+    shards of its dim follow it, over ``split_factor`` ranks in all."""
+    placements = target.placements
+    dim = placements[mesh_dim].dim % target.ndim
+    later = [
+        target.device_mesh.size(i)
+        for i in range(mesh_dim + 1, len(placements))
+        if type(placements[i]) is Shard and placements[i].dim % target.ndim == dim
+    ]
+    return bool(later) and placements[mesh_dim].split_factor == math.prod(later)
+
+
+def _full_tensor(value: DTensor) -> Tensor:
+    """``value.full_tensor()`` (a collective over ``value``'s mesh), gathered here where a
+    placement is a strided shard.
+
+    torch's redistribution cannot gather every strided layout (torch 2.13: experts split
+    over ``ep`` and sharded by FSDP2 over ``dp`` fail its unpadding check), so each rank's
+    shard is all-gathered over each mesh dim that splits the tensor and put in place by the
+    indices it holds (:func:`_held_indices`): what ``distribute_tensor`` would have given it.
+    """
+    placements = value.placements
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if (
+        coordinate is None
+        or not any(isinstance(p, StridedShard) for p in placements)
+        or any(isinstance(p, Partial) for p in placements)
+    ):
+        return value.full_tensor()
+    local = value.to_local()
+    split = [isinstance(p, (Shard, StridedShard)) for p in placements]
+    # every coordinate along the mesh dims that split the tensor (its own along the others)
+    ranges = [range(mesh.size(d)) if split[d] else [coordinate[d]] for d in range(mesh.ndim)]
+    coordinates = [list(c) for c in itertools.product(*ranges)]
+    held = [[ix.to(local.device) for ix in _held_indices(value, c)] for c in coordinates]
+    padded = [max(len(h[dim]) for h in held) for dim in range(value.ndim)]
+    gathered = local.new_zeros(padded)
+    gathered[tuple(slice(0, n) for n in local.shape)] = local
+    for mesh_dim in reversed(range(mesh.ndim)):
+        if not split[mesh_dim]:
+            gathered = gathered.unsqueeze(0)
+            continue
+        parts = [torch.empty_like(gathered) for _ in range(mesh.size(mesh_dim))]
+        dist.all_gather(parts, gathered.contiguous(), group=mesh.get_group(mesh_dim))
+        gathered = torch.stack(parts)
+    full = local.new_empty(value.shape)
+    for c, indices in zip(coordinates, held, strict=True):
+        at = tuple(c[d] if is_split else 0 for d, is_split in enumerate(split))
+        shard = gathered[at][tuple(slice(0, len(ix)) for ix in indices)]
+        full[torch.meshgrid(*indices, indexing="ij")] = shard
+    return full
 
 
 def _runs(indices: list[int]) -> list[tuple[slice, slice]]:

@@ -25,18 +25,21 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from torch_tp import random as tp_random
-from torch_tp._torch_compat import StridedShard
+from torch_tp._torch_compat import StridedShard, compute_local_shape_and_global_offset
 from torch_tp.checkpoint._staging import (
     _OLD,
     CheckpointError,
     _agree,
     _coordinate,
     _distributed,
+    _dtensors,
     _first_line,
     _group,
+    _held_indices,
     _load_failed,
     _lossy,
     _meta_error,
+    _packed_mesh_dim,
     _packed_placement,
     _publish,
     _raise,
@@ -131,6 +134,7 @@ def save(
             raise ValueError(f"step must be a non-negative int, found {step!r}")
         _raise(_meta_error(model, "save"))
         _refuse_nested_packed(model.state_dict())
+        _refuse_misplaced_chunks(model.state_dict())
     except (ValueError, NotImplementedError) as exc:
         error = exc
     failed = lambda cause: _save_failed(what, root, cause)  # noqa: E731
@@ -274,6 +278,7 @@ def load(
     try:
         _raise(_meta_error(model, "load"))
         _refuse_nested_packed(model.state_dict())
+        _refuse_misplaced_chunks(model.state_dict())
         if not root.is_dir():
             raise FileNotFoundError(
                 f"no checkpoint directory {str(root)!r} (to start from scratch where there is "
@@ -510,9 +515,50 @@ def _unreadable_data(path: Path, metadata: Any, keys: set[str]) -> list[str]:
 
 
 def _plain_placements(value: DTensor) -> tuple[Placement, ...]:
+    """The placements of a packed DTensor with its packed (strided) placement made a plain
+    ``Shard``. FSDP2's strided shards (a strided shard that a later ``Shard`` of its dim
+    follows) stay: with them each rank's shard is one block already."""
+    packed = _packed_mesh_dim(value)
     return tuple(
-        Shard(p.dim % value.ndim) if isinstance(p, StridedShard) else p for p in value.placements
+        Shard(p.dim % value.ndim) if i == packed else p for i, p in enumerate(value.placements)
     )
+
+
+def _refuse_misplaced_chunks(state: Any) -> None:
+    """Raise ``NotImplementedError`` for a DTensor whose shard on this rank DCP would place
+    elsewhere in the whole tensor than the rank holds it.
+
+    DCP reads and writes each rank's shard at the offset torch computes from the placements.
+    For FSDP2's strided shards of an unevenly split dim (torch 2.13: a 1001-row embedding
+    over ``tp=2`` and four FSDP2 ranks) that offset and size differ from what FSDP2 holds:
+    saving would overlap chunks and loading would read the wrong rows. Called on every rank;
+    the caller agrees the error.
+    """
+    for name, value in _dtensors(state):
+        if not any(isinstance(p, StridedShard) for p in value.placements):
+            continue
+        coordinate = value.device_mesh.get_coordinate()
+        if coordinate is None:
+            continue
+        plain = _plain_placements(value)
+        held = _held_indices(value, coordinate)
+        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, plain)
+        for dim, indices in enumerate(held):
+            if len(indices) == 0:
+                continue
+            wanted = torch.arange(int(indices[0]), int(indices[0]) + len(indices))
+            if not torch.equal(indices, wanted):
+                continue  # a packed dim: saved through the plain placements
+            if (offset[dim], shape[dim]) != (int(indices[0]), len(indices)):
+                raise NotImplementedError(
+                    f"{name}: rank {_rank()} holds indices {int(indices[0])}..{int(indices[-1])} "
+                    f"of dim {dim} of the {list(value.shape)} tensor (placements "
+                    f"{value.placements}), but torch {torch.__version__} would save and load "
+                    f"{shape[dim]} from index {offset[dim]}: a dim split unevenly by FSDP2 "
+                    "on top of tensor parallelism is not placed right by DCP. Make its size "
+                    "a multiple of the number of ranks that split it (e.g. pad the "
+                    "vocabulary), or save a full state dict (full_state_dict)"
+                )
 
 
 def _as_plain_shard(name: str, value: DTensor) -> DTensor:

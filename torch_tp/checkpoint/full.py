@@ -24,6 +24,7 @@ from torch_tp.checkpoint._staging import (
     _copy_staged,
     _distributed,
     _first_line,
+    _full_tensor,
     _group,
     _load_failed,
     _local_pieces,
@@ -92,7 +93,7 @@ def full_state_dict(
         _raise(error)
     for name, value in state.items():
         if isinstance(value, DTensor):
-            value = value.full_tensor()  # a collective: every rank, in the same order
+            value = _full_tensor(value)  # a collective: every rank, in the same order
         if not keep:
             continue
         if isinstance(value, Tensor):
