@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from torch_tp import checkpoint, parallelize_module
+from torch_tp import ExpertTensorParallel, checkpoint, parallelize_module
 from torch_tp._torch_compat import StridedShard
 from torch_tp.checkpoint._staging import _full_tensor
 from torch_tp.models import MoEConfig, MoELlama
@@ -76,10 +76,10 @@ def _model(
         mesh = init_device_mesh(device_type(), (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
         data = mesh["dp", "ep"]._flatten("dp_ep")
         plan = moe_llama_plan(experts="tp", shared_expert=True)
-        del plan["layers.*.feed_forward.experts"]
+        tp_experts = plan.pop("layers.*.feed_forward.experts")
         parallelize_module(model, mesh["tp"], plan)
-        experts = {"layers.*.feed_forward.experts": "ep_tp_experts"}
-        parallelize_module(model, mesh["ep", "tp"], experts)
+        etp = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
+        parallelize_module(model, mesh["ep", "tp"], {"layers.*.feed_forward.experts": etp})
         for block in model.layers:
             fully_shard(block.feed_forward.experts, mesh=mesh["dp"])
             # summed over the ep ranks' tokens, then averaged over dp: the mean over dp x ep
@@ -89,9 +89,12 @@ def _model(
     elif layout in ETP:
         mesh = init_device_mesh(device_type(), ETP[layout], mesh_dim_names=("ep", "tp"))
         plan = moe_llama_plan(experts="tp", shared_expert=True)
-        del plan["layers.*.feed_forward.experts"]
+        # the block sums the experts' output with the shared expert's: as the plan's
+        # tensor-parallel experts, they leave theirs partial
+        tp_experts = plan.pop("layers.*.feed_forward.experts")
         parallelize_module(model, mesh["tp"], plan)
-        parallelize_module(model, mesh, {"layers.*.feed_forward.experts": "ep_tp_experts"})
+        etp = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
+        parallelize_module(model, mesh, {"layers.*.feed_forward.experts": etp})
     elif layout != "one":
         experts = layout.removeprefix("fsdp-")
         plan = moe_llama_plan(experts=experts, shared_expert=True)

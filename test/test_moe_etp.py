@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from helpers import adamw, check_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import torch_tp
 from torch_tp import ExpertTensorParallel
@@ -70,11 +70,12 @@ def _parallelize(
 ) -> torch.distributed.DeviceMesh:
     mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("ep", "tp"))
     plan = moe_llama_plan(experts="tp", shared_expert=True, sequence_parallel=sequence_parallel)
-    del plan[EXPERTS]  # the experts go on the 2-D mesh
+    # the experts go on the 2-D mesh; where the block sums their output with the shared
+    # expert's (and reduce-scatters it under sequence parallelism), they leave theirs a
+    # partial sum over tp, as the plan's TensorParallelExperts entry says
+    tp_experts = plan.pop(EXPERTS)
     torch_tp.parallelize_module(model, mesh["tp"], plan)
-    # under sequence parallelism the block reduce-scatters its output: the experts leave
-    # theirs a partial sum over tp
-    experts = ExpertTensorParallel(output_layouts=Partial() if sequence_parallel else None)
+    experts = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
     torch_tp.parallelize_module(model, mesh, {EXPERTS: experts})
     ep = mesh["ep"].size()
     for block in model.layers:
@@ -345,9 +346,9 @@ def _train_dp_ep_tp(sequence_parallel: bool) -> None:
     mesh = init_device_mesh(device_type(), (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
     data = mesh["dp", "ep"]._flatten("dp_ep")  # the data-parallel ranks: dp x ep
     plan = moe_llama_plan(experts="tp", shared_expert=True, sequence_parallel=sequence_parallel)
-    del plan[EXPERTS]
+    tp_experts = plan.pop(EXPERTS)
     torch_tp.parallelize_module(model, mesh["tp"], plan)
-    experts = ExpertTensorParallel(output_layouts=Partial() if sequence_parallel else None)
+    experts = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
     torch_tp.parallelize_module(model, mesh["ep", "tp"], {EXPERTS: experts})
     data_ranks = data.size()
     for block in model.layers:
@@ -392,9 +393,9 @@ def _etp_counts(sequence_parallel: bool) -> dict:
     model = _model()
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("ep", "tp"))
     plan = moe_llama_plan(experts="tp", shared_expert=False, sequence_parallel=sequence_parallel)
-    del plan[EXPERTS]
+    tp_experts = plan.pop(EXPERTS)
     torch_tp.parallelize_module(model, mesh["tp"], plan)
-    experts = ExpertTensorParallel(output_layouts=Partial() if sequence_parallel else None)
+    experts = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
     torch_tp.parallelize_module(model, mesh, {EXPERTS: experts})
     tokens = torch.randint(
         0, 128, (2, 16), generator=torch.Generator().manual_seed(mesh["ep"].get_local_rank())

@@ -98,11 +98,15 @@ class Transfer:
         phase (str): ``"forward"`` or ``"backward"``.
         kind (str): the collective, as the report names them (``"all_to_all"``).
         nbytes (int): the bytes this rank sends.
+        mesh_dim (int, optional): for a style on an N-D mesh (``mesh_ndim > 1``), the
+            dimension of its mesh the collective runs over (``0``: the first). Default:
+            ``None``, the style's whole (1-D) mesh.
     """
 
     phase: str
     kind: str
     nbytes: int
+    mesh_dim: int | None = None
 
 
 def _nothing(style: ParallelStyle, module: nn.Module) -> Any:
@@ -159,8 +163,9 @@ class StyleContract:
         transfers (callable): ``(style, module, inputs, degree) -> [Transfer, ...]``, the
             collectives the module's forward issues itself, and those of their backward, that
             no layout describes, given its inputs (global shapes, as in the unparallelized
-            model) and the mesh size; for data-dependent ones (routing), their sizes under
-            balanced routing. Default: none.
+            model) and the mesh size (for a style on an N-D mesh, the tuple of its
+            dimensions' sizes, each transfer naming its ``mesh_dim``); for data-dependent ones
+            (routing), their sizes under balanced routing. Default: none.
         parameter_entry (callable): ``(style, parameter) -> Placement``, what a plan entry
             of this style states when its key names a parameter rather than a module
             (``"...experts.gate_up_proj": "grouped_gemm"``): the placement the parameter's
@@ -191,8 +196,12 @@ class StyleContract:
             inside a region, whose sum would count them again.
         mesh_ndim (int): the dimensions of the mesh the style is applied on. Default: 1.
             A style on an N-D mesh (:class:`~torch_tp.ExpertTensorParallel`, on ``(ep,
-            tp)``) gives each parameter a tuple of N placements in ``parameters``; the
-            dry-run report and the shape check take 1-D styles only, and refuse it by name.
+            tp)``) gives each parameter a tuple of N placements in ``parameters``; its
+            ``inputs`` and ``outputs`` are the layouts over its last dimension (the one the 1-D
+            styles of the plan share: ``tp``), and the collectives over its other dimensions
+            are ``transfers`` naming their ``mesh_dim``. The dry-run report, given the mesh's
+            shape, places it on the mesh's last N dimensions; the shape check takes 1-D
+            styles only, and refuses it by name.
     """
 
     names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """The dry-run report of a tensor-parallel plan: what it costs and what is wrong with it, before
 anything runs.
 
-:func:`plan_report` takes a model built on the meta device, a plan and a TP degree, and needs
+:func:`plan_report` takes a model built on the meta device, a plan and a TP degree (or a
+mesh's shape, ``{"ep": 2, "tp": 2}``, for a plan with styles on several dimensions), and needs
 no process group and no memory for weights. It reports, per plan key, the parameters' global
 and per-rank shapes and bytes; the collectives one training step (forward and backward of the
 model) issues, by kind, count and bytes; and the problems a plan has: dimensions that do not
@@ -69,7 +70,16 @@ from torch_tp.report.render import (
     _shape,
     _size,
 )
-from torch_tp.report.trace import _backward, _generalize, _group, _Node, _run, _Trace
+from torch_tp.report.trace import (
+    _backward,
+    _generalize,
+    _group,
+    _Node,
+    _run,
+    _Trace,
+    mesh_ndim,
+    style_dims,
+)
 from torch_tp.shapes import MeshOfSize, ShapeCheckError, check_shapes
 from torch_tp.style.base import ParallelStyle, planning, short_repr
 
@@ -83,7 +93,7 @@ __all__ = ["plan_report"]
 def plan_report(
     model: nn.Module,
     plan: ParallelStyle | Mapping[str, ParallelStyle | str],
-    tp_degree: int,
+    tp_degree: int | Mapping[str, int],
     *,
     batch_size: int,
     seq_len: int,
@@ -102,7 +112,19 @@ def plan_report(
     Args:
         model (:class:`nn.Module`): the model, on the meta device.
         plan: the plan, as for :func:`torch_tp.parallelize_module` (styles or style names).
-        tp_degree (int): the number of ranks each layer is split over.
+            On a mesh of several dimensions, one plan for all of them: each style runs on
+            the mesh's last ``contract.mesh_ndim`` dimensions, so that the 1-D styles run on
+            ``tp`` and :class:`~torch_tp.ExpertTensorParallel` on ``(ep, tp)``, as the two
+            :func:`~torch_tp.parallelize_module` calls ``(model, mesh["tp"], dense_plan)`` and
+            ``(model, mesh, experts_plan)`` apply them (pass ``{**dense_plan,
+            **experts_plan}``).
+        tp_degree (int or Mapping[str, int]): the number of ranks each layer is split over;
+            or the mesh's shape, its dimensions' names and sizes in the mesh's order, the
+            last named ``"tp"`` (``{"ep": 2, "tp": 2}``). With a shape, every dimension must
+            be used by some style (data parallelism is not reported: leave its dimension
+            out), each collective is reported with the dimension it runs over
+            (:attr:`Collective.mesh_dim`), and ``batch_size`` is the batch of one ``tp``
+            group (each rank of the other dimensions brings its own batch of that size).
 
     Keyword Args:
         batch_size (int): the batch size the collectives are sized for.
@@ -127,10 +149,13 @@ def plan_report(
         output (the loss's own collectives, e.g. under ``loss_parallel``, are not included).
 
     Raises:
-        ValueError: the model is not on the meta device, ``tp_degree`` is not positive, or
-            the plan is invalid (as :func:`parallelize_module` would raise; a key that
-            matches no module is reported as a problem instead).
-        NotImplementedError: the plan names a style torch_tp does not have yet.
+        ValueError: the model is not on the meta device, ``tp_degree`` is not positive (or
+            not a shape whose last dimension is ``"tp"``, that every dimension of which a
+            style uses and that has the dimensions every style needs), or the plan is
+            invalid (as :func:`parallelize_module` would raise; a key that matches no
+            module is reported as a problem instead).
+        NotImplementedError: the plan names a style torch_tp does not have yet, or, with an
+            int ``tp_degree``, a style on an N-D mesh.
         RuntimeError: the forward fails on the meta device.
 
     Example::
@@ -144,9 +169,20 @@ def plan_report(
         ...     model, llama_plan(sequence_parallel=True), 8, batch_size=1, seq_len=4096
         ... )
         >>> print(report)
+        >>> # experts over (ep, tp), the dense layers over tp
+        >>> from torch_tp import ExpertTensorParallel
+        >>> from torch_tp.models import MoEConfig, MoELlama
+        >>> from torch_tp.plans.moe import moe_llama_plan
+        >>> plan = moe_llama_plan(experts="tp")
+        >>> plan["layers.*.feed_forward.experts"] = ExpertTensorParallel()
+        >>> with torch.device("meta"):
+        ...     model = MoELlama(MoEConfig())
+        >>> report = plan_report(model, plan, {"ep": 2, "tp": 2}, batch_size=1, seq_len=64)
+        >>> report.counts("forward", mesh_dim="ep")  # 2 layers x (counts, tokens out, back)
+        {'all_to_all': 6}
     """
-    if not isinstance(tp_degree, int) or tp_degree < 1:
-        raise ValueError(f"tp_degree must be a positive int, found {tp_degree!r}")
+    mesh_shape = _mesh_shape(tp_degree)
+    n = tp_degree if mesh_shape is None else mesh_shape["tp"]
     not_meta = [
         name
         for name, t in [*model.named_parameters(), *model.named_buffers()]
@@ -164,7 +200,16 @@ def plan_report(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         entries = resolve_plan(model, plan, strict=False)
-    refuse_multi_dimensional(entries, "plan_report")
+    if mesh_shape is None:
+        try:
+            refuse_multi_dimensional(entries, "plan_report")
+        except NotImplementedError as err:
+            raise NotImplementedError(
+                f"{err}; or give plan_report the mesh's shape as tp_degree, e.g. "
+                "{'ep': 2, 'tp': 2}"
+            ) from None
+    else:
+        _check_mesh_shape(entries, mesh_shape)
     # what parallelize_module would raise for, reported all at once
     matched = Counter(e.key for e in entries)
     unmatched = [str(w.message) for w in caught if "matches no submodule" in str(w.message)]
@@ -179,31 +224,43 @@ def plan_report(
     ]
     styled = frozenset(id(e.module) for e in entries)
     with planning(model, styled):  # styles that read the model's config find it
-        invalid, refused = _validate(model, entries, tp_degree)
+        invalid, refused = _validate(model, entries, n, mesh_shape)
     problems += refused
     valid = [e for e in entries if id(e.module) not in invalid]
 
     inputs = _inputs(example_inputs, batch_size, seq_len)
-    trace = _Trace(valid, tp_degree, cpu=device_type == "cpu")
+    trace = _Trace(valid, n, cpu=device_type == "cpu", mesh_shape=mesh_shape)
     trace.watch_unplanned(model)
     with torch.enable_grad(), planning(model, styled):
-        output = _run(model, trace, inputs, input_layout)
+        refused_entries = [e for e in entries if id(e.module) in invalid]
+        output = _run(model, trace, inputs, input_layout, refused_entries)
     for t in tree_leaves(output):
         if isinstance(t, torch.Tensor) and isinstance(trace.states.get(id(t)), _Node):
             node = trace.states[id(t)]
             node.grads.append(node.placement)  # the loss takes the output as it is
     _backward(trace)
 
-    parameters = _parameter_groups(model, valid, tp_degree)
+    parameters = _parameter_groups(model, valid, n, mesh_shape)
     problems += list(trace.problems.values())
     problems += _unsummed_gradients(valid, trace)
-    problems += _divisibility(model, parameters, trace, tp_degree)
+    problems += _divisibility(model, parameters, trace, n)
     problems += _unsharded(model, valid)
     # what a rank's own code computes: once the plan has no error of its own (a shape
     # downstream of a layout that does not chain is that error again)
     errors = any(p.severity == "error" for p in problems)
-    if not errors and (input_layout is None or isinstance(input_layout, Replicate)):
-        problems += _shape_problems(model, plan, tp_degree, inputs)
+    wide = [e for e in valid if mesh_ndim(e) > 1]
+    if wide:
+        problems.append(
+            Problem(
+                "note",
+                "",
+                "the shape check (torch_tp.shapes.check_shapes) takes styles on one mesh "
+                f"dimension only; it is not run for a plan with {_names.describe(wide[0].style)} "
+                f"on {wide[0].key}: check it with torch_tp.testing.check_parity",
+            )
+        )
+    elif not errors and (input_layout is None or isinstance(input_layout, Replicate)):
+        problems += _shape_problems(model, plan, n, inputs)
     problems += [
         Problem("note", e.key, f"module {e.path!r} is not called by the forward")
         for e in valid
@@ -217,7 +274,7 @@ def plan_report(
     return PlanReport(
         model=type(model).__name__,
         num_parameters=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-        tp_degree=tp_degree,
+        tp_degree=n,
         batch_size=batch_size,
         seq_len=seq_len,
         dtype=Counter(floating).most_common(1)[0][0] if floating else torch.get_default_dtype(),
@@ -225,7 +282,81 @@ def plan_report(
         parameters=parameters,
         collectives=_group(trace.events),
         problems=problems,
+        mesh_shape=mesh_shape,
     )
+
+
+def _mesh_shape(tp_degree: Any) -> dict[str, int] | None:
+    """``tp_degree`` checked: ``None`` for a positive int, else the mesh's shape as a dict."""
+    if isinstance(tp_degree, Mapping):
+        shape = dict(tp_degree)
+        bad = [
+            f"{dim!r}: {size!r}"
+            for dim, size in shape.items()
+            if not isinstance(dim, str) or not isinstance(size, int) or size < 1
+        ]
+        if not shape or bad:
+            raise ValueError(
+                "tp_degree, as a mesh's shape, maps dimension names to positive ints "
+                f"({{'ep': 2, 'tp': 2}}), found {tp_degree!r}"
+            )
+        if list(shape)[-1] != "tp":
+            raise ValueError(
+                f"the mesh's shape {shape} must end with the dimension 'tp', the one the "
+                "1-D styles of the plan run on (and the last of an N-D style's), as in "
+                "{'ep': 2, 'tp': 2}"
+            )
+        return shape
+    if isinstance(tp_degree, bool) or not isinstance(tp_degree, int) or tp_degree < 1:
+        raise ValueError(
+            f"tp_degree must be a positive int or a mesh's shape ({{'ep': 2, 'tp': 2}}), "
+            f"found {tp_degree!r}"
+        )
+    return None
+
+
+def _check_mesh_shape(entries: list[PlanEntry], shape: dict[str, int]) -> None:
+    """Every style finds the dimensions it runs on (the mesh's last ``mesh_ndim``), and every
+    dimension is used by some style."""
+    dims = list(shape)
+    too_few = [
+        f"{e.path!r} ({type(e.style).__name__}, on a {mesh_ndim(e)}-D mesh)"
+        for e in entries
+        if mesh_ndim(e) > len(dims)
+    ]
+    if too_few:
+        raise ValueError(
+            f"the mesh's shape {shape} has {len(dims)} dimension(s), but the plan puts "
+            f"{', '.join(too_few)}: give the dimensions it runs on too, e.g. "
+            f"{dict(**{'ep': 2}, **shape) if len(dims) == 1 else shape}"
+        )
+    used = {dim for e in entries for dim in style_dims(e, shape)} or {dims[-1]}
+    unused = [dim for dim in dims if dim not in used]
+    if unused:
+        raise ValueError(
+            f"no style of the plan runs on the dimension(s) {unused} of the mesh's shape "
+            f"{shape}: each style runs on the mesh's last dimensions, as many as its "
+            "contract's mesh_ndim, and data parallelism is not reported; leave them out: "
+            f"{ {dim: size for dim, size in shape.items() if dim in used} }"
+        )
+
+
+class _MeshOfShape:
+    """What an N-D style's ``_validate`` may ask of the mesh, with no process group: its
+    dimensions' names and sizes (a dimension, by name, is a :class:`MeshOfSize`)."""
+
+    def __init__(self, shape: Mapping[str, int]) -> None:
+        self.shape = dict(shape)
+        self.ndim = len(self.shape)
+        self.mesh_dim_names = tuple(self.shape)
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        if mesh_dim is None:
+            return math.prod(self.shape.values())
+        return list(self.shape.values())[mesh_dim]
+
+    def __getitem__(self, dim: str) -> MeshOfSize:
+        return MeshOfSize(self.shape[dim])
 
 
 def _shape_problems(model: nn.Module, plan: Any, n: int, inputs: tuple[tuple, dict]):
@@ -253,7 +384,12 @@ def _inputs(example_inputs: Any, batch_size: int, seq_len: int) -> tuple[tuple, 
     return (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)), {}
 
 
-def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[int], list[Problem]]:
+def _validate(
+    model: nn.Module,
+    entries: list[PlanEntry],
+    n: int,
+    mesh_shape: Mapping[str, int] | None = None,
+) -> tuple[set[int], list[Problem]]:
     """The checks of :func:`torch_tp.plan.validate_plan` that need no mesh: the modules
     refused, and why."""
     invalid: set[int] = set()
@@ -269,7 +405,11 @@ def _validate(model: nn.Module, entries: list[PlanEntry], n: int) -> tuple[set[i
         if validate is None or id(entry.module) in invalid:
             continue
         try:
-            validate(entry.module, MeshOfSize(n))
+            if mesh_ndim(entry) == 1:
+                mesh: Any = MeshOfSize(n)
+            else:
+                mesh = _MeshOfShape({d: mesh_shape[d] for d in style_dims(entry, mesh_shape)})
+            validate(entry.module, mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
             invalid.add(id(entry.module))
             problems.append(
@@ -312,7 +452,13 @@ def _placements(entry: PlanEntry) -> dict[str, Placement]:
     }
 
 
-def _largest_shard(shape: tuple[int, ...], placement: Placement | None, n: int):
+def _largest_shard(shape: tuple[int, ...], placement: Any, n: int | tuple[int, ...]):
+    """The largest shard of ``shape`` laid out ``placement`` (a tuple of them on an N-D mesh
+    of sizes ``n``, each splitting what the ones before left)."""
+    if isinstance(placement, tuple):
+        for one, size in zip(placement, n, strict=True):
+            shape = _largest_shard(shape, one, size)
+        return shape
     if not isinstance(placement, (Shard, StridedShard)):
         return shape
     local = list(shape)
@@ -320,7 +466,18 @@ def _largest_shard(shape: tuple[int, ...], placement: Placement | None, n: int):
     return tuple(local)
 
 
-def _parameter_groups(model: nn.Module, entries: list[PlanEntry], n: int):
+def _placement_str(placement: Any) -> str:
+    if isinstance(placement, tuple):
+        return f"({', '.join(_names.placement_to_str(p) for p in placement)})"
+    return _names.placement_to_str(placement)
+
+
+def _parameter_groups(
+    model: nn.Module,
+    entries: list[PlanEntry],
+    n: int,
+    mesh_shape: Mapping[str, int] | None = None,
+):
     entry_of = {id(e.module): e for e in entries}
     groups: Counter[tuple] = Counter()
     seen: set[int] = set()
@@ -337,11 +494,15 @@ def _parameter_groups(model: nn.Module, entries: list[PlanEntry], n: int):
             else:
                 full = _generalize(f"{path}.{name}" if path else name)
             shape = tuple(param.shape)
+            if entry is not None and mesh_ndim(entry) > 1:
+                sizes: Any = tuple(mesh_shape[d] for d in style_dims(entry, mesh_shape))
+            else:
+                sizes = n
             key = (
                 full,
-                _names.placement_to_str(placement) if placement is not None else None,
+                _placement_str(placement) if placement is not None else None,
                 shape,
-                _largest_shard(shape, placement, n),
+                _largest_shard(shape, placement, sizes),
                 param.element_size(),
             )
             groups[key] += 1

@@ -68,7 +68,10 @@ class Collective:
             one coalesced all-reduce of partial parameter gradients.
         count: how many per step.
         bytes: the size of one: the whole tensor reduced or gathered (an all-gather's output,
-            a reduce-scatter's input), with DTensor's padding of uneven shards.
+            a reduce-scatter's input), with DTensor's padding of uneven shards; for an
+            all-to-all, the bytes this rank sends.
+        mesh_dim: the name of the mesh dimension it runs over, for a report given the mesh's
+            shape (``"tp"``, ``"ep"``); ``None`` for a report given a TP degree.
     """
 
     phase: str
@@ -76,6 +79,7 @@ class Collective:
     where: str
     count: int
     bytes: int
+    mesh_dim: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,7 @@ class PlanReport:
     Attributes:
         model: the model's class name.
         num_parameters: the number of parameters of the model.
-        tp_degree: the TP degree.
+        tp_degree: the TP degree: the size of the dimension the 1-D styles run on.
         batch_size: the batch size the collectives are sized for.
         seq_len: the sequence length the collectives are sized for.
         dtype: the parameters' floating-point dtype.
@@ -118,6 +122,8 @@ class PlanReport:
         parameters: the parameters, grouped.
         collectives: the collectives of one step, grouped.
         problems: the problems found, errors first.
+        mesh_shape: the mesh's dimensions and sizes, for a report given them (``{"ep": 2,
+            "tp": 2}``); ``None`` for a report given a TP degree.
     """
 
     model: str
@@ -130,6 +136,7 @@ class PlanReport:
     parameters: list[ParameterGroup]
     collectives: list[Collective]
     problems: list[Problem] = field(default_factory=list)
+    mesh_shape: dict[str, int] | None = None
 
     @property
     def per_rank_bytes(self) -> int:
@@ -146,26 +153,29 @@ class PlanReport:
         """The problems of severity ``"error"``."""
         return [p for p in self.problems if p.severity == "error"]
 
-    def counts(self, phase: str | None = None) -> dict[str, int]:
-        """Collectives per kind, in one phase (``"forward"``/``"backward"``) or in both."""
+    def counts(self, phase: str | None = None, mesh_dim: str | None = None) -> dict[str, int]:
+        """Collectives per kind, in one phase (``"forward"``/``"backward"``) or in both, over
+        one mesh dimension (by name, for a report given the mesh's shape) or over all."""
         counts: Counter[str] = Counter()
         for c in self.collectives:
-            if phase is None or c.phase == phase:
+            if (phase is None or c.phase == phase) and (mesh_dim is None or c.mesh_dim == mesh_dim):
                 counts[c.kind] += c.count
         return dict(counts)
 
-    def bytes(self, phase: str | None = None) -> dict[str, int]:
-        """Bytes per kind of collective, in one phase or in both."""
+    def bytes(self, phase: str | None = None, mesh_dim: str | None = None) -> dict[str, int]:
+        """Bytes per kind of collective, in one phase or in both, over one mesh dimension or
+        over all."""
         total: Counter[str] = Counter()
         for c in self.collectives:
-            if phase is None or c.phase == phase:
+            if (phase is None or c.phase == phase) and (mesh_dim is None or c.mesh_dim == mesh_dim):
                 total[c.kind] += c.count * c.bytes
         return dict(total)
 
     def __str__(self) -> str:
         lines = [
             f"Plan report: {self.model}, {_count(self.num_parameters)} parameters, "
-            f"TP degree {self.tp_degree}, batch {self.batch_size} x {self.seq_len} tokens, "
+            f"{self._degree()}, batch {self.batch_size} x {self.seq_len} tokens"
+            f"{' per tp group' if self.mesh_shape is not None else ''}, "
             f"{str(self.dtype).removeprefix('torch.')}",
             "",
             "Plan",
@@ -210,6 +220,8 @@ class PlanReport:
             f"Collectives per step (model forward and backward, batch {self.batch_size} x "
             f"{self.seq_len}; the loss is not included)",
         ]
+        # over which mesh dimension each runs, for a report given the mesh's shape
+        over = [] if self.mesh_shape is None else ["over"]
         rows = []
         for phase in (FORWARD, BACKWARD):
             mine = [c for c in self.collectives if c.phase == phase]
@@ -218,19 +230,28 @@ class PlanReport:
                     [
                         phase,
                         c.kind,
+                        *([str(c.mesh_dim)] if over else []),
                         str(c.count),
                         _size(c.bytes),
                         _size(c.count * c.bytes),
                         c.where or '""',
                     ]
                 )
+            for dim in self.mesh_shape or ():  # a total per dimension
+                on_dim = [c for c in mine if c.mesh_dim == dim]
+                count = sum(c.count for c in on_dim)
+                total = sum(c.count * c.bytes for c in on_dim)
+                rows.append([phase, "total", dim, str(count), "", _size(total), ""])
             count = sum(c.count for c in mine)
             total = sum(c.count * c.bytes for c in mine)
-            rows.append([phase, "total", str(count), "", _size(total), ""])
+            rows.append(
+                [phase, "total", *(["all"] if over else []), str(count), "", _size(total), ""]
+            )
+        shift = len(over)
         lines += _table(
-            ["pass", "collective", "count", "bytes each", "bytes total", "from"],
+            ["pass", "collective", *over, "count", "bytes each", "bytes total", "from"],
             rows,
-            right={2, 3, 4},
+            right={2 + shift, 3 + shift, 4 + shift},
         )
         lines += ["", "Problems"]
         if not self.problems:
@@ -238,6 +259,13 @@ class PlanReport:
         for p in self.problems:
             lines.append(f"  {p.severity:<8} {p.where or '(root)'}: {p.message}")
         return "\n".join(lines)
+
+    def _degree(self) -> str:
+        """``TP degree 2``, or ``mesh ep 2 x tp 2 (4 ranks)``."""
+        if self.mesh_shape is None:
+            return f"TP degree {self.tp_degree}"
+        shape = " x ".join(f"{dim} {size}" for dim, size in self.mesh_shape.items())
+        return f"mesh {shape} ({math.prod(self.mesh_shape.values())} ranks)"
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,14 +174,25 @@ def _generalize(path: str) -> str:
 class _Trace:
     """Follows the unparallelized model's forward and predicts the parallel one's collectives."""
 
-    def __init__(self, entries: list[PlanEntry], n: int, cpu: bool) -> None:
+    def __init__(
+        self,
+        entries: list[PlanEntry],
+        n: int,
+        cpu: bool,
+        mesh_shape: Mapping[str, int] | None = None,
+    ) -> None:
         self.n = n
         self.cpu = cpu
+        # the mesh's dimensions (None: a 1-D mesh of n ranks, unnamed); the layouts the trace
+        # follows are over the last one, which the 1-D styles run on
+        self.mesh_shape = dict(mesh_shape) if mesh_shape is not None else None
+        self.dim = None if mesh_shape is None else list(mesh_shape)[-1]
         self.entry_of = {id(e.module): e for e in entries}
         self.states: dict[int, _State] = {}
         self.alive: list[torch.Tensor] = []  # keeps ids unique while the trace runs
         self.nodes: list[_Node] = []
-        self.events: list[tuple[str, str, str, int]] = []
+        # (phase, kind, where, bytes, mesh dimension)
+        self.events: list[tuple[str, str, str, int, str | None]] = []
         self.partial_params: dict[int, nn.Parameter] = {}
         self.local_depth = 0
         self.scope: list[str] = []
@@ -193,8 +204,9 @@ class _Trace:
         # (_layouts._shared_entry): q, k and v reading one tensor share one entry
         self.entered: set[tuple[int, Placement]] = set()
         self.problems: dict[tuple[str, str], Problem] = {}
-        # (how many nodes existed then, kind, where, bytes) of the backward's own transfers
-        self.backward_transfers: list[tuple[int, str, str, int]] = []
+        # (how many nodes existed then, kind, where, bytes, mesh dimension) of the backward's
+        # own transfers
+        self.backward_transfers: list[tuple[int, str, str, int, str | None]] = []
         # parameters no style of the plan distributes, and tensors computed from them
         # alone: id -> the parameter's name
         self.unplanned: dict[int, str] = {}
@@ -249,7 +261,7 @@ class _Trace:
 
     def emit(self, phase: str, where: str, move: tuple[str, int] | None) -> None:
         if move is not None:
-            self.events.append((phase, move[0], where, move[1]))
+            self.events.append((phase, move[0], where, move[1], self.dim))
 
     def move(self, src: Placement, dst: Placement, t: torch.Tensor) -> tuple[str, int] | None:
         return _collective(src, dst, tuple(t.shape), t.element_size(), self.n, self.cpu)
@@ -495,13 +507,23 @@ class _Trace:
                 # a column-parallel output: a view of it as (..., heads, head_dim) is checked
                 self.colwise_outputs[id(value)] = entry.key
         # what the module sends itself (tokens to their experts), forward and backward
-        for transfer in contract.transfers(style, module, args, self.n) or ():
+        dims = self.style_dims(entry)
+        degree = self.n if len(dims) == 1 else tuple(self.mesh_shape[d] for d in dims)
+        for transfer in contract.transfers(style, module, args, degree) or ():
+            dim = dims[-1] if len(dims) == 1 else _over(dims, transfer.mesh_dim)
             if transfer.phase == BACKWARD:  # issued when the backward gets here
                 self.backward_transfers.append(
-                    (len(self.nodes), transfer.kind, entry.key, transfer.nbytes)
+                    (len(self.nodes), transfer.kind, entry.key, transfer.nbytes, dim)
                 )
             else:
-                self.events.append((transfer.phase, transfer.kind, entry.key, transfer.nbytes))
+                self.events.append((transfer.phase, transfer.kind, entry.key, transfer.nbytes, dim))
+
+    def style_dims(self, entry: PlanEntry) -> list[str | None]:
+        """The mesh dimensions ``entry``'s style runs on (:func:`style_dims`; ``[None]``: the
+        one unnamed dimension of a 1-D report)."""
+        if self.mesh_shape is None:
+            return [None]
+        return style_dims(entry, self.mesh_shape)
 
     # -- ops between the plan's modules ----------------------------------------------------
 
@@ -660,6 +682,18 @@ def _broadcast_dropped(
     return [s for t, s in local if not (isinstance(s.layout, Replicate) and broadcast(t))]
 
 
+def mesh_ndim(entry: PlanEntry) -> int:
+    """The dimensions of the mesh ``entry``'s style runs on (its contract's ``mesh_ndim``)."""
+    return getattr(_contract(entry), "mesh_ndim", 1)
+
+
+def style_dims(entry: PlanEntry, mesh_shape: Mapping[str, int]) -> list[str]:
+    """The dimensions of the mesh of shape ``mesh_shape`` that ``entry``'s style runs on: the
+    last ``mesh_ndim`` (the 1-D styles on the last, ``tp``). The one place the report maps a
+    style to its dimensions."""
+    return list(mesh_shape)[-mesh_ndim(entry) :]
+
+
 def _contract(entry: PlanEntry) -> StyleContract | None:
     """The contract of ``entry``'s style (``None``: it declares none, or is duck-typed)."""
     return getattr(entry.style, "contract", None)
@@ -704,10 +738,15 @@ def _run(
     trace: _Trace,
     inputs: tuple[tuple, dict],
     input_layout: Placement | None = None,
+    refused: Sequence[PlanEntry] = (),
 ) -> Any:
+    """The forward of ``model`` on ``inputs``, followed by ``trace``. The modules of the
+    ``refused`` entries (not traced: the plan cannot apply their styles) still run as their
+    contract's ``meta_output`` says, where it says."""
     handles = []
+    refused_of = {id(e.module): e for e in refused}
     for path, module in model.named_modules():
-        entry = trace.entry_of.get(id(module))
+        entry = trace.entry_of.get(id(module)) or refused_of.get(id(module))
         contract = None if entry is None else _contract(entry)
         if contract is not None and contract.meta_output is not None:
             # a forward that reads its inputs' values (routing): its output's shapes instead
@@ -769,8 +808,8 @@ def _backward(trace: _Trace) -> None:
     def transfers_after(position: int) -> None:
         # a module's own backward transfers run once the nodes made after it are done
         while transfers and transfers[-1][0] > position:
-            _, kind, where, size = transfers.pop()
-            trace.events.append((BACKWARD, kind, where, size))
+            _, kind, where, size, dim = transfers.pop()
+            trace.events.append((BACKWARD, kind, where, size, dim))
 
     for index in reversed(range(len(trace.nodes))):
         transfers_after(index)
@@ -784,8 +823,8 @@ def _backward(trace: _Trace) -> None:
         move = _collective(grad, target, node.shape, node.itemsize, trace.n, trace.cpu)
         if move is not None and node.group is not None and node.group in grouped:
             # summed with the group's other gradients, in the same collective
-            phase, kind, where, size = trace.events[grouped[node.group]]
-            trace.events[grouped[node.group]] = (phase, kind, where, size + move[1])
+            phase, kind, where, size, dim = trace.events[grouped[node.group]]
+            trace.events[grouped[node.group]] = (phase, kind, where, size + move[1], dim)
         else:
             if move is not None and node.group is not None:
                 grouped[node.group] = len(trace.events)
@@ -796,17 +835,26 @@ def _backward(trace: _Trace) -> None:
     if trace.partial_params:
         params = list(trace.partial_params.values())
         size = sum(p.numel() * p.element_size() for p in params)
-        trace.events.append((BACKWARD, "all_reduce", REPLICATED_PARAMETERS, size))
+        trace.events.append((BACKWARD, "all_reduce", REPLICATED_PARAMETERS, size, trace.dim))
 
 
-def _group(events: list[tuple[str, str, str, int]]) -> list[Collective]:
-    """Events counted per (phase, kind, generalized plan key, bytes), forward first."""
+def _over(dims: list[str | None], mesh_dim: int | None) -> str | None:
+    """The name of the dimension a transfer of a style on ``dims`` runs over (all of them,
+    joined, for one that names none)."""
+    if mesh_dim is None:
+        return ",".join(str(d) for d in dims)
+    return dims[mesh_dim]
+
+
+def _group(events: list[tuple[str, str, str, int, str | None]]) -> list[Collective]:
+    """Events counted per (phase, kind, generalized plan key, bytes, mesh dimension),
+    forward first."""
     counts = Counter(  # insertion-ordered: in the order of the first occurrence
-        (phase, kind, _generalize(where), size) for phase, kind, where, size in events
+        (phase, kind, _generalize(where), size, dim) for phase, kind, where, size, dim in events
     )
     return [
-        Collective(phase, kind, where, count, size)
+        Collective(phase, kind, where, count, size, dim)
         for wanted in (FORWARD, BACKWARD)
-        for (phase, kind, where, size), count in counts.items()
+        for (phase, kind, where, size, dim), count in counts.items()
         if phase == wanted
     ]

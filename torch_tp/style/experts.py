@@ -623,7 +623,14 @@ class ExpertTensorParallel(ParallelStyle):
             name: (Shard(0), placement)
             for name, placement in TensorParallelExperts()._parameter_placements(m).items()
         },
+        # over tp (the mesh's last dimension), as TensorParallelExperts: the tokens and
+        # routing weights read whole, their partial gradients and the output summed
+        inputs=lambda s, m: TensorParallelExperts.contract.inputs(s, m),
+        outputs=lambda s, m: TensorParallelExperts.contract.outputs(s, m),
         local_forward=lambda s, m: True,
+        # over ep: the counts and the tokens' all-to-alls; over tp: the agreed id check
+        transfers=lambda s, m, inputs, degree: s._transfers(m, inputs, degree),
+        caveat=lambda s, m: ExpertParallel.contract.caveat(ExpertParallel(), m),
         meta_output=lambda s, m, args, kwargs: _tokens_like(args),
         mesh_ndim=2,
     )
@@ -631,6 +638,28 @@ class ExpertTensorParallel(ParallelStyle):
     def __init__(self, *, output_layouts: Placement | None = None) -> None:
         super().__init__()
         self.output_layouts = _check_output_layouts(output_layouts)
+
+    def _transfers(
+        self, module: nn.Module, inputs: tuple, degree: tuple[int, int]
+    ) -> tuple[Transfer, ...]:
+        """What :func:`_route` sends, under balanced routing: the id check agreed over tp
+        (one int64), then over ep the counts and each ep rank's own tokens' routing slots,
+        out and back (the tokens are this ep rank's: each brings its own batch)."""
+        if len(inputs) < 2:
+            return ()
+        ep = degree[0]
+        hidden, top_k_index = inputs[0], inputs[1]
+        tokens = hidden.shape[0] * top_k_index.shape[-1] * hidden.shape[-1] * hidden.element_size()
+        stacked = module.up_proj if TensorParallelExperts._ungated(module) else module.gate_up_proj
+        counts = ep * (stacked.shape[0] // ep + 1) * top_k_index.element_size()
+        return (
+            Transfer("forward", "all_reduce", 8, mesh_dim=1),
+            Transfer("forward", "all_to_all", counts, mesh_dim=0),
+            Transfer("forward", "all_to_all", tokens, mesh_dim=0),
+            Transfer("forward", "all_to_all", tokens, mesh_dim=0),
+            Transfer("backward", "all_to_all", tokens, mesh_dim=0),
+            Transfer("backward", "all_to_all", tokens, mesh_dim=0),
+        )
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         self._check_kind(module)
