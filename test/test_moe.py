@@ -412,10 +412,10 @@ def test_every_moe_layout_issues_the_minimal_collectives():
 @pytest.mark.slow
 @pytest.mark.fast_runtime
 def test_minimal_collectives_with_a_shared_expert():
-    # tp+sp: the shared expert's partial output joins the experts' before the one
-    # reduce-scatter (without sequence parallelism the shared expert still reduces its own
-    # output, and under ep+sp it gathers and scatters its tokens: not expected_moe's minima)
-    _check(["tp+sp"], shared=True)
+    # the shared expert's partial output joins the experts' before the one reduce-scatter
+    # (tp+sp) or all-reduce (tp); under ep+sp it gathers and scatters its tokens: not
+    # expected_moe's minima
+    _check(["tp", "tp+sp"], shared=True)
 
 
 def _tp_sp_parity(batch: int, shared: bool) -> None:

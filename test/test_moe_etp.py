@@ -392,7 +392,8 @@ def _etp_counts(sequence_parallel: bool) -> dict:
 
     model = _model()
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("ep", "tp"))
-    plan = moe_llama_plan(experts="tp", shared_expert=False, sequence_parallel=sequence_parallel)
+    # the shared expert's output joins the experts' partial sum: still one reduction
+    plan = moe_llama_plan(experts="tp", shared_expert=True, sequence_parallel=sequence_parallel)
     tp_experts = plan.pop(EXPERTS)
     torch_tp.parallelize_module(model, mesh["tp"], plan)
     experts = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)

@@ -2,7 +2,8 @@
 the conjugate collective, named as in Megatron-LM (``tensor_parallel/mappings.py``).
 
 They move plain tensors whose layout the caller knows; DTensor is not involved, so the hot
-path pays for no DTensor construction or dispatch. ``CommDebugMode`` sees them (as ``c10d``
+path pays for no DTensor construction or dispatch. Over a mesh of one rank they send nothing
+(as DTensor's redistributions skip a mesh dimension of size 1). ``CommDebugMode`` sees them (as ``c10d``
 ops). The mesh is 1-D.
 
 ==============================================  =====================  =====================
@@ -237,7 +238,8 @@ _SIZES: dict[int, tuple[weakref.ref, int]] = {}
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """The sum of ``x`` over the ranks of ``mesh``, out of place (no autograd)."""
     out = x.contiguous().clone()  # out of place: autograd may still need x
-    dist.all_reduce(out, group=mesh.get_group())
+    if _size(mesh) > 1:  # over one rank: nothing to send (as DTensor skips it too)
+        dist.all_reduce(out, group=mesh.get_group())
     return out
 
 
@@ -248,6 +250,8 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # than in every consumer (q, k and v would each copy it, and each save its own copy)
     n, dim = _size(mesh), dim % x.ndim
     x = x.contiguous()
+    if n == 1:
+        return x
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     dist.all_gather_single(out, x, group=mesh.get_group())
     whole = out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
@@ -258,6 +262,8 @@ def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor
     # c10d scatters along dim 0: bring the ranks' chunks of ``dim`` to the front (one copy,
     # none when ``dim`` leads); this rank's chunk then comes out contiguous
     n, dim = _size(mesh), dim % x.ndim
+    if n == 1:
+        return x.contiguous()
     chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(chunks.shape[1:])
     dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=mesh.get_group())
@@ -268,6 +274,8 @@ def _all_to_all(
     x: torch.Tensor, mesh: DeviceMesh, output_splits: list[int], input_splits: list[int]
 ) -> torch.Tensor:
     x = x.contiguous()
+    if _size(mesh) == 1:
+        return x
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_splits, input_splits, group=mesh.get_group())
     return out

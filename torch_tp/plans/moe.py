@@ -101,9 +101,11 @@ def moe_llama_plan(
     }
     ff = "layers.*.feed_forward"
     dispatch = experts == "ep" and sequence_parallel
-    # tensor-parallel experts under sequence parallelism: the block's output is a partial
-    # sum, reduce-scattered onto the sequence (a region whose input gradients are partial)
-    region = experts == "tp" and sequence_parallel
+    # tensor-parallel experts under sequence parallelism or beside a shared expert: the
+    # block's output is a partial sum (the experts' and the shared expert's together),
+    # reduced once: reduce-scattered onto the sequence, or all-reduced (a region whose input
+    # gradients are partial, reduced once too)
+    region = experts == "tp" and (sequence_parallel or shared_expert)
     if experts == "tp":
         plan[f"{ff}.experts"] = TensorParallelExperts(
             output_layouts=Partial() if region else Replicate()
@@ -120,16 +122,18 @@ def moe_llama_plan(
     else:
         plan[f"{ff}.router"] = ReplicateParallel(sum_gradients=dispatch)
     if region:
-        # gather the sequence before the feed-forward (its gradient reduce-scattered back),
-        # reduce-scatter the block's partial output onto the sequence after it. On [batch,
-        # seq, dim]: the experts' flattened tokens are not a sequence shard when batch > 1
+        # under sequence parallelism, gather the sequence before the feed-forward (its
+        # gradient reduce-scattered back) and reduce-scatter the block's partial output onto
+        # the sequence after it; without, all-reduce both. On [batch, seq, dim]: the
+        # experts' flattened tokens are not a sequence shard when batch > 1
+        between = Shard(1) if sequence_parallel else Replicate()
         plan[ff] = PrepareModuleInputOutput(
-            input_layouts=Shard(1),
+            input_layouts=between,
             desired_input_layouts=Replicate(),
             use_local_input=True,
             partial_input_gradients=True,
             output_layouts=Partial(),
-            desired_output_layouts=Shard(1),
+            desired_output_layouts=between,
         )
     if not shared_expert:
         return plan

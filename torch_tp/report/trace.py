@@ -76,7 +76,10 @@ def _padded_numel(shape: Sequence[int], dim: int, n: int) -> int:
 def _collective(
     src: Placement, dst: Placement, shape: Sequence[int], itemsize: int, n: int, cpu: bool
 ) -> tuple[str, int] | None:
-    """The collective that moves a tensor of global ``shape`` from ``src`` to ``dst``."""
+    """The collective that moves a tensor of global ``shape`` from ``src`` to ``dst`` (none
+    over one rank)."""
+    if n == 1:
+        return None
     ndim = len(shape)
     src, dst = normalize(src, ndim), normalize(dst, ndim)
     if src == dst or isinstance(src, Replicate):
@@ -511,6 +514,8 @@ class _Trace:
         degree = self.n if len(dims) == 1 else tuple(self.mesh_shape[d] for d in dims)
         for transfer in contract.transfers(style, module, args, degree) or ():
             dim = dims[-1] if len(dims) == 1 else _over(dims, transfer.mesh_dim)
+            if self.mesh_shape is not None and self.mesh_shape.get(dim) == 1:
+                continue  # nothing moves over one rank
             if transfer.phase == BACKWARD:  # issued when the backward gets here
                 self.backward_transfers.append(
                     (len(self.nodes), transfer.kind, entry.key, transfer.nbytes, dim)
@@ -832,7 +837,7 @@ def _backward(trace: _Trace) -> None:
         if node.parent is not None:
             node.parent.grads.append(target)
     transfers_after(-1)
-    if trace.partial_params:
+    if trace.partial_params and trace.n > 1:  # summed over tp (nothing to sum over one rank)
         params = list(trace.partial_params.values())
         size = sum(p.numel() * p.element_size() for p in params)
         trace.events.append((BACKWARD, "all_reduce", REPLICATED_PARAMETERS, size, trace.dim))

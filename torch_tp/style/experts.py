@@ -480,7 +480,7 @@ def _route(
         # each rank's count per expert to the rank holding it, with the number of ids out
         # of range: every rank learns whether any rank must raise, before any token moves
         out_of_range = counts[-1:]
-        if agree_over is not None:
+        if agree_over is not None and agree_over.size() > 1:  # (over one rank: agreed)
             group = agree_over.get_group()
             flag = out_of_range.to(_regions._flag_device(group), copy=True)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)

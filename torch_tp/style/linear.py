@@ -527,6 +527,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         """Raise, on every rank, the error of one device's ``F.embedding`` if any rank's ids
         are outside the vocabulary (agreed over the mesh unless ``gathered``)."""
         size = module.num_embeddings
+        gathered = gathered or _regions._size(rt.mesh) == 1  # one rank: nothing to agree
         if ids.numel():
             low, high = torch.aminmax(ids)
             bounds = torch.stack([low.neg(), high])  # both reduced by one maximum

@@ -40,6 +40,7 @@ from torch_tp.style.base import (
     _swap_in_local_parameters,
     _unstyled_submodules,
     _where,
+    in_partial_region,
 )
 
 __all__ = [
@@ -362,9 +363,10 @@ class PrepareModuleInput(ParallelStyle):
             ``output_layouts=Partial()``), so each rank's gradient of an input is a partial
             sum too: an input laid out ``Shard(d)`` gets the sum, reduce-scattered back
             (the sequence gathered forward, its gradient reduce-scattered backward); an input
-            laid out ``Replicate()`` (inside a module prepared this way) hands this rank's
-            partial sum back as it is, to be summed where the region began (a whole gradient,
-            computed alike on every rank, is handed back by rank 0 alone). Default: ``False``.
+            laid out ``Replicate()`` gets the sum, all-reduced back, unless it is the input of
+            an enclosing module prepared this way: then it hands this rank's partial sum back
+            as it is, to be summed where that region began (a whole gradient, computed alike
+            on every rank, is handed back by rank 0 alone). Default: ``False``.
 
     Returns:
         A :class:`ParallelStyle` that prepares the module's inputs.
@@ -551,8 +553,9 @@ class PrepareModuleInput(ParallelStyle):
 
     def _enter_partial(self, rt: _layouts.DTensorRuntime, value: torch.Tensor, layout: Placement):
         """One whole input whose gradient comes back a partial sum (``partial_input_gradients``)."""
-        if isinstance(layout, Shard) or isinstance(value, DTensor):
-            # gathered, and the partial gradients summed back into the layout
+        if isinstance(layout, Shard) or isinstance(value, DTensor) or not in_partial_region(value):
+            # gathered (or, replicated, handed on), and the partial gradients summed back
+            # into the layout
             local = rt.enter_replicated(value, layout)
             if not self.use_local_output:
                 return DTensor.from_local(local, rt.mesh)
@@ -561,7 +564,8 @@ class PrepareModuleInput(ParallelStyle):
                 if t is not None:
                     t.__dict__[PARTIAL_GRADIENT_REGION] = True
             return local
-        # a replicated local input inside a partial-gradient region: handed back as it is
+        # a replicated local input of an enclosing partial-gradient region (which sums the
+        # gradients where it began): handed back as it is
         return value if self.use_local_output else _layouts._replicated(value, rt.mesh)
 
 
