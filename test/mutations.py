@@ -302,6 +302,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         description="the shape check takes layers whose attributes differ for repeats of the "
         "first and replays its output: a wrong view in a later layer goes unreported",
     ),
+    Mutation(
+        name="ring_attention_keeps_key_value_gradients_away",
+        file="torch_tp/_ring.py",
+        old="""    _wait(_exchange(ctx, [sent], [home]))
+    return home""",
+        new="""    _wait(_exchange(ctx, [sent], [home]))
+    return sent""",
+        tests=(
+            "test/test_context_parallel.py::test_cp2_matches_one_device",
+            "test/test_ring_attention.py::test_parity_cp2",
+        ),
+        description="ring attention's backward leaves each key/value block's gradients on "
+        "the rank that finished them instead of sending them home: every rank's keys and "
+        "values get another rank's gradient",
+    ),
 )
 
 

@@ -44,6 +44,7 @@ LAYERS = {
         "_repeats",
         "_layouts",
         "_regions",
+        "_ring",
         "_torch_compat",
     ),
     "features": ("loss", "clip", "meta", "checkpoint", "pipeline"),

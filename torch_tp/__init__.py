@@ -20,6 +20,7 @@ from torch_tp.contract import StyleContract
 from torch_tp.loss import loss_parallel, vocab_parallel_cross_entropy
 from torch_tp.meta import materialize
 from torch_tp.style import *  # noqa: F403 - ParallelStyle and every built-in style
+from torch_tp.style.context import sequence_positions, shard_sequence, unshard_sequence
 
 __version__ = "0.1.0"
 
@@ -37,7 +38,10 @@ __all__ = [
     "plan",
     "random",
     "report",
+    "sequence_positions",
+    "shard_sequence",
     "style",
+    "unshard_sequence",
     "vocab_parallel_cross_entropy",
 ]
 # ParallelStyle and every built-in style, as torch_tp.style lists them

@@ -352,17 +352,28 @@ class Llama(nn.Module):
         device = buffer_device if buffer_device is not None else self.rope_cache.device
         self.rope_cache = self._rope_table(device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Map token ids ``(bsz, seqlen)`` to logits ``(bsz, seqlen, vocab_size)``, float32 or
-        wider (float64 for a float64 model)."""
+        wider (float64 for a float64 model).
+
+        ``positions`` (``(seqlen,)`` int64, optional) are the tokens' positions for the rotary
+        embeddings: those of a part of a longer sequence under context parallelism
+        (:func:`torch_tp.sequence_positions`). Default: ``0 .. seqlen - 1``.
+        """
         seqlen = tokens.shape[1]
-        if seqlen > self.config.max_seq_len:
+        if positions is None and seqlen > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {seqlen} exceeds max_seq_len {self.config.max_seq_len}"
             )
+        if positions is not None:
+            if positions.shape != (seqlen,):
+                raise ValueError(
+                    f"positions must be of shape ({seqlen},), one per token, found "
+                    f"{tuple(positions.shape)}"
+                )
         # Sliced from the tokens, not from h: with sequence parallelism the embedding output
         # is already split along the sequence, but attention works on the full sequence.
-        rope = self.rope_cache[:seqlen]
+        rope = self.rope_cache[:seqlen] if positions is None else self.rope_cache[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, rope)

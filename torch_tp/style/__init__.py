@@ -28,7 +28,9 @@ contract beside it:
 * :mod:`torch_tp.style.attention`: :class:`MLAKVAProjParallel`, :class:`LocalParamsParallel`,
   :class:`AttentionHeads`;
 * :mod:`torch_tp.style.regions`: :class:`PartialSumParallel` and its parts,
-  :class:`LocalLinearParallel`.
+  :class:`LocalLinearParallel`;
+* :mod:`torch_tp.style.context`: :class:`ContextParallel` (a sequence split over a ``cp``
+  mesh, attention by a ring of key/value blocks) and its inputs' helpers.
 
 The family modules import from :mod:`~torch_tp.style.base` only, never from each other. To add
 a built-in style, write its class in the module of its family (or a new module beside them),
@@ -64,6 +66,7 @@ from torch_tp.style.experts import (
 )
 from torch_tp.style.attention import AttentionHeads, LocalParamsParallel, MLAKVAProjParallel
 from torch_tp.style.regions import LocalLinearParallel, PartialSumParallel
+from torch_tp.style.context import ContextParallel
 
 # isort: on
 
@@ -89,4 +92,5 @@ __all__ = [
     "PrepareModuleInput",
     "PrepareModuleOutput",
     "PrepareModuleInputOutput",
+    "ContextParallel",
 ]

@@ -1,0 +1,276 @@
+"""Context parallelism: a sequence split over the ranks of a ``cp`` mesh dimension.
+
+:class:`ContextParallel` makes the attention inside a module exact over the whole sequence
+while each rank holds ``1 / cp`` of its tokens: every ``F.scaled_dot_product_attention`` call
+its module's forward makes becomes a ring of key/value blocks over the ``cp`` ranks
+(:func:`torch_tp._ring.ring_attention`), the causal mask taken from the tokens' true
+positions. Everything else in the model computes token by token and needs no change: the
+model is given this rank's tokens (:func:`shard_sequence`) and their positions
+(:func:`sequence_positions`, for rotary embeddings), and returns this rank's outputs.
+
+Parameters are not touched: each rank's gradient of each parameter is its tokens' part, to be
+summed over ``cp`` as over data parallelism (FSDP2 over ``cp``, or over ``dp x cp``
+flattened, as torchtitan does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+
+from torch_tp import _ring
+from torch_tp.contract import StyleContract
+from torch_tp.style.base import ParallelStyle, _where
+
+__all__ = ["ContextParallel", "sequence_positions", "shard_sequence", "unshard_sequence"]
+
+_ROTATIONS = ("p2p", "allgather")
+
+
+def _layout(load_balance: bool) -> _ring.Layout:
+    return "load_balanced" if load_balance else "contiguous"
+
+
+def _cp_group(mesh: DeviceMesh, what: str) -> Any:
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(
+            f"{what} takes the 1-D context-parallel mesh (mesh['cp']), found "
+            f"{mesh if not isinstance(mesh, DeviceMesh) else f'a {mesh.ndim}-D mesh'}"
+        )
+    return mesh.get_group()
+
+
+def shard_sequence(
+    tensor: torch.Tensor, mesh: DeviceMesh, *, dim: int = 1, load_balance: bool = True
+) -> torch.Tensor:
+    """This rank's part of a whole sequence, as :class:`ContextParallel` expects it.
+
+    Every rank of ``mesh`` holds the same whole tensor (token ids, labels, a position table);
+    each keeps its tokens, with no communication. With ``load_balance`` the sequence is cut in
+    ``2 * cp`` chunks and rank ``r`` keeps chunks ``r`` and ``2 * cp - 1 - r``, so that under a
+    causal mask every rank attends as much; otherwise rank ``r`` keeps the ``r``-th of ``cp``.
+
+    Args:
+        tensor (:class:`torch.Tensor`): the whole tensor, the same on every rank.
+        mesh (:class:`DeviceMesh`): the 1-D context-parallel mesh.
+
+    Keyword Args:
+        dim (int, optional): the sequence dimension. Default: ``1``.
+        load_balance (bool, optional): the layout. Default: ``True``.
+
+    Returns:
+        This rank's ``1 / cp`` of ``tensor`` along ``dim``.
+
+    Raises:
+        ValueError: the sequence length is not divisible by ``2 * cp`` (``cp`` without
+            ``load_balance``), or ``mesh`` is not 1-D.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> tokens = shard_sequence(tokens, mesh["cp"])
+        >>> positions = sequence_positions(seq_len, mesh["cp"])
+        >>> logits = model(tokens, positions=positions)  # this rank's tokens' logits
+    """
+    group = _cp_group(mesh, "shard_sequence")
+    return _ring.shard_sequence(tensor, dim, group, _layout(load_balance))
+
+
+def unshard_sequence(
+    tensor: torch.Tensor, mesh: DeviceMesh, *, dim: int = 1, load_balance: bool = True
+) -> torch.Tensor:
+    """The whole sequence from every rank's part (one all-gather), in sequence order: the
+    inverse of :func:`shard_sequence`, differentiable.
+
+    Args:
+        tensor (:class:`torch.Tensor`): this rank's part.
+        mesh (:class:`DeviceMesh`): the 1-D context-parallel mesh.
+
+    Keyword Args:
+        dim (int, optional): the sequence dimension. Default: ``1``.
+        load_balance (bool, optional): the layout the parts are in. Default: ``True``.
+
+    Returns:
+        The whole tensor, on every rank.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> logits = unshard_sequence(model(tokens, positions=positions), mesh["cp"])
+    """
+    group = _cp_group(mesh, "unshard_sequence")
+    return _ring.unshard_sequence(tensor, dim, group, _layout(load_balance))
+
+
+def sequence_positions(
+    seq_len: int, mesh: DeviceMesh, *, load_balance: bool = True, device: Any = None
+) -> torch.Tensor:
+    """The positions in the whole sequence of the tokens :func:`shard_sequence` keeps on this
+    rank, in their order: for rotary embeddings (``position_ids``).
+
+    Args:
+        seq_len (int): the length of the whole sequence.
+        mesh (:class:`DeviceMesh`): the 1-D context-parallel mesh.
+
+    Keyword Args:
+        load_balance (bool, optional): the layout. Default: ``True``.
+        device (optional): where the positions go. Default: the CPU.
+
+    Returns:
+        An int64 tensor of ``seq_len // cp`` positions.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> sequence_positions(8, mesh["cp"])  # on rank 0 of cp=2
+        tensor([0, 1, 6, 7])
+    """
+    group = _cp_group(mesh, "sequence_positions")
+    rank, cp = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    return _ring.sequence_positions(seq_len, cp, rank, _layout(load_balance), device=device)
+
+
+class _RingMode(TorchFunctionMode):
+    """Turns the ``F.scaled_dot_product_attention`` calls of one module's forward into ring
+    attention over the ``cp`` group."""
+
+    def __init__(self, style: ContextParallel, module: nn.Module, group: Any) -> None:
+        super().__init__()
+        self.style, self.module, self.group = style, module, group
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.calls += 1
+        return self.style._attend(self.module, self.group, *args, **kwargs)
+
+
+class ContextParallel(ParallelStyle):
+    """Attention exact over a sequence split over the ranks of a context-parallel mesh.
+
+    Applied to a module that computes attention with ``F.scaled_dot_product_attention``
+    (an attention module, or a block around one), on a 1-D ``cp`` mesh. Each rank's forward
+    gets this rank's part of the sequence (:func:`shard_sequence`) and returns this rank's
+    part of the output; each attention call inside it attends this rank's queries to the
+    whole sequence's keys and values, which come by around the ring of ``cp`` ranks one block
+    at a time (``rotation="p2p"``, point-to-point, the next block sent while this one is
+    computed) or all at once (``"allgather"``). The blocks are merged by the online-softmax
+    rule, and the backward goes around the ring again. The causal mask is that of the tokens'
+    positions in the whole sequence; with ``load_balance`` (the default) every rank holds a
+    chunk from the head of the sequence and one from its tail, so that every rank does the
+    same work under it.
+
+    What the module computes besides attention sees only this rank's tokens: rotary
+    embeddings must be given the tokens' true positions (:func:`sequence_positions`).
+    Parameters are left as they are (replicated over ``cp``): their gradients on each rank are
+    its tokens' part, summed over ``cp`` as over data parallelism (FSDP2 over ``cp`` or ``dp x
+    cp``). Tensor parallelism composes: a tensor-parallel attention computes its local heads'
+    ring.
+
+    Supported attention calls: ``is_causal=True`` or full (bidirectional) attention without
+    a mask, any ``scale``, grouped-query attention (``enable_gqa`` or fewer key/value heads).
+    An ``attn_mask`` and ``dropout_p > 0`` are refused, naming the module. Every rank must call
+    the module with the same shapes.
+
+    Keyword Args:
+        rotation (str, optional): ``"p2p"`` or ``"allgather"``. Default: ``"p2p"``.
+        load_balance (bool, optional): the layout of the sequence over the ranks (it must be
+            the one :func:`shard_sequence` used). Default: ``True``.
+
+    Example::
+        >>> # xdoctest: +SKIP("distributed")
+        >>> mesh = init_device_mesh("cuda", (2,), mesh_dim_names=("cp",))
+        >>> parallelize_module(model, mesh, {"layers.*.attention": ContextParallel()})
+        >>> tokens = shard_sequence(tokens, mesh)
+        >>> logits = model(tokens, positions=sequence_positions(seq_len, mesh))
+    """
+
+    contract = StyleContract(
+        names={"context_parallel": {}},
+        arguments=lambda s: {"rotation": s.rotation, "load_balance": s.load_balance},
+    )
+
+    def __init__(self, *, rotation: str = "p2p", load_balance: bool = True) -> None:
+        super().__init__()
+        if rotation not in _ROTATIONS:
+            raise ValueError(f"rotation must be one of {_ROTATIONS}, found {rotation!r}")
+        if not isinstance(load_balance, bool):
+            raise TypeError(f"load_balance must be a bool, found {load_balance!r}")
+        self.rotation = rotation
+        self.load_balance = load_balance
+
+    def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        super()._validate(module, device_mesh)
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"ContextParallel takes a 1-D mesh (mesh['cp']), found a {device_mesh.ndim}-D mesh"
+            )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        modes: list[_RingMode] = []
+
+        def enter(mod: nn.Module, args: Any) -> None:
+            mode = _RingMode(self, mod, group)
+            mode.__enter__()
+            modes.append(mode)
+
+        def leave(mod: nn.Module, args: Any, output: Any) -> None:
+            mode = modes.pop()
+            mode.__exit__(None, None, None)
+            # (called with no output when the forward raised: that error stands)
+            if mode.calls == 0 and output is not None:
+                raise NotImplementedError(
+                    f"{_where(self, mod)}: the forward made no F.scaled_dot_product_attention "
+                    "call, so its attention saw this rank's tokens only; ContextParallel "
+                    "follows attention computed by F.scaled_dot_product_attention"
+                )
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+        return module
+
+    def _attend(
+        self,
+        module: nn.Module,
+        group: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """Ring attention in place of one ``F.scaled_dot_product_attention`` call."""
+        if attn_mask is not None:
+            raise NotImplementedError(
+                f"{_where(self, module)}: an attention mask (attn_mask) cannot be followed "
+                "over a split sequence: it is laid out for this rank's tokens; pass "
+                "is_causal=True (causal) or no mask (full attention)"
+            )
+        if dropout_p:
+            raise NotImplementedError(
+                f"{_where(self, module)}: dropout inside attention (dropout_p={dropout_p}) is "
+                "not supported under context parallelism"
+            )
+        if query.shape[-3] != key.shape[-3] and not enable_gqa:
+            raise ValueError(
+                f"{_where(self, module)}: {query.shape[-3]} query heads and "
+                f"{key.shape[-3]} key heads without enable_gqa=True"
+            )
+        return _ring.ring_attention(
+            query,
+            key,
+            value,
+            group=group,
+            is_causal=is_causal,
+            layout=_layout(self.load_balance),
+            rotation=self.rotation,
+            scale=scale,
+        )
