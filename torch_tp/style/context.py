@@ -15,6 +15,10 @@ flattened, as torchtitan does).
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
+import math
 from typing import Any
 
 import torch
@@ -23,9 +27,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
-from torch_tp import _ring
-from torch_tp.contract import StyleContract
-from torch_tp.style.base import ParallelStyle, _where
+from torch_tp import _regions, _ring
+from torch_tp.contract import StyleContract, Transfer
+from torch_tp.style.base import ParallelStyle, _where, plan_root
 
 __all__ = ["ContextParallel", "sequence_positions", "shard_sequence", "unshard_sequence"]
 
@@ -132,13 +136,82 @@ def sequence_positions(
     return _ring.sequence_positions(seq_len, cp, rank, _layout(load_balance), device=device)
 
 
+# set on a model whose inputs a ContextParallel style checks before each forward
+_INPUTS_CHECKED = "_torch_tp_context_parallel_inputs"
+
+
+def _hf_attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers' attention modules in ``module`` (itself included): those that choose
+    their attention function by ``config._attn_implementation``."""
+    return [
+        (path, sub)
+        for path, sub in module.named_modules()
+        if hasattr(sub, "is_causal")
+        and isinstance(getattr(getattr(sub, "config", None), "_attn_implementation", None), str)
+    ]
+
+
+def _with_sdpa(config: Any) -> Any:
+    """A shallow copy of a transformers config whose attention implementation is 'sdpa'."""
+    config = copy.copy(config)
+    config._attn_implementation_internal = "sdpa"
+    return config
+
+
+def _check_inputs(
+    root: nn.Module, args: tuple, kwargs: dict, *, group: Any, layout: _ring.Layout
+) -> None:
+    """Refuse, on every rank of ``group``, a forward whose inputs the ring cannot follow: an
+    ``attention_mask`` that masks any token (padding: the ring applies the causal mask of the
+    positions alone), or ``position_ids`` that are not this rank's tokens' true positions
+    (:func:`sequence_positions`). One all-reduce of two flags per forward."""
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    rank, cp = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    padding = mask is not None and (mask.ndim != 2 or not bool(mask.bool().all()))
+    wrong = positions is None or tokens is None
+    if not wrong:
+        length = tokens.shape[1]
+        try:
+            expected = _ring.sequence_positions(length * cp, cp, rank, layout)
+        except ValueError:
+            wrong = True
+        else:
+            wrong = positions.shape[-1] != length or not bool(
+                (positions.reshape(-1, length).cpu() == expected).all()
+            )
+    flags = torch.tensor([padding, wrong], dtype=torch.int32)
+    flags = flags.to(_regions._flag_device(group))
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+    padding, wrong = flags.tolist()
+    if padding:
+        raise ValueError(
+            f"{type(root).__name__} under ContextParallel: an attention_mask that masks tokens "
+            "(padding) is not supported on a split sequence; the ring applies the causal mask "
+            "of the tokens' positions alone. Pack sequences without padding, or pass no "
+            "attention_mask (or one of all ones)"
+        )
+    if wrong:
+        raise ValueError(
+            f"{type(root).__name__} under ContextParallel: position_ids must be the positions "
+            "of this rank's tokens in the whole sequence, "
+            "position_ids=torch_tp.sequence_positions(seq_len, mesh['cp'])[None] (for the "
+            "rotary embeddings; without them each rank would count its tokens from 0)"
+        )
+
+
 class _RingMode(TorchFunctionMode):
     """Turns the ``F.scaled_dot_product_attention`` calls of one module's forward into ring
     attention over the ``cp`` group."""
 
-    def __init__(self, style: ContextParallel, module: nn.Module, group: Any) -> None:
+    def __init__(
+        self, style: ContextParallel, module: nn.Module, group: Any, causal_masks: bool
+    ) -> None:
         super().__init__()
         self.style, self.module, self.group = style, module, group
+        self.causal_masks = causal_masks
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -146,7 +219,7 @@ class _RingMode(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         self.calls += 1
-        return self.style._attend(self.module, self.group, *args, **kwargs)
+        return self.style._attend(self.module, self.group, self.causal_masks, *args, **kwargs)
 
 
 class ContextParallel(ParallelStyle):
@@ -192,6 +265,11 @@ class ContextParallel(ParallelStyle):
     contract = StyleContract(
         names={"context_parallel": {}},
         arguments=lambda s: {"rotation": s.rotation, "load_balance": s.load_balance},
+        # for the dry-run report: on the mesh's "cp" dimension, the model's sequence split
+        # over it, and the ring's transfers of each attention call
+        mesh_dims=("cp",),
+        sequence_chunks=lambda s, cp: 2 * cp if s.load_balance else cp,
+        attention_transfers=lambda s, module, q, k, v, kwargs, cp: s._ring_transfers(k, cp),
     )
 
     def __init__(self, *, rotation: str = "p2p", load_balance: bool = True) -> None:
@@ -203,19 +281,77 @@ class ContextParallel(ParallelStyle):
         self.rotation = rotation
         self.load_balance = load_balance
 
+    def _ring_transfers(self, key: torch.Tensor, cp: int) -> list[Transfer]:
+        """The transfers of one ring attention call over ``cp`` ranks, for the dry-run report,
+        from this rank's keys (``(..., heads_kv, S / cp, head_dim)``; values alike): one
+        ``"send_recv"`` per point-to-point send (bytes sent), or the all-gathers (bytes
+        gathered) and the reduce-scatter (bytes reduced), sized by
+        :func:`torch_tp._ring.ring_volume`."""
+        *batch, heads_kv, tokens, head_dim = key.shape
+        volume = _ring.ring_volume(
+            math.prod(batch), heads_kv, tokens * cp, head_dim, key.element_size(), cp,
+            self.rotation,
+        )  # fmt: skip
+        if cp == 1:
+            return []
+        kv = volume["forward_bytes"] // (cp - 1)  # this rank's packed keys and values
+        if self.rotation == "p2p":  # the gradients of each block come home in cp sends
+            acc = (volume["backward_bytes"] - volume["forward_bytes"]) // cp
+            return [
+                *[Transfer("forward", "send_recv", kv)] * (cp - 1),
+                *[Transfer("backward", "send_recv", kv)] * (cp - 1),
+                *[Transfer("backward", "send_recv", acc)] * cp,
+            ]
+        acc = (volume["backward_bytes"] - volume["forward_bytes"]) // (cp - 1)
+        return [
+            Transfer("forward", "all_gather_into_tensor", cp * kv),
+            Transfer("backward", "all_gather_into_tensor", cp * kv),
+            Transfer("backward", "reduce_scatter_tensor", cp * acc),
+        ]
+
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
         if device_mesh.ndim != 1:
             raise ValueError(
                 f"ContextParallel takes a 1-D mesh (mesh['cp']), found a {device_mesh.ndim}-D mesh"
             )
+        for path, attention in _hf_attention_modules(module):
+            where = f"the attention module {path!r}" if path else "the attention module"
+            implementation = attention.config._attn_implementation
+            if implementation not in ("eager", "sdpa"):
+                raise NotImplementedError(
+                    f"{where} computes attention with transformers' {implementation!r} "
+                    "implementation; ContextParallel follows 'eager' and 'sdpa' (load the "
+                    "model with attn_implementation='sdpa')"
+                )
+            window = getattr(attention, "sliding_window", None)
+            if window is not None:
+                raise NotImplementedError(
+                    f"{where} attends within a sliding window of {window} tokens; "
+                    "ContextParallel computes full causal attention over the sequence and "
+                    "does not follow sliding windows"
+                )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()
+        attentions = [attention for _, attention in _hf_attention_modules(module)]
+        for attention in attentions:
+            # transformers' eager attention is matmuls and a softmax, which no hook sees: the
+            # same attention by F.scaled_dot_product_attention ('sdpa'), for this module only
+            if attention.config._attn_implementation == "eager":
+                attention.config = _with_sdpa(attention.config)
+        # the masks transformers builds for a causal model are laid out for this rank's tokens
+        # (causal over them, or over its chunks taken for packed sequences): the ring applies
+        # the causal mask of the true positions instead, the model's inputs checked to carry
+        # no padding (see _check_inputs)
+        causal_masks = any(getattr(a, "is_causal", False) for a in attentions)
+        root = plan_root()
+        if attentions and root is not None:
+            self._check_inputs_of(root, group)
         modes: list[_RingMode] = []
 
         def enter(mod: nn.Module, args: Any) -> None:
-            mode = _RingMode(self, mod, group)
+            mode = _RingMode(self, mod, group, causal_masks)
             mode.__enter__()
             modes.append(mode)
 
@@ -234,10 +370,28 @@ class ContextParallel(ParallelStyle):
         module.register_forward_hook(leave, always_call=True)
         return module
 
+    def _check_inputs_of(self, root: nn.Module, group: Any) -> None:
+        """Check, before each forward of a transformers model, that its inputs are what the
+        ring can follow: no padding, and each token's true position (agreed over cp)."""
+        if getattr(root, _INPUTS_CHECKED, False):
+            return
+        try:
+            parameters = inspect.signature(root.forward).parameters
+        except (TypeError, ValueError):
+            return
+        if "attention_mask" not in parameters or "position_ids" not in parameters:
+            return
+        layout = _layout(self.load_balance)
+        root.register_forward_pre_hook(
+            functools.partial(_check_inputs, group=group, layout=layout), with_kwargs=True
+        )
+        setattr(root, _INPUTS_CHECKED, True)
+
     def _attend(
         self,
         module: nn.Module,
         group: Any,
+        causal_masks: bool,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -248,6 +402,10 @@ class ContextParallel(ParallelStyle):
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         """Ring attention in place of one ``F.scaled_dot_product_attention`` call."""
+        if attn_mask is not None and causal_masks:
+            # a causal transformers model's own mask, laid out for this rank's tokens (its
+            # inputs were checked to hold no padding): the ring's causal mask takes its place
+            attn_mask, is_causal = None, True
         if attn_mask is not None:
             raise NotImplementedError(
                 f"{_where(self, module)}: an attention mask (attn_mask) cannot be followed "
