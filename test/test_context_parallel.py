@@ -94,3 +94,143 @@ def test_cp2_tp2_matches_one_device(rotation):
     carries its local heads. The attention module has a tensor-parallel style: the context-
     parallel one goes on the block around it."""
     run_distributed(_train, 4, 2, 2, rotation, True, "layers.*")
+
+
+def _train_dp_cp_tp() -> None:
+    """(dp2, cp2, tp2) on eight ranks: each dp rank its own sequences, split over cp; the
+    attention's heads over tp; FSDP2 over dp x cp (flattened) averages the gradients."""
+    reference = _model()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh(device_type(), (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+    data = mesh["dp", "cp"]._flatten("dp_cp")
+    torch_tp.parallelize_module(model, mesh["tp"], llama_plan())
+    torch_tp.parallelize_module(model, mesh["cp"], {"layers.*": ContextParallel()})
+    for layer in model.layers:
+        fully_shard(layer, mesh=data)
+    fully_shard(model, mesh=data)
+    ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
+    cp, dp = mesh["cp"], mesh["dp"].get_local_rank()
+    positions = sequence_positions(SEQ, cp)
+    for step in range(2):
+        tokens, targets = _batch(step)  # two sequences: one per dp rank
+        ref_logits = reference(tokens)
+        F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten()).backward()
+        mine = slice(dp, dp + 1)
+        logits = model(shard_sequence(tokens[mine], cp), positions=positions)
+        whole = unshard_sequence(logits.detach(), cp)
+        torch.testing.assert_close(whole, ref_logits[mine].detach(), **TOL)
+        local_targets = shard_sequence(targets[mine], cp)
+        F.cross_entropy(logits.flatten(0, 1), local_targets.flatten()).backward()
+        check_step(model, reference, optim, ref_optim, grad_tol=TOL, param_tol=TOL)
+
+
+@pytest.mark.slow  # eight ranks
+def test_dp2_cp2_tp2_with_fsdp2_matches_one_device():
+    run_distributed(_train_dp_cp_tp, 8)
+
+
+def _train_cp_ep(sequence_parallel: bool) -> None:
+    """The reference MoE Llama at (cp2, ep2): experts over ep (the plan's tensor-parallel
+    attention over the same ranks), each sequence split over cp. The load-balancing loss is
+    each rank's tokens' (as under data parallelism): left out, the rest compared."""
+    from torch_tp.models import MoEConfig, MoELlama
+    from torch_tp.plans.moe import moe_llama_plan
+
+    torch.manual_seed(0)
+    config = MoEConfig(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        n_experts=4,
+        expert_hidden_dim=16,
+        vocab_size=128,
+        max_seq_len=SEQ,
+        router_aux_loss_coef=0.0,
+    )
+    reference = MoELlama(config).double()
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("cp", "ep"))
+    plan = moe_llama_plan(experts="ep", sequence_parallel=sequence_parallel)
+    torch_tp.parallelize_module(model, mesh["ep"], plan)
+    torch_tp.parallelize_module(model, mesh["cp"], {"layers.*": ContextParallel()})
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["cp"])
+    fully_shard(model, mesh=mesh["cp"])
+    ref_optim, optim = adamw(reference.parameters()), adamw(model.parameters())
+    cp = mesh["cp"]
+    positions = sequence_positions(SEQ, cp)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, 128, (2, SEQ), generator=gen)
+        targets = torch.randint(0, 128, (2, SEQ), generator=gen)
+        ref_logits = reference(tokens)
+        F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten()).backward()
+        logits = model(shard_sequence(tokens, cp), positions=positions)
+        whole = unshard_sequence(logits.detach(), cp)
+        torch.testing.assert_close(whole, ref_logits.detach(), **TOL)
+        F.cross_entropy(logits.flatten(0, 1), shard_sequence(targets, cp).flatten()).backward()
+        check_step(model, reference, optim, ref_optim, grad_tol=TOL, param_tol=TOL)
+
+
+@pytest.mark.four_ranks
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["ep", "ep+sp"])
+def test_cp2_ep2_moe_matches_one_device(sequence_parallel):
+    run_distributed(_train_cp_ep, 4, sequence_parallel)
+
+
+def _train_pp_cp(schedule_name: str, stages_per_rank: int) -> None:
+    """(pp2, cp2): pipeline stages of the reference Llama, each rank's stages on its part of
+    every sequence (cp_mesh), the gradients averaged over cp by hand."""
+    from torch_tp.pipeline import build_schedule, pipeline_stages
+
+    reference = Llama(tiny_config(n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)).double()
+    perturb_norms(reference)
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("pp", "cp"))
+    cp = mesh["cp"]
+    stages = pipeline_stages(model, mesh["pp"], stages_per_rank=stages_per_rank, cp_mesh=cp)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    batch = 4
+    schedule = build_schedule(
+        stages, schedule_name, n_microbatches=2, batch_size=batch, loss_fn=loss_fn
+    )
+    params = [p for stage in stages for p in stage.submod.parameters()]
+    names = {id(p): n for stage in stages for n, p in stage.submod.named_parameters()}
+    optim, ref_optim = adamw(params), adamw(reference.parameters())
+    last = any(stage.is_last for stage in stages)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, 1001, (batch, SEQ), generator=gen)
+        targets = torch.randint(0, 1001, (batch, SEQ), generator=gen)
+        ref_loss = loss_fn(reference(tokens), targets)
+        ref_loss.backward()
+        losses: list[torch.Tensor] = []
+        schedule.step(shard_sequence(tokens, cp), target=shard_sequence(targets, cp), losses=losses)
+        if last:  # each cp rank's mean over its tokens; their mean is the batch's
+            loss = torch.stack(losses).mean()
+            torch.distributed.all_reduce(loss, group=cp.get_group())
+            torch.testing.assert_close(loss / cp.size(), ref_loss.detach(), **TOL)
+        for p in params:  # averaged over cp, as data parallelism would
+            torch.distributed.all_reduce(p.grad, group=cp.get_group())
+            p.grad /= cp.size()
+            ref = reference.get_parameter(names[id(p)])
+            torch.testing.assert_close(p.grad, ref.grad, **TOL, msg=names[id(p)])
+        optim.step()
+        ref_optim.step()
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        for p in params:
+            ref = reference.get_parameter(names[id(p)])
+            torch.testing.assert_close(p.detach(), ref.detach(), **TOL, msg=names[id(p)])
+
+
+@pytest.mark.four_ranks
+@pytest.mark.parametrize(
+    ("schedule", "stages_per_rank"), [("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2)]
+)
+def test_pp2_cp2_matches_one_device(schedule, stages_per_rank):
+    run_distributed(_train_pp_cp, 4, schedule, stages_per_rank)

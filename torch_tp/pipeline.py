@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from torch_tp import _torch_compat as compat
+from torch_tp.style.context import ContextParallel, sequence_positions
 
 __all__ = ["CheckedSchedule", "build_schedule", "pipeline_stages", "split_model"]
 
@@ -61,6 +62,9 @@ class _LlamaStage(nn.Module):
         # with sequence parallelism the stages pass each other sequence shards: the rotary
         # table is sliced for the whole sequence
         self.sequence_shards = 1
+        # with context parallelism (the cp mesh), each rank holds its part of each sequence:
+        # the rotary table is read at those tokens' positions in the whole sequence
+        self.context_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with _dropout_of(self, x):
@@ -69,7 +73,12 @@ class _LlamaStage(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         # the first stage takes token ids (bsz, seqlen); the others the hidden states
         seqlen = x.shape[1] if self.first else x.shape[1] * self.sequence_shards
-        rope = self.rope_cache[:seqlen]
+        if self.context_mesh is None:
+            rope = self.rope_cache[:seqlen]
+        else:
+            cp = self.context_mesh.size()
+            positions = sequence_positions(seqlen * cp, self.context_mesh, device=x.device)
+            rope = self.rope_cache[positions]
         h = self.tok_embeddings(x) if self.first else x
         for layer in self.layers.values():
             h = layer(h, rope)
@@ -359,6 +368,7 @@ def pipeline_stages(
     sequence_parallel: bool = False,
     exact_dropout: bool = False,
     device: torch.device | None = None,
+    cp_mesh: DeviceMesh | None = None,
 ) -> list[Any]:
     """This rank's pipeline stages of ``model``, tensor-parallel inside, ready for a schedule.
 
@@ -387,6 +397,13 @@ def pipeline_stages(
             :class:`_ExactDropout`; needs :func:`build_schedule`). It costs, per step and
             rank, drawing the whole model's masks once more. Default: ``False``.
         device: where the stages compute; default: the mesh's device.
+        cp_mesh: the 1-D context-parallel mesh (``mesh["cp"]``), or ``None``. Each rank's
+            stages then take its part of each sequence (:func:`torch_tp.shard_sequence`, the
+            same on every pipeline rank), their blocks' attention is a ring over ``cp``
+            (:class:`torch_tp.ContextParallel`) and their rotary embeddings are read at the
+            tokens' true positions. The parameters' gradients are each rank's tokens' part:
+            reduce them over ``cp`` as over data parallelism. :class:`torch_tp.models.Llama`
+            only.
 
     Returns:
         A list of :class:`torch.distributed.pipelining.PipelineStage`, one per stage of this
@@ -413,8 +430,17 @@ def pipeline_stages(
                 f"{name} must be a 1-D mesh (e.g. mesh[{name[:2]!r}]), found a mesh with "
                 f"dims {mesh.mesh_dim_names}"
             )
+    if cp_mesh is not None and cp_mesh.ndim != 1:
+        raise ValueError(
+            "cp_mesh must be a 1-D mesh (e.g. mesh['cp']), found a mesh with dims "
+            f"{cp_mesh.mesh_dim_names}"
+        )
     if tp_mesh is not None:
         _check_orthogonal(pp_mesh, tp_mesh)
+    if cp_mesh is not None:
+        _check_orthogonal(pp_mesh, cp_mesh, "cp_mesh")
+        if tp_mesh is not None:
+            _check_orthogonal(cp_mesh, tp_mesh, "tp_mesh", "cp_mesh")
     if plan is not None and tp_mesh is None:
         raise ValueError("a tensor-parallel plan needs tp_mesh to apply it on")
     if sequence_parallel and plan is None:
@@ -436,6 +462,12 @@ def pipeline_stages(
         )
     if plan is not None:
         _check_plan_names_something(plan, stage_modules)
+    if cp_mesh is not None and not isinstance(stage_modules[0], _LlamaStage):
+        raise NotImplementedError(
+            "cp_mesh inside pipeline stages supports torch_tp.models.Llama only; "
+            f"{type(model).__qualname__}'s stages make their position ids from the length "
+            "of the hidden states they receive"
+        )
     dropout = None
     if exact_dropout and sequence_parallel:
         raise NotImplementedError(
@@ -459,6 +491,9 @@ def pipeline_stages(
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a key that matches nothing here is a bug
                 parallelize_module(module, tp_mesh, _plan_for_stage(plan, module))
+        if cp_mesh is not None:
+            module.context_mesh = cp_mesh
+            parallelize_module(module, cp_mesh, {"layers.*": ContextParallel()})
         if dropout is not None:  # plain attributes, not submodules
             module.__dict__.update(_exact_dropout=dropout, _stage_index=index)
         stage_class = PipelineStage if dropout is None else _chunked_stage_class()
@@ -466,17 +501,19 @@ def pipeline_stages(
     return stages
 
 
-def _check_orthogonal(pp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> None:
-    """The pipeline and tensor-parallel meshes must be two different dimensions of one mesh:
-    this rank is the only rank they share."""
+def _check_orthogonal(
+    pp_mesh: DeviceMesh, tp_mesh: DeviceMesh, name: str = "tp_mesh", first: str = "pp_mesh"
+) -> None:
+    """Two meshes (the pipeline's and the tensor-parallel one, by default) must be two
+    different dimensions of one mesh: this rank is the only rank they share."""
     pp_ranks = set(pp_mesh.mesh.flatten().tolist())
     tp_ranks = set(tp_mesh.mesh.flatten().tolist())
     if len(pp_ranks & tp_ranks) != 1:
         raise ValueError(
-            f"pp_mesh (dims {pp_mesh.mesh_dim_names}, ranks {sorted(pp_ranks)}) and tp_mesh "
+            f"{first} (dims {pp_mesh.mesh_dim_names}, ranks {sorted(pp_ranks)}) and {name} "
             f"(dims {tp_mesh.mesh_dim_names}, ranks {sorted(tp_ranks)}) must be two different "
-            "dimensions of one mesh, e.g. mesh['pp'] and mesh['tp'] of a mesh with "
-            "mesh_dim_names=('pp', 'dp', 'tp'); they share ranks "
+            f"dimensions of one mesh, e.g. mesh[{first[:2]!r}] and mesh[{name[:2]!r}] of a mesh "
+            f"with mesh_dim_names=('pp', 'dp', 'tp'); they share ranks "
             f"{sorted(pp_ranks & tp_ranks)}"
         )
 
