@@ -234,3 +234,42 @@ def _train_pp_cp(schedule_name: str, stages_per_rank: int) -> None:
 )
 def test_pp2_cp2_matches_one_device(schedule, stages_per_rank):
     run_distributed(_train_pp_cp, 4, schedule, stages_per_rank)
+
+
+def _checkpoint_cp_tp(path: str) -> dict:
+    """Train one step at (cp2, tp2) with FSDP2 over cp, save (DCP); return the trained
+    values, gathered."""
+    model = _model()
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("cp", "tp"))
+    torch_tp.parallelize_module(model, mesh["tp"], llama_plan())
+    torch_tp.parallelize_module(model, mesh["cp"], {"layers.*": ContextParallel()})
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["cp"])
+    fully_shard(model, mesh=mesh["cp"])
+    optim = adamw(model.parameters())
+    tokens, targets = _batch(0)
+    cp = mesh["cp"]
+    logits = model(shard_sequence(tokens, cp), positions=sequence_positions(SEQ, cp))
+    F.cross_entropy(logits.flatten(0, 1), shard_sequence(targets, cp).flatten()).backward()
+    optim.step()
+    torch_tp.checkpoint.save(path, model, optim, step=1)
+    return torch_tp.checkpoint.full_state_dict(model)
+
+
+@pytest.mark.four_ranks
+def test_a_cp2_tp2_checkpoint_loads_on_one_device(tmp_path):
+    """Context parallelism shards no parameter: a DCP checkpoint of (cp2, tp2) with FSDP2
+    over cp loads on one device, equal to the same step trained there."""
+    saved = run_distributed(_checkpoint_cp_tp, 4, str(tmp_path))[0]
+    reference = _model()
+    optim = adamw(reference.parameters())
+    tokens, targets = _batch(0)
+    F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten()).backward()
+    optim.step()
+    model = _model()
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()})
+    loaded = torch_tp.checkpoint.load(str(tmp_path), model, adamw(model.parameters()), rng=False)
+    assert loaded == 1
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, **TOL, msg=name)
+        torch.testing.assert_close(saved[name], value, **TOL, msg=name)

@@ -198,3 +198,31 @@ def _sliding_window_refused() -> str:
 def test_sliding_windows_are_refused_before_anything_changes():
     message = run_distributed(_sliding_window_refused, 2)[0]
     assert "model.layers.0" in message and "sliding window of 4 tokens" in message, message
+
+
+def _refused_layouts() -> list[str]:
+    """Refused before anything changes: dropout inside attention, and a cp mesh that is the
+    tensor-parallel one."""
+    from torch_tp.plans.hf import plan_for
+
+    errors = []
+    model = _model("llama", "sdpa", (4, 2))
+    model.model.layers[1].self_attn.attention_dropout = 0.1
+    mesh = init_device_mesh(device_type(), (2,), mesh_dim_names=("cp",))
+    with pytest.raises(NotImplementedError) as caught:
+        torch_tp.parallelize_module(model, mesh, {LAYERS: ContextParallel()})
+    errors.append(str(caught.value))
+    assert model.model.layers[0].self_attn.config is model.config  # nothing changed
+
+    model = _model("llama", "sdpa", (4, 2))
+    torch_tp.parallelize_module(model, mesh, plan_for(model))  # "tp" over the same ranks
+    with pytest.raises(ValueError) as caught:
+        torch_tp.parallelize_module(model, mesh, {LAYERS: ContextParallel()})
+    errors.append(str(caught.value))
+    return errors
+
+
+def test_dropout_and_a_cp_mesh_shared_with_tp_are_refused():
+    dropout, shared = run_distributed(_refused_layouts, 2)[0]
+    assert "model.layers.1" in dropout and "attention_dropout=0.1" in dropout, dropout
+    assert "context parallelism needs a mesh dimension of its own" in shared, shared

@@ -151,6 +151,25 @@ def _hf_attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def _check_orthogonal(module: nn.Module, mesh: DeviceMesh) -> None:
+    """The cp mesh must be a dimension of its own: a parameter of ``module`` already
+    distributed (tensor parallelism) over ranks of the cp mesh would mix the two splits."""
+    cp_ranks = set(mesh.mesh.flatten().tolist())
+    for name, param in module.named_parameters():
+        other = getattr(param, "device_mesh", None)
+        if other is None:
+            continue
+        shared = cp_ranks & set(other.mesh.flatten().tolist())
+        if len(shared) > 1:
+            raise ValueError(
+                f"the cp mesh (dims {mesh.mesh_dim_names}, ranks {sorted(cp_ranks)}) shares "
+                f"ranks {sorted(shared)} with the mesh that {name!r} is distributed over (dims "
+                f"{other.mesh_dim_names}): "
+                "context parallelism needs a mesh dimension of its own, e.g. mesh['cp'] and "
+                "mesh['tp'] of a mesh with mesh_dim_names=('cp', 'tp')"
+            )
+
+
 def _with_sdpa(config: Any) -> Any:
     """A shallow copy of a transformers config whose attention implementation is 'sdpa'."""
     config = copy.copy(config)
@@ -315,8 +334,17 @@ class ContextParallel(ParallelStyle):
             raise ValueError(
                 f"ContextParallel takes a 1-D mesh (mesh['cp']), found a {device_mesh.ndim}-D mesh"
             )
+        _check_orthogonal(module, device_mesh)
         for path, attention in _hf_attention_modules(module):
             where = f"the attention module {path!r}" if path else "the attention module"
+            dropout = getattr(attention, "attention_dropout", 0.0)
+            if isinstance(dropout, (int, float)) and dropout > 0:
+                raise NotImplementedError(
+                    f"{where} drops attention weights out (attention_dropout={dropout}); "
+                    "ContextParallel computes each query's softmax over blocks that never "
+                    "meet whole, and does not follow dropout inside attention (set "
+                    "attention_dropout=0)"
+                )
             implementation = attention.config._attn_implementation
             if implementation not in ("eager", "sdpa"):
                 raise NotImplementedError(
