@@ -42,14 +42,19 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, torch.randint(0, 1001, (2, SEQ), generator=gen)
 
 
-def _train(cp: int, tp: int, rotation: str, load_balance: bool, target: str) -> None:
+def _train(
+    cp: int, tp: int, rotation: str, load_balance: bool, target: str, one_call: bool = False
+) -> None:
     reference = _model()
     model = copy.deepcopy(reference)
     mesh = init_device_mesh(device_type(), (cp, tp), mesh_dim_names=("cp", "tp"))
-    if tp > 1:
-        torch_tp.parallelize_module(model, mesh["tp"], llama_plan())
     style = ContextParallel(rotation=rotation, load_balance=load_balance)
-    torch_tp.parallelize_module(model, mesh["cp"], {target: style})
+    if one_call:  # one plan on the 2-D mesh: ContextParallel on cp, the others on tp
+        torch_tp.parallelize_module(model, mesh, {**llama_plan(), target: style})
+    else:
+        if tp > 1:
+            torch_tp.parallelize_module(model, mesh["tp"], llama_plan())
+        torch_tp.parallelize_module(model, mesh["cp"], {target: style})
     for layer in model.layers:  # the gradients summed (averaged) over cp
         fully_shard(layer, mesh=mesh["cp"])
     fully_shard(model, mesh=mesh["cp"])
@@ -88,12 +93,19 @@ def test_cp4_matches_one_device(rotation):
 
 
 @pytest.mark.four_ranks
-@pytest.mark.parametrize("rotation", ["p2p", "allgather"])
-def test_cp2_tp2_matches_one_device(rotation):
+@pytest.mark.parametrize(
+    ("rotation", "one_call"), [("p2p", False), ("allgather", False), ("p2p", True)]
+)
+def test_cp2_tp2_matches_one_device(rotation, one_call):
     """Tensor-parallel attention (its heads over tp) on a split sequence: each rank's ring
     carries its local heads. The attention module has a tensor-parallel style: the context-
-    parallel one goes on the block around it."""
-    run_distributed(_train, 4, 2, 2, rotation, True, "layers.*")
+    parallel one goes on the block around it. ``one_call``: one plan on the (cp, tp) mesh."""
+    run_distributed(_train, 4, 2, 2, rotation, True, "layers.*", one_call)
+
+
+def test_one_plan_on_a_cp_tp_mesh_matches_one_device():
+    """(cp2, tp1) on two ranks, one parallelize_module call: each style on its dimension."""
+    run_distributed(_train, 2, 2, 1, "p2p", True, "layers.*", True)
 
 
 def _train_dp_cp_tp() -> None:
@@ -273,3 +285,25 @@ def test_a_cp2_tp2_checkpoint_loads_on_one_device(tmp_path):
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, **TOL, msg=name)
         torch.testing.assert_close(saved[name], value, **TOL, msg=name)
+
+
+def test_cp_degree_of_the_ready_plans():
+    """auto(cp_degree=): ContextParallel on the blocks over 1, nothing at 1, a bad degree or
+    blocks the plan already styles refused."""
+    import warnings
+
+    from torch_tp.plans._context import with_context_parallel
+    from torch_tp.plans.auto import auto
+
+    with torch.device("meta"):
+        model = Llama(tiny_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = auto(model, cp_degree=2)
+        assert plan["layers.*"] == ContextParallel()
+        assert not any(isinstance(v, ContextParallel) for v in auto(model, cp_degree=1).values())
+        for bad in (0, 2.0, True):
+            with pytest.raises(ValueError, match="cp_degree must be a positive int"):
+                auto(model, cp_degree=bad)
+    with pytest.raises(ValueError, match=r"already gives them a style \(\['layers.1'\]\)"):
+        with_context_parallel(model, {"layers.1": "sequence_parallel"}, 2)

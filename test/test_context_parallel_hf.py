@@ -66,24 +66,41 @@ def _loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-def _parallelize(model, cp: int, tp: int):
-    mesh = init_device_mesh(device_type(), (cp, tp), mesh_dim_names=("cp", "tp"))
-    if tp > 1:
-        from torch_tp.plans.hf import plan_for
+def _parallelize(model, cp: int, tp: int, plan: str = "two calls"):
+    """``plan``: ``"two calls"``, the model's plan on mesh["tp"] and ContextParallel on
+    mesh["cp"]; ``"plan_for"`` or ``"auto"``, that function's plan with ``cp_degree=cp``, in
+    one call on the (cp, tp) mesh."""
+    from torch_tp.plans.auto import auto
+    from torch_tp.plans.hf import plan_for
 
-        torch_tp.parallelize_module(model, mesh["tp"], plan_for(model))
-    torch_tp.parallelize_module(model, mesh["cp"], {LAYERS: ContextParallel()})
+    mesh = init_device_mesh(device_type(), (cp, tp), mesh_dim_names=("cp", "tp"))
+    if plan == "two calls":
+        if tp > 1:
+            torch_tp.parallelize_module(model, mesh["tp"], plan_for(model))
+        torch_tp.parallelize_module(model, mesh["cp"], {LAYERS: ContextParallel()})
+    else:
+        make = plan_for if plan == "plan_for" else auto
+        full = make(model, cp_degree=cp)
+        assert full[LAYERS] == ContextParallel()
+        torch_tp.parallelize_module(model, mesh, full)
     for layer in model.model.layers:  # the gradients averaged over cp
         fully_shard(layer, mesh=mesh["cp"])
     fully_shard(model, mesh=mesh["cp"])
     return mesh
 
 
-def _train(family: str, attention: str, heads: tuple[int, int], cp: int, tp: int) -> None:
+def _train(
+    family: str,
+    attention: str,
+    heads: tuple[int, int],
+    cp: int,
+    tp: int,
+    plan: str = "two calls",
+) -> None:
     reference = _model(family, attention, heads)
     model = copy.deepcopy(reference)
     tol = EAGER_TOL if attention == "eager" else TOL
-    mesh = _parallelize(model, cp, tp)
+    mesh = _parallelize(model, cp, tp, plan)
     cp_mesh = mesh["cp"]
     for attn in (layer.self_attn for layer in model.model.layers):
         assert attn.config._attn_implementation == "sdpa"  # eager: this module's copy
@@ -133,6 +150,21 @@ def test_cp2_matches_one_device(family, attention, heads):
 @pytest.mark.parametrize(("family", "attention", "heads"), CASES, ids=lambda v: str(v))
 def test_cp2_tp2_matches_one_device(family, attention, heads):
     run_distributed(_train, 4, family, attention, heads, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("plan", "tp"),
+    [
+        ("plan_for", 1),
+        pytest.param("plan_for", 2, marks=pytest.mark.four_ranks),
+        pytest.param("auto", 2, marks=pytest.mark.four_ranks),
+    ],
+)
+def test_plans_with_cp_degree_apply_in_one_call(plan, tp):
+    """plan_for(model, cp_degree=2) and auto(model, cp_degree=2): the model's tensor-parallel
+    plan and ContextParallel on the decoder layers, applied in one call on the (cp, tp)
+    mesh, each style on its dimension."""
+    run_distributed(_train, 2 * tp, "qwen2", "sdpa", (4, 2), 2, tp, plan)
 
 
 # --------------------------------------------------------------------------- refused

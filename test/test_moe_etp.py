@@ -147,7 +147,9 @@ def _refusals() -> list[str]:
     mesh = init_device_mesh(device_type(), (1, 2), mesh_dim_names=("ep", "tp"))
     experts = {EXPERTS: ExpertTensorParallel()}
     refused(_model(), mesh["tp"], experts)  # a 1-D mesh
-    refused(_model(), mesh, {**experts, "layers.*.attention.wq": ColwiseParallel()})
+    # a plan mixing them puts the 1-D styles on the last dimension, which must be "tp"
+    other = init_device_mesh(device_type(), (1, 2), mesh_dim_names=("ep", "mp"))
+    refused(_model(), other, {**experts, "layers.*.attention.wq": ColwiseParallel()})
     unnamed = init_device_mesh(device_type(), (1, 2))
     refused(_model(), unnamed, experts)
     model = _model()
@@ -170,8 +172,8 @@ def test_plans_it_cannot_take_are_refused_before_anything_changes():
     errors = run_distributed(_refusals, 2)[0]
     one_d, one_d_style, unnamed, hidden, shapes, experts, swapped = errors
     assert "takes a 2-D mesh with named dimensions, (ep, tp)" in one_d and "1-D" in one_d
-    assert "'layers.*.attention.wq'" in one_d_style or "layers.0.attention.wq" in one_d_style
-    assert "ColwiseParallel" in one_d_style and "2-D mesh" in one_d_style
+    assert "ColwiseParallel on 'layers.0.attention.wq'" in one_d_style, one_d_style
+    assert "must be named 'tp'" in one_d_style and "('ep', 'mp')" in one_d_style
     assert "must name its dimensions" in unnamed
     assert "layers.1.feed_forward.experts" in hidden and "hidden size 15" in hidden
     assert "shape check" in shapes and "2-D" in shapes

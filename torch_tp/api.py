@@ -42,9 +42,12 @@ def parallelize_module(
         module (:class:`nn.Module`): the module to parallelize, in place.
         device_mesh (:class:`DeviceMesh`, optional): the 1-D tensor-parallel mesh. For a 2-D
             or N-D mesh pass its tensor-parallel dimension (``mesh["tp"]``), except for a plan
-            all of whose styles take an N-D mesh with named dimensions
-            (:class:`ExpertTensorParallel` on ``(ep, tp)``). If not given, the call must be
-            inside a ``with device_mesh:`` context.
+            with a style that takes its own dimensions (:class:`ExpertTensorParallel` on
+            ``(ep, tp)``, :class:`ContextParallel` on ``cp``): on a mesh with named
+            dimensions, each style of such a plan is applied on its dimensions (those its
+            contract names, ``mesh_dims``, or else the mesh's last ``mesh_ndim``), the
+            tensor-parallel styles on the last, which must be named ``"tp"``. If not given,
+            the call must be inside a ``with device_mesh:`` context.
         parallelize_plan (Union[:class:`ParallelStyle`, Dict[str, :class:`ParallelStyle`]],
             optional): the plan. If not given, nothing happens (with a warning).
 
@@ -115,12 +118,12 @@ def parallelize_module(
         return module
 
     entries = resolve_plan(module, parallelize_plan, strict=strict)
-    _check_mesh_dims(entries, device_mesh)
+    meshes = _entry_meshes(entries, device_mesh)
     # styles that read the model's config find it; a partial-sum region, the modules the
     # plan gives a style
     styled = frozenset(id(entry.module) for entry in entries)
     with planning(module, styled):
-        validate_plan(entries, device_mesh, module, strict=strict)
+        validate_plan(entries, meshes, module, strict=strict)
     _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
     if example_inputs is not None:
         if device_mesh.ndim != 1:
@@ -137,9 +140,9 @@ def parallelize_module(
     result = module
     # every style of this call gets the runtime TORCH_TP_RUNTIME selects now
     with _layouts.applying(), planning(module, styled):
-        for entry in entries:
+        for entry, mesh in zip(entries, meshes, strict=True):
             entry.style.src_data_rank = src_data_rank
-            applied = entry.style._apply(entry.module, device_mesh)
+            applied = entry.style._apply(entry.module, mesh)
             mark_applied(entry)
             if is_style(parallelize_plan):
                 result = applied
@@ -164,36 +167,60 @@ def _resolve_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
     return device_mesh
 
 
-def _check_mesh_dims(entries: list, device_mesh: DeviceMesh) -> None:
-    """A 1-D mesh for 1-D styles; an N-D mesh only for a plan all of whose styles take one
-    (:class:`~torch_tp.ExpertTensorParallel` on ``(ep, tp)``), with named dimensions."""
+def _entry_meshes(entries: list, device_mesh: DeviceMesh) -> list[DeviceMesh]:
+    """The mesh each entry's style is applied on: ``device_mesh`` itself when it is 1-D, or
+    when every style takes a mesh of its dimensions (:class:`~torch_tp.ExpertTensorParallel`
+    on ``(ep, tp)``); on an N-D mesh with a plan that has a style naming its own dimensions
+    or taking fewer than all of them, each style's dimensions of it (its contract's
+    ``mesh_dims``, or else the mesh's last ``mesh_ndim``: the 1-D tensor-parallel styles on
+    the last, ``tp``). A plan of 1-D styles alone takes a 1-D mesh."""
     if device_mesh.ndim == 1:
-        return
-    contract_dims = [
-        (e, getattr(getattr(e.style, "contract", None), "mesh_ndim", 1)) for e in entries
-    ]
-    others = [
-        f"{e.path or '<root>'!r} ({type(e.style).__name__})"
-        for e, n in contract_dims
-        if n != device_mesh.ndim
-    ]
-    if others or not entries:
+        return [device_mesh] * len(entries)
+    contracts = [getattr(e.style, "contract", None) for e in entries]
+    ndims = [getattr(c, "mesh_ndim", 1) for c in contracts]
+    named = [getattr(c, "mesh_dims", None) for c in contracts]
+    own = [n > 1 or dims is not None for n, dims in zip(ndims, named, strict=True)]
+    if not entries or not any(own):
         raise ValueError(
             f"parallelize_module takes a 1-D tensor-parallel mesh, found {device_mesh.ndim}-D "
             f"mesh with dims {device_mesh.mesh_dim_names}: pass its tensor-parallel dimension, "
             'e.g. mesh["tp"]'
             + (
-                f" (only styles on a {device_mesh.ndim}-D mesh, such as ExpertTensorParallel "
-                f"on (ep, tp), take it; these do not: {', '.join(others)})"
+                " (only a plan with styles that take their own dimensions, such as "
+                "ExpertTensorParallel on (ep, tp) or ContextParallel on cp, takes it)"
                 if entries
                 else ""
             )
         )
-    if not device_mesh.mesh_dim_names:
+    names = device_mesh.mesh_dim_names
+    if not names:
         raise ValueError(
             f"a {device_mesh.ndim}-D mesh must name its dimensions, e.g. "
             'init_device_mesh(device, (ep, tp), mesh_dim_names=("ep", "tp"))'
         )
+    if all(n == device_mesh.ndim and dims is None for n, dims in zip(ndims, named, strict=True)):
+        return [device_mesh] * len(entries)
+    meshes = []
+    for entry, n, dims in zip(entries, ndims, named, strict=True):
+        where = f"{type(entry.style).__name__} on {entry.path or '<root>'!r}"
+        if dims is None:
+            if n > len(names):
+                raise ValueError(f"{where} takes a {n}-D mesh; the mesh has dims {names}")
+            dims = names[-n:]
+            if n == 1 and dims[0] != "tp":
+                raise ValueError(
+                    f"{where}: the tensor-parallel styles of a plan on a mesh of several "
+                    f"dimensions run on its last, which must be named 'tp'; the mesh has dims "
+                    f"{names}"
+                )
+        missing = [d for d in dims if d not in names]
+        if missing:
+            raise ValueError(
+                f"{where} runs on the mesh dimension(s) {tuple(dims)}; the mesh has dims "
+                f"{names}, without {missing}"
+            )
+        meshes.append(device_mesh[dims[0]] if len(dims) == 1 else device_mesh[tuple(dims)])
+    return meshes
 
 
 def _last_dim(device_mesh: DeviceMesh) -> DeviceMesh:

@@ -17,7 +17,7 @@ is refused.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import Any
@@ -393,9 +393,16 @@ def _check_parameter_entry(
 
 
 def validate_plan(
-    entries: list[PlanEntry], device_mesh: DeviceMesh, root: nn.Module, *, strict: bool = True
+    entries: list[PlanEntry],
+    device_mesh: DeviceMesh | Sequence[DeviceMesh],
+    root: nn.Module,
+    *,
+    strict: bool = True,
 ) -> None:
     """Check every entry before any is applied; raise on the first that cannot apply.
+
+    ``device_mesh`` is the mesh of every entry, or one mesh per entry (a plan over several
+    dimensions of one mesh).
 
     Each style's :meth:`ParallelStyle._validate` is asked about its module; its error is
     re-raised with the same type and a message naming the module path and the style. A
@@ -408,8 +415,11 @@ def validate_plan(
     """
     owners = parameter_owners(root) if entries else {}
     by_path = {entry.path: entry for entry in entries}
+    meshes = (
+        [device_mesh] * len(entries) if isinstance(device_mesh, DeviceMesh) else list(device_mesh)
+    )
     untying: list[str] = []  # warned about once the whole plan is known to apply
-    for entry in entries:
+    for entry, mesh in zip(entries, meshes, strict=True):
         where = f"{_style(entry.style)} on {_describe(entry.path)} ({type(entry.module).__name__})"
         previous = getattr(entry.module, _APPLIED_STYLE, None)
         if previous is not None:
@@ -423,7 +433,7 @@ def validate_plan(
         validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
         try:
             if validate is not None:
-                validate(entry.module, device_mesh)
+                validate(entry.module, mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
             raise type(err)(f"cannot apply {where}: {err}") from err
     for _, _, message in unsummed_gradients(entries):

@@ -56,6 +56,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp.plan import names_something
+from torch_tp.plans._context import with_context_parallel
 from torch_tp.style import (
     AttentionHeads,
     ColwiseParallel,
@@ -207,7 +208,7 @@ PLANS: dict[str, Callable[..., dict[str, ParallelStyle]]] = {
 }
 
 
-def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
+def plan_for(model: nn.Module, *, cp_degree: int | None = None) -> dict[str, ParallelStyle | str]:
     """The tensor-parallel plan of a transformers model.
 
     Llama, Mistral, Qwen2 and GPT-2 (by ``model.config.model_type``, see :data:`PLANS`) get
@@ -237,6 +238,13 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
     Args:
         model: a transformers model: one of the families in :data:`PLANS`, or one whose
             ``_tp_plan`` is set (its config class declares ``base_model_tp_plan``).
+
+    Keyword Args:
+        cp_degree (int, optional): over 1, the plan also splits each sequence over a ``cp``
+            mesh dimension: :class:`~torch_tp.ContextParallel` on the decoder layers
+            (``"model.layers.*"``). Apply it on a mesh with dimensions ``("cp", "tp")``
+            (each style on its own) and see :doc:`context parallelism
+            <context_parallel>` for the inputs. Default: ``None`` (no cp dimension).
 
     Returns:
         A dict from module (and parameter) paths to styles or plan names, for
@@ -273,7 +281,8 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
             correct = _CORRECTIONS.get(model_type)
             if correct is not None:
                 plan = correct(model, plan)
-            return _shape_checked(model, _with_unplanned_parameters(model, plan))
+            plan = _shape_checked(model, _with_unplanned_parameters(model, plan))
+            return with_context_parallel(model, plan, cp_degree)
         raise ValueError(
             f"no tensor-parallel plan for model_type {model_type!r} "
             f"({type(model).__qualname__}): it declares no _tp_plan of its own, and torch_tp's "
@@ -281,7 +290,8 @@ def plan_for(model: nn.Module) -> dict[str, ParallelStyle | str]:
         )
     prefix = getattr(model, "base_model_prefix", None) or "model"
     base_model = not isinstance(getattr(model, prefix, None), nn.Module)
-    return _shape_checked(model, make_plan(base_model=base_model))
+    plan = _shape_checked(model, make_plan(base_model=base_model))
+    return with_context_parallel(model, plan, cp_degree)
 
 
 def _shape_checked(model: nn.Module, plan: dict) -> dict:

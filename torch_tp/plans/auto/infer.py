@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from torch_tp.plans._context import with_context_parallel
 from torch_tp.plans.auto.blocks import (
     _block_kinds,
     _BlockPlan,
@@ -39,6 +40,7 @@ def auto(
     tp_degree: int | None = None,
     example_inputs: Any = None,
     example_kwargs: dict[str, Any] | None = None,
+    cp_degree: int | None = None,
 ) -> dict[str, ParallelStyle]:
     """Infer a Megatron-style tensor-parallel plan for a transformer, from its structure.
 
@@ -193,6 +195,9 @@ def auto(
             of positional inputs or a dict of keyword inputs (only shapes and dtypes are
             used). Default: token ids of shape ``(2, 8)``.
         example_kwargs (dict, optional): keyword inputs beside positional ones.
+        cp_degree (int, optional): over 1, the plan also splits each sequence over a ``cp``
+            mesh dimension: :class:`~torch_tp.ContextParallel` on every block (rule 1's
+            stack), for a mesh with dimensions ``("cp", "tp")``. Default: ``None``.
 
     Returns:
         A dict from module paths (``*`` over the blocks, or block indices where kinds of
@@ -252,7 +257,7 @@ def auto(
             ),
             stacklevel=2,
         )
-    return plan
+    return with_context_parallel(model, plan, cp_degree)
 
 
 def _infer(
