@@ -165,12 +165,21 @@ def _refusals() -> list[str]:
     refused(_model(n_experts=3), ep_mesh, experts)  # 3 experts over ep2
     swapped = init_device_mesh(device_type(), (2, 1), mesh_dim_names=("tp", "ep"))
     refused(_model(), swapped, experts)
+    # the dense layers tensor-parallel over the ranks ep splits: not orthogonal
+    model = _model()
+    dense = moe_llama_plan(experts="tp")
+    del dense[EXPERTS]
+    torch_tp.parallelize_module(model, ep_mesh["ep"], dense)
+    with pytest.raises(ValueError) as caught:
+        torch_tp.parallelize_module(model, ep_mesh, experts)
+    assert not isinstance(model.layers[0].feed_forward.experts.gate_up_proj, DTensor)
+    errors.append(str(caught.value))
     return errors
 
 
 def test_plans_it_cannot_take_are_refused_before_anything_changes():
     errors = run_distributed(_refusals, 2)[0]
-    one_d, one_d_style, unnamed, hidden, shapes, experts, swapped = errors
+    one_d, one_d_style, unnamed, hidden, shapes, experts, swapped, crossed = errors
     assert "takes a 2-D mesh with named dimensions, (ep, tp)" in one_d and "1-D" in one_d
     assert "ColwiseParallel on 'layers.0.attention.wq'" in one_d_style, one_d_style
     assert "must be named 'tp'" in one_d_style and "('ep', 'mp')" in one_d_style
@@ -180,6 +189,8 @@ def test_plans_it_cannot_take_are_refused_before_anything_changes():
     assert "3 experts do not split over the 2 ranks of 'ep'" in experts
     assert "ExpertTensorParallel" in experts and "layers.0.feed_forward.experts" in experts
     assert "dims are ('tp', 'ep')" in swapped and "pass mesh['ep', 'tp']" in swapped
+    assert "ep must be orthogonal to the tensor-parallel dimension" in crossed, crossed
+    assert "ranks [0, 1]" in crossed and "layers.0.feed_forward.experts" in crossed
 
 
 def _bad_ids_on_one_rank(shape: tuple[int, int]) -> str:

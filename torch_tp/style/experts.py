@@ -24,6 +24,7 @@ from torch_tp.style.base import (
     _run_on_local_parameters,
     _where,
     in_partial_region,
+    plan_root,
     short_repr,
 )
 
@@ -693,6 +694,9 @@ class ExpertTensorParallel(ParallelStyle):
                 f"must hold the same number of whole experts (use an expert-parallel degree "
                 f"that divides {experts})"
             )
+        root = plan_root()
+        if root is not None and hasattr(ep, "mesh"):  # (the dry-run report's stand-in: none)
+            _check_dense_on_tp(root, module, ep, tp)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported module must not be half-applied
@@ -729,6 +733,29 @@ class ExpertTensorParallel(ParallelStyle):
         if partial_output:
             return partial
         return tp.reduce_partial(partial, Replicate(), True)
+
+
+def _check_dense_on_tp(root: nn.Module, experts: nn.Module, ep: DeviceMesh, tp: DeviceMesh) -> None:
+    """Raise ``ValueError`` when a tensor-parallel parameter of the model, already
+    distributed by an earlier call, is split over ranks that ``ep`` splits too: the dense
+    layers' tensor-parallel dimension must be the experts' ``tp``, orthogonal to ``ep``."""
+    ep_ranks = set(ep.mesh.flatten().tolist())
+    tp_ranks = set(tp.mesh.flatten().tolist())
+    mine = {id(p) for p in experts.parameters()}
+    seen: set[int] = set()
+    for name, param in root.named_parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is None or id(param) in mine or mesh.ndim != 1 or id(mesh) in seen:
+            continue
+        seen.add(id(mesh))
+        ranks = set(mesh.mesh.flatten().tolist())
+        if ranks != tp_ranks and len(ranks & ep_ranks) > 1:
+            raise ValueError(
+                f"{name!r} is tensor-parallel over ranks {sorted(ranks)}, which the experts' "
+                f"ep dimension (ranks {sorted(ep_ranks)}) splits too: ep must be orthogonal "
+                f"to the tensor-parallel dimension (the experts' tp, ranks {sorted(tp_ranks)}); "
+                "apply the dense plan on mesh['tp'] of the same (ep, tp) mesh"
+            )
 
 
 def _refuse_whole_in_partial_region(
