@@ -96,8 +96,11 @@ class Transfer:
 
     Args:
         phase (str): ``"forward"`` or ``"backward"``.
-        kind (str): the collective, as the report names them (``"all_to_all"``).
-        nbytes (int): the bytes this rank sends.
+        kind (str): the collective, as the report names them (``"all_to_all"``), or
+            ``"send_recv"``: one point-to-point send (with as many receives).
+        nbytes (int): the bytes of one, as the report counts them: the bytes this rank
+            sends (an all-to-all, a send), the whole tensor gathered (an all-gather's
+            output) or reduced (a reduce-scatter's input).
         mesh_dim (int, optional): for a style on an N-D mesh (``mesh_ndim > 1``), the
             dimension of its mesh the collective runs over (``0``: the first). Default:
             ``None``, the style's whole (1-D) mesh.
@@ -202,6 +205,21 @@ class StyleContract:
             are ``transfers`` naming their ``mesh_dim``. The dry-run report, given the mesh's
             shape, places it on the mesh's last N dimensions; the shape check takes 1-D
             styles only, and refuses it by name.
+        mesh_dims (tuple[str, ...], optional): the dimensions, by name, the style runs on
+            (``("cp",)``: :class:`~torch_tp.ContextParallel`). Default: ``None``, the mesh's
+            last ``mesh_ndim``. The dry-run report, given the mesh's shape, places the style
+            on these, and refuses a plan with such a style given an int degree.
+        sequence_chunks (callable, optional): ``(style, degree) -> int``, for a style that
+            splits the whole model's sequence over its mesh dimension (context parallelism):
+            the number of equal chunks the sequence is cut in on ``degree`` ranks. The report
+            then traces the model with ``seq_len / degree`` tokens per rank, and refuses a
+            ``seq_len`` the chunks do not divide. Default: ``None``, the sequence is whole.
+        attention_transfers (callable, optional): ``(style, module, query, key, value,
+            kwargs, degree) -> [Transfer, ...]``, the collectives (and point-to-point
+            transfers, kind ``"send_recv"``) that each ``F.scaled_dot_product_attention``
+            call inside the module issues, forward and backward, given the call's query, key
+            and value as one rank holds them (meta tensors: its tokens, its heads) and its
+            keyword arguments. Default: ``None``, the calls issue nothing.
     """
 
     names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -224,6 +242,9 @@ class StyleContract:
         lambda style, module, degree: None
     )
     mesh_ndim: int = 1
+    mesh_dims: tuple[str, ...] | None = None
+    sequence_chunks: Callable[[Any, int], int] | None = None
+    attention_transfers: Callable[..., Sequence[Transfer] | None] | None = None
 
     def accepts(self, module: nn.Module) -> bool:
         """Whether ``module`` is of a kind this contract lists (any, if it lists none)."""

@@ -424,17 +424,12 @@ def pipeline_stages(
 
     from torch_tp.api import parallelize_module
 
-    for name, mesh in (("pp_mesh", pp_mesh), ("tp_mesh", tp_mesh)):
+    for name, mesh in (("pp_mesh", pp_mesh), ("tp_mesh", tp_mesh), ("cp_mesh", cp_mesh)):
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(
                 f"{name} must be a 1-D mesh (e.g. mesh[{name[:2]!r}]), found a mesh with "
                 f"dims {mesh.mesh_dim_names}"
             )
-    if cp_mesh is not None and cp_mesh.ndim != 1:
-        raise ValueError(
-            "cp_mesh must be a 1-D mesh (e.g. mesh['cp']), found a mesh with dims "
-            f"{cp_mesh.mesh_dim_names}"
-        )
     if tp_mesh is not None:
         _check_orthogonal(pp_mesh, tp_mesh)
     if cp_mesh is not None:

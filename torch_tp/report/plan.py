@@ -72,6 +72,7 @@ from torch_tp.report.render import (
 )
 from torch_tp.report.trace import (
     _backward,
+    _contract,
     _generalize,
     _group,
     _Node,
@@ -125,6 +126,16 @@ def plan_report(
             out), each collective is reported with the dimension it runs over
             (:attr:`Collective.mesh_dim`), and ``batch_size`` is the batch of one ``tp``
             group (each rank of the other dimensions brings its own batch of that size).
+            A style whose contract names its dimensions runs on those:
+            :class:`~torch_tp.ContextParallel` on ``"cp"`` (``{"cp": 2, "tp": 2}``, or
+            ``{"cp": 2}`` for a plan of it alone). It splits the sequence: the model is
+            traced on ``seq_len / cp`` tokens per rank (``seq_len`` must divide by ``2 *
+            cp`` with ``load_balance``), and each attention call inside it adds the ring's
+            transfers over ``cp`` (``"send_recv"``: one point-to-point send) and its
+            activations saved for backward (:attr:`PlanReport.attention_activations`).
+            Its dictionary key must differ from the tensor-parallel plan's keys
+            (``{**llama_plan(), "layers.*": ContextParallel()}``: the plan already has a
+            style for ``layers.*.attention``).
 
     Keyword Args:
         batch_size (int): the batch size the collectives are sized for.
@@ -155,7 +166,7 @@ def plan_report(
             invalid (as :func:`parallelize_module` would raise; a key that matches no
             module is reported as a problem instead).
         NotImplementedError: the plan names a style torch_tp does not have yet, or, with an
-            int ``tp_degree``, a style on an N-D mesh.
+            int ``tp_degree``, a style on an N-D mesh or on a named dimension (``cp``).
         RuntimeError: the forward fails on the meta device.
 
     Example::
@@ -182,7 +193,7 @@ def plan_report(
         {'all_to_all': 6}
     """
     mesh_shape = _mesh_shape(tp_degree)
-    n = tp_degree if mesh_shape is None else mesh_shape["tp"]
+    n = tp_degree if mesh_shape is None else mesh_shape.get("tp", 1)
     not_meta = [
         name
         for name, t in [*model.named_parameters(), *model.named_buffers()]
@@ -208,8 +219,19 @@ def plan_report(
                 f"{err}; or give plan_report the mesh's shape as tp_degree, e.g. "
                 "{'ep': 2, 'tp': 2}"
             ) from None
+        named = [e for e in entries if getattr(_contract(e), "mesh_dims", None) is not None]
+        if named:
+            dims = _contract(named[0]).mesh_dims
+            raise NotImplementedError(
+                f"{_names.describe(named[0].style)} on {named[0].path!r} runs on the mesh "
+                f"dimension(s) {list(dims)} beside tp: give plan_report the mesh's shape as "
+                f"tp_degree, e.g. {dict.fromkeys(dims, 2) | {'tp': tp_degree}}, not the TP "
+                f"degree {tp_degree}"
+            )
     else:
         _check_mesh_shape(entries, mesh_shape)
+    # under context parallelism, each rank runs the whole model on its part of the sequence
+    local_seq_len, split = _sequence_split(entries, mesh_shape, seq_len)
     # what parallelize_module would raise for, reported all at once
     matched = Counter(e.key for e in entries)
     unmatched = [str(w.message) for w in caught if "matches no submodule" in str(w.message)]
@@ -228,7 +250,7 @@ def plan_report(
     problems += refused
     valid = [e for e in entries if id(e.module) not in invalid]
 
-    inputs = _inputs(example_inputs, batch_size, seq_len)
+    inputs = _inputs(example_inputs, batch_size, local_seq_len)
     trace = _Trace(valid, n, cpu=device_type == "cpu", mesh_shape=mesh_shape)
     trace.watch_unplanned(model)
     with torch.enable_grad(), planning(model, styled):
@@ -242,6 +264,7 @@ def plan_report(
 
     parameters = _parameter_groups(model, valid, n, mesh_shape)
     problems += list(trace.problems.values())
+    problems += _sequence_split_notes(split, trace)
     problems += _unsummed_gradients(valid, trace)
     problems += _divisibility(model, parameters, trace, n)
     problems += _unsharded(model, valid)
@@ -283,7 +306,68 @@ def plan_report(
         collectives=_group(trace.events),
         problems=problems,
         mesh_shape=mesh_shape,
+        tokens_per_rank=local_seq_len if split else None,
+        attention_activations=(
+            (trace.attention_saved, trace.attention_saved * math.prod(split.values()))
+            if split and trace.attention_calls
+            else None
+        ),
     )
+
+
+def _sequence_split(
+    entries: list[PlanEntry], mesh_shape: Mapping[str, int] | None, seq_len: int
+) -> tuple[int, dict[str, int]]:
+    """The sequence length each rank runs the model on, and the mesh dimensions the plan's
+    styles split the sequence over (context parallelism), with their sizes; ``seq_len``
+    checked against each such style's chunks."""
+    split: dict[str, int] = {}
+    for entry in entries:
+        chunks_of = getattr(_contract(entry), "sequence_chunks", None)
+        if chunks_of is None or mesh_shape is None:
+            continue
+        dim = style_dims(entry, mesh_shape)[0]
+        size = mesh_shape[dim]
+        chunks = chunks_of(entry.style, size)
+        if seq_len % chunks:
+            raise ValueError(
+                f"{_names.describe(entry.style)} on {entry.path!r} splits the sequence over "
+                f"the {size} ranks of {dim!r} in {chunks} equal chunks, but seq_len={seq_len} "
+                f"does not divide by {chunks} (seq_len % {chunks} = {seq_len % chunks}); use "
+                f"a multiple of {chunks}, e.g. {math.ceil(seq_len / chunks) * chunks}"
+            )
+        split[dim] = size
+    return seq_len // math.prod(split.values()), split
+
+
+def _sequence_split_notes(split: dict[str, int], trace: _Trace) -> list[Problem]:
+    """What a report under context parallelism says once: what the numbers are per rank."""
+    if not split:
+        return []
+    over = " x ".join(f"{dim} {size}" for dim, size in split.items())
+    notes = [
+        Problem(
+            "note",
+            "",
+            f"the sequence is split over {over}: each rank runs the model on 1/"
+            f"{math.prod(split.values())} of the tokens, and the collectives above are those "
+            "of its tokens. Parameters are not sharded over "
+            f"{', '.join(split)}: each rank holds them as above, and their gradients are "
+            f"summed over {', '.join(split)} as over data parallelism (FSDP2 over it), which "
+            "is not reported",
+        )
+    ]
+    if not trace.attention_calls:
+        notes.append(
+            Problem(
+                "note",
+                "",
+                "no F.scaled_dot_product_attention call was traced inside a context-parallel "
+                "module: the ring's transfers are not reported (the run refuses such a "
+                "module)",
+            )
+        )
+    return notes
 
 
 def _mesh_shape(tp_degree: Any) -> dict[str, int] | None:
@@ -300,7 +384,7 @@ def _mesh_shape(tp_degree: Any) -> dict[str, int] | None:
                 "tp_degree, as a mesh's shape, maps dimension names to positive ints "
                 f"({{'ep': 2, 'tp': 2}}), found {tp_degree!r}"
             )
-        if list(shape)[-1] != "tp":
+        if "tp" in shape and list(shape)[-1] != "tp":
             raise ValueError(
                 f"the mesh's shape {shape} must end with the dimension 'tp', the one the "
                 "1-D styles of the plan run on (and the last of an N-D style's), as in "
@@ -319,6 +403,27 @@ def _check_mesh_shape(entries: list[PlanEntry], shape: dict[str, int]) -> None:
     """Every style finds the dimensions it runs on (the mesh's last ``mesh_ndim``), and every
     dimension is used by some style."""
     dims = list(shape)
+    if "tp" not in shape:
+        tp_styles = [e for e in entries if getattr(_contract(e), "mesh_dims", None) is None]
+        if tp_styles:
+            raise ValueError(
+                f"the mesh's shape {shape} must end with the dimension 'tp', the one the "
+                f"1-D styles of the plan run on ({_names.describe(tp_styles[0].style)} on "
+                f"{tp_styles[0].path!r}), as in {dict(shape) | {'tp': 2}}"
+            )
+    missing = {
+        dim: e
+        for e in entries
+        for dim in getattr(_contract(e), "mesh_dims", None) or ()
+        if dim not in shape
+    }
+    if missing:
+        dim, e = next(iter(missing.items()))
+        raise ValueError(
+            f"the mesh's shape {shape} has no dimension {dim!r}, which "
+            f"{_names.describe(e.style)} on {e.path!r} runs on: give its size too, e.g. "
+            f"{dict.fromkeys(missing, 2) | shape}"
+        )
     too_few = [
         f"{e.path!r} ({type(e.style).__name__}, on a {mesh_ndim(e)}-D mesh)"
         for e in entries
@@ -406,7 +511,8 @@ def _validate(
             continue
         try:
             if mesh_ndim(entry) == 1:
-                mesh: Any = MeshOfSize(n)
+                dims = style_dims(entry, mesh_shape) if mesh_shape is not None else ["tp"]
+                mesh: Any = MeshOfSize(mesh_shape[dims[0]] if mesh_shape is not None else n)
             else:
                 mesh = _MeshOfShape({d: mesh_shape[d] for d in style_dims(entry, mesh_shape)})
             validate(entry.module, mesh)

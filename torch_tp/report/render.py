@@ -124,6 +124,14 @@ class PlanReport:
         problems: the problems found, errors first.
         mesh_shape: the mesh's dimensions and sizes, for a report given them (``{"ep": 2,
             "tp": 2}``); ``None`` for a report given a TP degree.
+        tokens_per_rank: under context parallelism (a style that splits the sequence over
+            ``cp``), the tokens of each sequence one rank runs the model on (``seq_len /
+            cp``), which the collectives are sized for; ``None`` otherwise.
+        attention_activations: under context parallelism, the bytes the attention calls
+            of one step save for backward on one rank (q, k, v, output and log-sum-exp of
+            its tokens, its heads), and on one device running the same batch and sequence
+            unsplit (``cp`` times as many, with a kernel that saves the log-sum-exp rather
+            than the ``S x S`` probabilities); ``None`` otherwise.
     """
 
     model: str
@@ -137,6 +145,8 @@ class PlanReport:
     collectives: list[Collective]
     problems: list[Problem] = field(default_factory=list)
     mesh_shape: dict[str, int] | None = None
+    tokens_per_rank: int | None = None
+    attention_activations: tuple[int, int] | None = None
 
     @property
     def per_rank_bytes(self) -> int:
@@ -175,7 +185,8 @@ class PlanReport:
         lines = [
             f"Plan report: {self.model}, {_count(self.num_parameters)} parameters, "
             f"{self._degree()}, batch {self.batch_size} x {self.seq_len} tokens"
-            f"{' per tp group' if self.mesh_shape is not None else ''}, "
+            f"{' per tp group' if 'tp' in (self.mesh_shape or ()) else ''}"
+            f"{self._split()}, "
             f"{str(self.dtype).removeprefix('torch.')}",
             "",
             "Plan",
@@ -215,10 +226,19 @@ class PlanReport:
             rows,
             right={1, 5, 6},
         )
+        if self.attention_activations is not None:
+            rank, whole = self.attention_activations
+            lines += [
+                "",
+                f"Attention activations saved for backward: {_size(rank)} per rank (q, k, v, "
+                "output, log-sum-exp of its tokens); one device, unsplit: "
+                f"{_size(whole)} (with a kernel that saves the log-sum-exp; the math "
+                "backend saves the S x S probabilities too). Other activations: 1/cp too",
+            ]
         lines += [
             "",
             f"Collectives per step (model forward and backward, batch {self.batch_size} x "
-            f"{self.seq_len}; the loss is not included)",
+            f"{self.seq_len}{self._split()}; the loss is not included)",
         ]
         # over which mesh dimension each runs, for a report given the mesh's shape
         over = [] if self.mesh_shape is None else ["over"]
@@ -259,6 +279,10 @@ class PlanReport:
         for p in self.problems:
             lines.append(f"  {p.severity:<8} {p.where or '(root)'}: {p.message}")
         return "\n".join(lines)
+
+    def _split(self) -> str:
+        """``, 8 per rank``: the tokens one rank runs under context parallelism."""
+        return "" if self.tokens_per_rank is None else f", {self.tokens_per_rank} per rank"
 
     def _degree(self) -> str:
         """``TP degree 2``, or ``mesh ep 2 x tp 2 (4 ranks)``."""

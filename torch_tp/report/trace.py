@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
@@ -189,7 +190,7 @@ class _Trace:
         # the mesh's dimensions (None: a 1-D mesh of n ranks, unnamed); the layouts the trace
         # follows are over the last one, which the 1-D styles run on
         self.mesh_shape = dict(mesh_shape) if mesh_shape is not None else None
-        self.dim = None if mesh_shape is None else list(mesh_shape)[-1]
+        self.dim = None if mesh_shape is None else list(mesh_shape)[-1]  # tp, or cp alone
         self.entry_of = {id(e.module): e for e in entries}
         self.states: dict[int, _State] = {}
         self.alive: list[torch.Tensor] = []  # keeps ids unique while the trace runs
@@ -218,6 +219,12 @@ class _Trace:
         # entry; and every parameter found computing on a shard (for the plan-level check)
         self.unsummed: dict[str, PlanEntry] = {}
         self.partial_found: set[str] = set()
+        # the entries running now whose attention calls issue transfers (context
+        # parallelism's ring), innermost last; and the bytes those calls save for backward
+        # per rank (q, k, v, output, log-sum-exp), and their number
+        self.attention: list[PlanEntry] = []
+        self.attention_saved = 0
+        self.attention_calls = 0
 
     def watch_unplanned(self, model: nn.Module) -> None:
         """Watch the parameters no entry's style places: one that computes on a sharded
@@ -458,6 +465,8 @@ class _Trace:
             return
         self.called.add(id(module))
         style, contract = entry.style, _contract(entry)
+        if getattr(contract, "attention_transfers", None) is not None:
+            self.attention.append(entry)
         saved: list[tuple[torch.Tensor, _State | None]] = []
         self.saved.append(saved)
         if contract is None:
@@ -495,6 +504,8 @@ class _Trace:
         for value, state in reversed(self.saved.pop()):
             self.set_state(value, state)
         style, contract = entry.style, _contract(entry)
+        if self.attention and self.attention[-1] is entry:
+            self.attention.pop()
         if contract is None:
             return
         computed = self.local_forward(entry)
@@ -510,9 +521,21 @@ class _Trace:
                 # a column-parallel output: a view of it as (..., heads, head_dim) is checked
                 self.colwise_outputs[id(value)] = entry.key
         # what the module sends itself (tokens to their experts), forward and backward
+        self.add_transfers(entry, contract.transfers(style, module, args, self.degree(entry)))
+
+    def degree(self, entry: PlanEntry) -> int | tuple[int, ...]:
+        """The size of the mesh ``entry``'s style runs on (a tuple of sizes, N-D)."""
         dims = self.style_dims(entry)
-        degree = self.n if len(dims) == 1 else tuple(self.mesh_shape[d] for d in dims)
-        for transfer in contract.transfers(style, module, args, degree) or ():
+        if self.mesh_shape is None:
+            return self.n
+        sizes = tuple(self.mesh_shape[d] for d in dims)
+        return sizes[0] if len(sizes) == 1 else sizes
+
+    def add_transfers(self, entry: PlanEntry, transfers: Sequence[Any] | None) -> None:
+        """What ``entry``'s module sends itself (tokens to their experts, a ring's key/value
+        blocks), forward now and backward when the backward gets here."""
+        dims = self.style_dims(entry)
+        for transfer in transfers or ():
             dim = dims[-1] if len(dims) == 1 else _over(dims, transfer.mesh_dim)
             if self.mesh_shape is not None and self.mesh_shape.get(dim) == 1:
                 continue  # nothing moves over one rank
@@ -522,6 +545,45 @@ class _Trace:
                 )
             else:
                 self.events.append((transfer.phase, transfer.kind, entry.key, transfer.nbytes, dim))
+
+    def on_attention(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """A ``F.scaled_dot_product_attention`` call inside a module whose style turns it into
+        transfers of its own (context parallelism's ring): those, for this rank's query, key
+        and value (its tokens, as traced; its heads, divided over tp where they arrive
+        sharded), and the bytes the call saves for backward."""
+        entry = self.attention[-1]
+        names = ("query", "key", "value")
+        q, k, v = [*args[:3], *(kwargs[name] for name in names[len(args[:3]) :])]
+        rest = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:], strict=False))
+        rest.update((name, value) for name, value in kwargs.items() if name not in names)
+        local = [self.local_heads(t) for t in (q, k, v)]
+        style, contract = entry.style, _contract(entry)
+        transfers = contract.attention_transfers(
+            style, entry.module, *local, rest, self.degree(entry)
+        )
+        self.add_transfers(entry, transfers)
+        # saved for backward (the ring's, flash-attention style): q, k, v and the output as
+        # given (the output: one row of v's width per query), and the log-sum-exp of each
+        # query (float32, float64 for float64)
+        rows = local[0].numel() // local[0].shape[-1]
+        saved = sum(t.numel() * t.element_size() for t in local)
+        saved += rows * v.shape[-1] * out.element_size() + rows * max(out.element_size(), 4)
+        self.attention_saved += saved
+        self.attention_calls += 1
+
+    def local_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (``(..., heads, tokens, head_dim)``) as one rank holds it: its heads divided
+        by the TP degree where it is a sharded local tensor or DTensor (a column-parallel
+        projection's heads)."""
+        state = self.states.get(id(t))
+        sharded = (
+            isinstance(state, _Local) and isinstance(state.layout, (Shard, StridedShard))
+        ) or (isinstance(state, _Node) and isinstance(state.placement, (Shard, StridedShard)))
+        if not sharded or self.n == 1 or t.ndim < 3:
+            return t
+        shape = list(t.shape)
+        shape[-3] //= self.n
+        return t.new_empty(shape, device="meta")
 
     def style_dims(self, entry: PlanEntry) -> list[str | None]:
         """The mesh dimensions ``entry``'s style runs on (:func:`style_dims`; ``[None]``: the
@@ -695,7 +757,11 @@ def mesh_ndim(entry: PlanEntry) -> int:
 def style_dims(entry: PlanEntry, mesh_shape: Mapping[str, int]) -> list[str]:
     """The dimensions of the mesh of shape ``mesh_shape`` that ``entry``'s style runs on: the
     last ``mesh_ndim`` (the 1-D styles on the last, ``tp``). The one place the report maps a
-    style to its dimensions."""
+    style to its dimensions. A style whose contract names its dimensions (``mesh_dims``:
+    ``("cp",)``) runs on those."""
+    named = getattr(_contract(entry), "mesh_dims", None)
+    if named is not None:
+        return list(named)
     return list(mesh_shape)[-mesh_ndim(entry) :]
 
 
@@ -734,6 +800,8 @@ class _LayoutMode(TorchFunctionMode):
             args, kwargs = on_meta((args, kwargs))
         out = func(*args, **kwargs)
         if self.trace.local_depth == 0:
+            if func is F.scaled_dot_product_attention and self.trace.attention:
+                self.trace.on_attention(args, kwargs, out)
             self.trace.on_op(func, args, kwargs, out)
         return out
 
