@@ -93,7 +93,8 @@ local_colwise          "local_colwise"
 local_rowwise          "local_rowwise"
 local_packed_rowwise   "local_packed_rowwise"
 all_reduce             "all_reduce"
-gather                 "all_reduce\"""",
+gather                 "all_reduce"
+context_parallel       "context_parallel\"""",
         )
         # and what those styles are, spelled out
         assert STYLE_NAMES["colwise"]() == ColwiseParallel(

@@ -3,8 +3,8 @@ the conjugate collective, named as in Megatron-LM (``tensor_parallel/mappings.py
 
 They move plain tensors whose layout the caller knows; DTensor is not involved, so the hot
 path pays for no DTensor construction or dispatch. Over a mesh of one rank they send nothing
-(as DTensor's redistributions skip a mesh dimension of size 1). ``CommDebugMode`` sees them (as ``c10d``
-ops). The mesh is 1-D.
+(as DTensor's redistributions skip a mesh dimension of size 1). ``CommDebugMode`` sees them
+(as ``c10d`` ops). The mesh is 1-D.
 
 ==============================================  =====================  =====================
 region                                          forward                backward
