@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -191,16 +192,18 @@ class _PerDimension(TorchDispatchMode):
     (the bytes as the report counts them: the whole tensor reduced or gathered, the bytes an
     all-to-all sends)."""
 
-    def __init__(self, dims: dict[str, str]) -> None:
+    def __init__(self, dims: dict[frozenset[int], str]) -> None:
         super().__init__()
-        self.dims = dims  # process group name -> mesh dimension
+        self.dims = dims  # a process group's global ranks -> mesh dimension
         self.counts: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
 
     def _add(self, kind: str, group, nbytes: int) -> None:
-        if not isinstance(group, str):
-            group = dist.ProcessGroup.unbox(group).group_name
-        key = (kind, self.dims[group])
+        if isinstance(group, str):
+            group = _resolve_process_group(group)
+        else:
+            group = dist.ProcessGroup.unbox(group)
+        key = (kind, self.dims[frozenset(dist.get_process_group_ranks(group))])
         self.counts[key] += 1
         self.bytes[key] += nbytes
 
@@ -236,7 +239,9 @@ def _measure(sequence_parallel: bool, shape: dict[str, int]) -> dict:
     dense, experts = _plans(sequence_parallel)
     torch_tp.parallelize_module(model, mesh["tp"], dense)
     torch_tp.parallelize_module(model, mesh, experts)
-    dims = {mesh.get_group(dim).group_name: dim for dim in shape}
+    # each dimension's group by its ranks, not its name: in a process that built an equal
+    # mesh before (the pooled workers), torch may resolve a slice's group to that mesh's
+    dims = {frozenset(dist.get_process_group_ranks(mesh.get_group(d))): d for d in shape}
     gen = torch.Generator().manual_seed(mesh["ep"].get_local_rank())  # each ep rank its own
     tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=gen)
     with _PerDimension(dims) as forward:

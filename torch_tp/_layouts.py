@@ -39,8 +39,10 @@ Caches (the fast runtime's; the DTensor runtime has none):
   DTensor's ``_version``; an in-place change invalidates it.
 * ``_torch_tp_respec``, on a parameter's ``DTensorSpec``: the same spec with another placement.
   Specs are immutable; the entry lives as long as the spec.
-* :func:`_replicated_spec` (an ``lru_cache`` of 256): the replicated spec of an activation, by
-  mesh, shape, stride and dtype. Immutable.
+* ``_torch_tp_replicated_specs``, on a :class:`DeviceMesh` (:func:`_replicated_spec`): the
+  replicated spec of an activation on that mesh object, by shape, stride and dtype (at most
+  256). Immutable; not by the mesh's value, which an earlier mesh with other process groups
+  may share.
 * ``_regions._SIZES``: the size of each mesh, by ``id(mesh)``; dropped with the mesh.
 * ``_torch_tp_partial_gradients``, on a :class:`DeviceMesh`: not a cache but the mesh's
   :class:`PartialGradientReduction`, made by the first fast runtime on the mesh.
@@ -689,12 +691,26 @@ class _ReplicatedFromLocal(torch.autograd.Function):
         return compat.local_tensor(grad), None
 
 
-@functools.lru_cache(maxsize=256)
 def _replicated_spec(
     mesh: DeviceMesh, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype
 ) -> DTensorSpec:
-    # a model has a handful of activation shapes: build each spec once (specs are immutable)
-    return DTensorSpec(mesh, (Replicate(),), tensor_meta=TensorMeta(shape, stride, dtype))
+    # a model has a handful of activation shapes: build each spec once (specs are immutable),
+    # remembered on the mesh object itself. Not by the mesh's value: meshes compare equal by
+    # their ranks and names, and a spec of an earlier, equal mesh would carry that mesh's
+    # process groups (destroyed, or another model's)
+    cache = mesh.__dict__.setdefault(_REPLICATED_SPECS, {})
+    key = (shape, stride, dtype)
+    spec = cache.get(key)
+    if spec is None:
+        if len(cache) >= 256:
+            cache.clear()
+        spec = cache[key] = DTensorSpec(
+            mesh, (Replicate(),), tensor_meta=TensorMeta(shape, stride, dtype)
+        )
+    return spec
+
+
+_REPLICATED_SPECS = "_torch_tp_replicated_specs"
 
 
 class _LocalOfReplicated(torch.autograd.Function):
