@@ -16,6 +16,33 @@ prints, for each model size, one table row per variant of two models of the same
   ``ep_dispatch_experts`` plan with ``ep_implementation="all_to_all"`` / ``"all_reduce"``).
   transformers needs ``accelerate`` for that; without it the rows say so.
 
+At 4 ranks or more (``--world-size 4``, or ``torchrun --nproc-per-node 4``) the rows above run
+over all the ranks on one dimension (``ep`` and ``ep+sp`` are EP of degree 4, ``hf-ep``
+``tp_size=ep_size=4``; a size whose key/value heads do not split over the ranks runs with as
+many as query heads, see :func:`fitted`), and rows on a 2-D ``("ep", "tp")`` mesh of
+``(--ep, ranks / --ep)`` (default (2, 2)) follow:
+
+* ``etp``, ``etp+sp``: the reference MoE Llama as test/test_moe_etp.py builds it, without
+  FSDP2: ``moe_llama_plan(experts="tp", sequence_parallel=...)`` but for its experts on
+  ``mesh["tp"]``, the experts ``ExpertTensorParallel`` on the 2-D mesh (whole experts over
+  ``ep``, each one's matrices over ``tp``; under SP with ``output_layouts=Partial()``, the
+  block reduce-scattering);
+* ``hf/torch_tp-etp``: the Mixtral's own ``tp_plan`` but for the experts on ``mesh["tp"]``,
+  its experts ``"ep_tp_experts"`` on the 2-D mesh;
+* ``hf-ep-fsdp``: transformers' own EP with data parallelism, ``distributed_config={"tp_size":
+  ranks / ep, "fsdp_size": ep, "ep_size": ranks, "ep_implementation": "all_to_all"}`` (its
+  dense (fsdp, tp) mesh is laid out as the (ep, tp) one). transformers 5.23 has no experts
+  split over both EP and TP (its experts are never tensor-parallel; ``ep_size`` must be a
+  multiple of ``tp_size``): this and ``hf-ep`` are its nearest layouts.
+
+The 2-D rows are data-parallel over ``ep``: the global batch is the other rows', each ``ep``
+rank trains on its slice (its first loss, averaged over them, is compared with one device's).
+Without FSDP2, their gradients are made the whole batch's as a DDP-like scheme would: the
+experts' (which the combine all-to-all sums over the ``ep`` ranks' tokens) divided by the
+``ep`` degree by a hook, every other gradient averaged over ``ep`` by one all-reduce of all of
+them flattened (:func:`sync_dense_gradients`; it is in the step's time and in the ``other
+collectives`` column). ``hf-ep-fsdp`` gets the same from transformers' FSDP2.
+
 A step is forward, cross-entropy loss, backward and an AdamW step. Each row gives the median
 time per step, the loss difference from the same model on one device, the collectives of one
 step inside the MoE layers, forward and backward, checked against the minimum the issue asks
@@ -25,6 +52,7 @@ Example::
 
     $ python benchmarks/bench_moe.py                    # tiny and small, ~2 minutes on 2 cores
     $ python benchmarks/bench_moe.py --quick            # tiny, 2 steps: a smoke test
+    $ python benchmarks/bench_moe.py --world-size 4     # and the (ep, tp) rows, (2, 2)
     $ python benchmarks/bench_moe.py --only 'single,tp*,ep*' --markdown
     $ torchrun --nproc-per-node 2 benchmarks/bench_moe.py --sizes tiny
 """
@@ -66,6 +94,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import torch_tp
+from torch_tp import ExpertTensorParallel
 from torch_tp.models import MoEConfig, MoELlama
 from torch_tp.plans.hf import expert_parallel_plan
 from torch_tp.plans.moe import moe_llama_plan
@@ -73,14 +102,19 @@ from torch_tp.plans.moe import moe_llama_plan
 __all__ = [
     "SIZES",
     "VARIANTS",
+    "VARIANTS_2D",
     "MoECounter",
     "Size",
     "Variant",
+    "build_variant",
     "expected_moe",
+    "fitted",
     "is_minimum",
     "main",
     "mixtral_plan",
     "split_records",
+    "sync_dense_gradients",
+    "variants_for",
 ]
 
 
@@ -162,7 +196,15 @@ class Variant:
     experts: str | None = None  # "tp", "ep"
     sequence_parallel: bool = False
     ep_implementation: str | None = None  # transformers' EP only
-    minimum: str | None = None  # "tp", "tp+sp", "ep-replicated", "ep-dispatch"
+    minimum: str | None = None  # "tp", "tp+sp", "ep-replicated", "ep-dispatch", "etp", "etp+sp"
+    # "1d": every rank of the run on one dimension; "ep,tp": the 2-D mesh of the 4-rank mode
+    # (torch_tp), or transformers' (fsdp, tp) x (efsdp, ep) meshes with fsdp_size=2; both
+    # data-parallel over their first dimension (each of its ranks its own part of the batch)
+    mesh: str = "1d"
+
+    @property
+    def two_d(self) -> bool:
+        return self.mesh == "ep,tp"
 
 
 VARIANTS: list[Variant] = [
@@ -181,6 +223,16 @@ VARIANTS: list[Variant] = [
     ),
 ]
 
+# The 4-rank mode's rows (any world size of 4 or more divisible by --ep): a 2-D mesh
+VARIANTS_2D: list[Variant] = [
+    Variant("etp", "moe_llama", "torch_tp", "etp", minimum="etp", mesh="ep,tp"),
+    Variant("etp+sp", "moe_llama", "torch_tp", "etp", True, minimum="etp+sp", mesh="ep,tp"),
+    Variant("hf/torch_tp-etp", "mixtral", "torch_tp", "etp", minimum="etp", mesh="ep,tp"),
+    Variant(
+        "hf-ep-fsdp", "mixtral", "transformers", "ep", False, "all_to_all", "ep-dispatch", "ep,tp"
+    ),
+]
+
 
 def expected_moe(minimum: str, n_layers: int) -> tuple[dict[str, int], dict[str, int]]:
     """The fewest collectives (kind -> calls) the MoE layers can issue, forward and backward.
@@ -195,8 +247,18 @@ def expected_moe(minimum: str, n_layers: int) -> tuple[dict[str, int], dict[str,
     * ``ep-dispatch``: whole experts per rank, each rank with its own tokens: two all-to-alls
       forward (dispatch, combine) and two backward. The small all-to-all of the token counts
       per expert that precedes the dispatch is reported on its own, not counted here.
+    * ``etp``: experts over ``(ep, tp)`` (``ExpertTensorParallel``), each ``ep`` rank with its
+      own tokens: the dispatch and combine all-to-alls over ``ep`` and one all-reduce over
+      ``tp`` of the experts' partial outputs, each way (the counts all-to-all, and the check
+      that the ``tp`` ranks agree on the expert ids, apart).
+    * ``etp+sp``: the same with the block's tokens sequence-sharded over ``tp``: the
+      all-reduce becomes the block's all-gather and reduce-scatter, each way.
     """
     n = n_layers
+    if minimum in ("etp", "etp+sp"):
+        tp, _ = expected_moe("tp+sp" if minimum == "etp+sp" else "tp", n)
+        both = {**tp, "all_to_all": 2 * n}
+        return both, dict(both)
     if minimum in ("tp", "ep-replicated"):
         return {"all_reduce": n}, {"all_reduce": n}
     if minimum == "tp+sp":
@@ -329,25 +391,43 @@ def _logits(model: nn.Module, variant: Variant, inputs: torch.Tensor) -> torch.T
     return model(inputs)
 
 
-def _load_mixtral(checkpoint: str, variant: Variant) -> nn.Module:
+def _load_mixtral(checkpoint: str, variant: Variant, ep: int = 1) -> nn.Module:
     from transformers import MixtralForCausalLM
 
     kwargs: dict[str, Any] = {}
     if variant.library == "transformers":
         world = dist.get_world_size()
         config: dict[str, Any] = {"tp_size": world}
+        if variant.two_d:
+            # its dense mesh (fsdp, tp) is laid out as the (ep, tp) mesh: FSDP2 over ep data
+            # ranks, attention tensor-parallel over tp, whole experts over all the ranks
+            config = {"tp_size": world // ep, "fsdp_size": ep}
         if variant.experts == "ep":
             config.update(ep_size=world, ep_implementation=variant.ep_implementation)
         kwargs["distributed_config"] = config
     return MixtralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, **kwargs)
 
 
-def build_variant(variant: Variant, models: _Models, mesh: DeviceMesh) -> nn.Module:
-    """``variant``'s model, parallelized (raises what its library raises)."""
+_MOE_LLAMA_EXPERTS = "layers.*.feed_forward.experts"
+_MIXTRAL_EXPERTS = "model.layers.*.mlp.experts"
+
+
+def build_variant(
+    variant: Variant, models: _Models, mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None
+) -> nn.Module:
+    """``variant``'s model, parallelized (raises what its library raises).
+
+    ``mesh``: the 1-D mesh of every rank; ``ep_tp_mesh``: the ``("ep", "tp")`` mesh of the
+    2-D variants (``variant.two_d``). For torch_tp's 2-D variants the experts' gradient
+    hooks divide by the ``ep`` degree (see :func:`sync_dense_gradients` for the rest)."""
+    if variant.two_d and ep_tp_mesh is None:
+        raise ValueError(f"variant {variant.name!r} needs the ('ep', 'tp') mesh")
     if variant.model == "moe_llama":
         model = MoELlama(models.moe_llama.config)
         model.load_state_dict(models.moe_llama.state_dict())
-        if variant.library == "torch_tp":
+        if variant.library == "torch_tp" and variant.two_d:
+            _parallelize_ep_tp(model, variant, ep_tp_mesh)
+        elif variant.library == "torch_tp":
             plan = moe_llama_plan(
                 experts=variant.experts, sequence_parallel=variant.sequence_parallel
             )
@@ -355,10 +435,59 @@ def build_variant(variant: Variant, models: _Models, mesh: DeviceMesh) -> nn.Mod
         return model
     if models.checkpoint is None:
         raise RuntimeError("transformers is not installed")
-    model = _load_mixtral(models.checkpoint, variant)
-    if variant.library == "torch_tp":
+    ep = ep_tp_mesh["ep"].size() if variant.two_d else 1
+    model = _load_mixtral(models.checkpoint, variant, ep)
+    if variant.library == "torch_tp" and variant.two_d:
+        _parallelize_ep_tp(model, variant, ep_tp_mesh)
+    elif variant.library == "torch_tp":
         torch_tp.parallelize_module(model, mesh, mixtral_plan(model, variant.experts))
     return model
+
+
+def _parallelize_ep_tp(model: nn.Module, variant: Variant, mesh: DeviceMesh) -> None:
+    """Dense layers, routers (and shared experts) tensor-parallel on ``mesh["tp"]``, the
+    experts ``ExpertTensorParallel`` on the 2-D mesh (as test/test_moe_etp.py does, without
+    FSDP2); the experts' gradients, which the combine all-to-all sums over the ``ep`` ranks'
+    tokens, divided by the ``ep`` degree as the dense ones are averaged."""
+    sp = variant.sequence_parallel
+    if variant.model == "moe_llama":
+        shared = model.config.shared_expert_hidden_dim is not None
+        plan: dict[str, Any] = moe_llama_plan(
+            experts="tp", shared_expert=shared, sequence_parallel=sp
+        )
+        experts_path = _MOE_LLAMA_EXPERTS
+        # where the block reduces the experts' output (under SP, or beside a shared expert)
+        # they leave it a partial sum, as the plan's tensor-parallel experts say
+        tp_experts = plan.pop(_MOE_LLAMA_EXPERTS)
+        experts: Any = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
+    else:
+        plan = {k: v for k, v in model.tp_plan.items() if ".experts" not in k}
+        experts_path, experts = _MIXTRAL_EXPERTS, "ep_tp_experts"
+    torch_tp.parallelize_module(model, mesh["tp"], plan)
+    torch_tp.parallelize_module(model, mesh, {experts_path: experts})
+    ep = mesh["ep"].size()
+    for name, p in model.named_parameters():
+        if _is_expert(name):
+            p.register_hook(lambda grad: grad / ep)
+
+
+def sync_dense_gradients(model: nn.Module, group: dist.ProcessGroup, size: int) -> None:
+    """Average the gradients of every parameter but the experts' over ``group`` (the ``ep``
+    ranks, which are data-parallel for them): one all-reduce of all of them flattened into one
+    buffer, as DDP's one bucket would (each rank's local shard; the same layout on every
+    ``ep`` rank)."""
+    grads = [
+        _local(p.grad)
+        for name, p in model.named_parameters()
+        if p.grad is not None and not _is_expert(name)
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    for g, new in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(new.view_as(g))
 
 
 def mixtral_plan(model: nn.Module, experts: str | None) -> dict[str, Any]:
@@ -467,6 +596,8 @@ class _Bench:
     model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     result: Result | None = None
+    inputs: torch.Tensor | None = None  # this rank's part of the batch
+    targets: torch.Tensor | None = None
 
 
 def _error_everywhere(message: str | None) -> str | None:
@@ -481,7 +612,30 @@ def _short_error(exc: BaseException) -> str:
     return text if len(text) <= 240 else text[:237] + "..."
 
 
-def _prepare(variant: Variant, models: _Models, mesh: DeviceMesh, args: argparse.Namespace):
+def _micro_batch(
+    variant: Variant, models: _Models, ep_tp_mesh: DeviceMesh | None
+) -> tuple[torch.Tensor, torch.Tensor, DeviceMesh | None]:
+    """This rank's inputs and targets, and the mesh of the ranks that split the batch (the
+    2-D variants' ``ep`` dimension, data-parallel: the same global batch as the other rows,
+    each ``ep`` rank its slice of it) or ``None`` (every rank the whole batch)."""
+    if not variant.two_d or ep_tp_mesh is None:
+        return models.inputs, models.targets, None
+    data = ep_tp_mesh["ep"]
+    n, rank = data.size(), data.get_local_rank()
+    batch = models.inputs.shape[0]
+    if batch % n:
+        raise ValueError(f"a batch of {batch} does not split over the {n} ep ranks")
+    mine = slice(rank * batch // n, (rank + 1) * batch // n)
+    return models.inputs[mine], models.targets[mine], data
+
+
+def _prepare(
+    variant: Variant,
+    models: _Models,
+    mesh: DeviceMesh,
+    args: argparse.Namespace,
+    ep_tp_mesh: DeviceMesh | None = None,
+):
     result = Result(variant)
     here = variant.library != "single" or dist.get_rank() == 0
     bench = _Bench(variant, here, result=result)
@@ -489,22 +643,33 @@ def _prepare(variant: Variant, models: _Models, mesh: DeviceMesh, args: argparse
     if here:
         try:
             torch.manual_seed(args.seed)
-            model = build_variant(variant, models, mesh)
+            model = build_variant(variant, models, mesh, ep_tp_mesh)
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            inputs, targets, data = _micro_batch(variant, models, ep_tp_mesh)
+            # torch_tp's 2-D rows average the dense gradients over ep themselves;
+            # transformers' FSDP2 does in its backward
+            sync = data is not None and variant.library == "torch_tp"
 
             def step() -> torch.Tensor:
-                loss = _loss(_logits(model, variant, models.inputs), models.targets)
+                loss = _loss(_logits(model, variant, inputs), targets)
                 loss.backward()
+                if sync:
+                    sync_dense_gradients(model, data.get_group(), data.size())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 return loss.detach()
 
             with torch.no_grad():
-                result.loss_diff = _loss(
-                    _logits(model, variant, models.inputs), models.targets
-                ).item()  # the first loss, compared below with the one-device model's
+                # the first loss, compared below with the one-device model's: the mean of
+                # the micro-batches' (of equal sizes) where the ranks split the batch
+                first = _loss(_logits(model, variant, inputs), targets)
+                if data is not None:
+                    dist.all_reduce(first, group=data.get_group())
+                    first /= data.size()
+                result.loss_diff = first.item()
             bench.step, bench.model, bench.optimizer = step, model, optimizer
+            bench.inputs, bench.targets = inputs, targets
             for _ in range(args.warmup):
                 step()
         except Exception as exc:  # a library that does not run here: report it in its row
@@ -533,12 +698,16 @@ def _losses_on_rank0(benches: Sequence[_Bench]) -> None:
 
 
 def bench_size(
-    size: Size, variants: Sequence[Variant], mesh: DeviceMesh, args: argparse.Namespace
+    size: Size,
+    variants: Sequence[Variant],
+    mesh: DeviceMesh,
+    args: argparse.Namespace,
+    ep_tp_mesh: DeviceMesh | None = None,
 ) -> list[Result]:
     """Run every variant at ``size``; the results are complete on rank 0."""
     models = _make_models(size, args.seed, any(v.model == "mixtral" for v in variants))
     try:
-        benches = [_prepare(v, models, mesh, args) for v in variants]
+        benches = [_prepare(v, models, mesh, args, ep_tp_mesh) for v in variants]
         _losses_on_rank0(benches)
         times: list[list[float]] = [[] for _ in benches]
         with bench_tp._no_gc():
@@ -569,11 +738,11 @@ def bench_size(
                 }
                 # the state after a step (gradients kept: zero_grad runs in the step, so
                 # take one more backward), and the activations one forward saves
-                loss = _loss(_logits(bench.model, bench.variant, models.inputs), models.targets)
-                loss.backward()
+                logits = _logits(bench.model, bench.variant, bench.inputs)
+                _loss(logits, bench.targets).backward()
                 mem = measure_memory(bench.model, bench.optimizer)
                 bench.optimizer.zero_grad(set_to_none=True)
-                mem.saved_activations = _saved_activations(bench.model, bench.variant, models)
+                mem.saved_activations = _saved_activations(bench.model, bench.variant, bench)
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, mem)
             result.memory = _max_memory(gathered)
@@ -595,11 +764,12 @@ class _HFLogits(nn.Module):
         return self.inner(input_ids=inputs).logits
 
 
-def _saved_activations(model: nn.Module, variant: Variant, models: _Models) -> int:
-    """Bytes autograd saves for backward inside the blocks during one forward."""
+def _saved_activations(model: nn.Module, variant: Variant, bench: _Bench) -> int:
+    """Bytes autograd saves for backward inside the blocks during one forward (of this
+    rank's part of the batch)."""
     if variant.model == "mixtral":
         model = _HFLogits(model)  # called as model(inputs) -> logits, as the MoE Llama
-    nbytes, _ = bench_tp.saved_activation_bytes(model, _blocks(model, variant), models.inputs)
+    nbytes, _ = bench_tp.saved_activation_bytes(model, _blocks(model, variant), bench.inputs)
     return nbytes
 
 
@@ -795,15 +965,38 @@ def _header(args: argparse.Namespace, world_size: int) -> str:
 # Running on every rank
 
 
-def _select(only: str | None) -> list[Variant]:
+def variants_for(world_size: int, ep: int) -> list[Variant]:
+    """The rows a run of ``world_size`` ranks has: the 1-D ones, and from 4 ranks on, where
+    ``ep`` divides them, the 2-D ones (on ``(ep, world_size // ep)``)."""
+    return list(VARIANTS) + (VARIANTS_2D if _two_d(world_size, ep) else [])
+
+
+def _two_d(world_size: int, ep: int) -> bool:
+    return world_size >= 4 and ep >= 1 and world_size % ep == 0
+
+
+def _select(only: str | None, world_size: int = 2, ep: int = 2) -> list[Variant]:
+    available = variants_for(world_size, ep)
     if not only:
-        return list(VARIANTS)
+        return available
     patterns = [p.strip() for p in only.split(",") if p.strip()]
-    chosen = [v for v in VARIANTS if any(fnmatch.fnmatchcase(v.name, p) for p in patterns)]
+    chosen = [v for v in available if any(fnmatch.fnmatchcase(v.name, p) for p in patterns)]
     if not chosen:
-        names = ", ".join(v.name for v in VARIANTS)
+        names = ", ".join(v.name for v in available)
+        later = ", ".join(v.name for v in VARIANTS_2D)
+        if not _two_d(world_size, ep):
+            names += f" (and at 4 ranks or more, --ep dividing them: {later})"
         raise ValueError(f"--only {only!r} matches no variant; the variants are: {names}")
     return chosen
+
+
+def fitted(size: Size, world_size: int) -> Size:
+    """``size`` with as many key/value heads as query heads where its own do not split over
+    ``world_size`` ranks (the 1-D rows shard attention's heads over every rank: tiny's 2 kv
+    heads at 4 ranks), so that every row of one table runs the same model."""
+    if size.n_kv_heads % world_size == 0 or size.n_heads % world_size:
+        return size
+    return dataclasses.replace(size, n_kv_heads=size.n_heads)
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -816,13 +1009,18 @@ def _run(args: argparse.Namespace) -> None:
 def _run_quietly(args: argparse.Namespace) -> None:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    variants = _select(args.only)
+    variants = _select(args.only, world_size, args.ep)
+    ep_tp_mesh = None
+    if any(v.two_d for v in variants):
+        shape = (args.ep, world_size // args.ep)
+        ep_tp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("ep", "tp"))
     if rank == 0:
         print(_header(args, world_size) + "\n", flush=True)
     for name in args.sizes:
-        results = bench_size(SIZES[name], variants, mesh, args)
+        size = fitted(SIZES[name], world_size)
+        results = bench_size(size, variants, mesh, args, ep_tp_mesh)
         if rank == 0:
-            print(_size_report(SIZES[name], results, args.markdown) + "\n", flush=True)
+            print(_size_report(size, results, args.markdown) + "\n", flush=True)
             if args.by_module:
                 print(_by_module_report(results, args.markdown) + "\n", flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -876,9 +1074,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line options."""
     p = argparse.ArgumentParser(
         prog="bench_moe.py",
-        description="Time mixture-of-experts training steps at 2 ranks: torch_tp's "
-        "tensor-parallel experts and expert parallelism on the reference MoE Llama, against "
-        "one device and against transformers' own TP/EP on a Mixtral of the same shapes.",
+        description="Time mixture-of-experts training steps at 2 ranks (or more; at 4 and "
+        "more also on an (ep, tp) mesh): torch_tp's tensor-parallel experts and expert "
+        "parallelism on the reference MoE Llama, against one device and against "
+        "transformers' own TP/EP on a Mixtral of the same shapes.",
     )
     p.add_argument(
         "--sizes",
@@ -896,7 +1095,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--only",
         help="comma-separated variant names or globs, e.g. 'single,ep*'; variants: "
-        + ", ".join(v.name for v in VARIANTS),
+        + ", ".join(v.name for v in VARIANTS)
+        + "; at 4 ranks or more also "
+        + ", ".join(v.name for v in VARIANTS_2D),
     )
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     p.add_argument(
@@ -907,6 +1108,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="ranks to spawn when not launched by torchrun (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=2,
+        help="at 4 ranks or more, the expert-parallel degree of the 2-D rows' (ep, tp) mesh, "
+        "tp being the ranks / ep (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0, help="weights and tokens (default: 0)")
     return p
@@ -920,8 +1128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0:
         print("error: --steps must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
+    world_size = int(os.environ["WORLD_SIZE"]) if bench_tp._launched_by_torchrun() else None
     try:
-        _select(args.only)
+        ranks = world_size or args.world_size
+        if args.ep < 1 or (ranks >= 4 and ranks % args.ep):
+            raise ValueError(f"--ep {args.ep} does not divide the {ranks} ranks")
+        _select(args.only, ranks, args.ep)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

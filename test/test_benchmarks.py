@@ -361,6 +361,75 @@ def test_moe_script_quick_mode() -> None:
 def test_moe_bad_filter_is_refused_before_spawning(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_moe.main(["--only", "nosuch"]) == 2
     assert "matches no variant" in capsys.readouterr().err
+    assert bench_moe.main(["--only", "etp"]) == 2  # the 2-D rows need 4 ranks
+    assert "at 4 ranks or more" in capsys.readouterr().err
+    assert bench_moe.main(["--world-size", "4", "--ep", "3"]) == 2
+    assert "--ep 3 does not divide the 4 ranks" in capsys.readouterr().err
+
+
+def _ep_tp_gradients(name: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """bench_moe's 2-D variant ``name`` at (ep2, tp2): one backward of this rank's micro-batch
+    and the benchmark's gradient averaging, against one device's on the whole batch: each
+    parameter's full gradient, both ways."""
+    from torch.distributed.tensor import DTensor
+
+    variant = next(v for v in bench_moe.VARIANTS_2D if v.name == name)
+    mesh = init_device_mesh("cpu", (4,))
+    ep_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    models = bench_moe._make_models(bench_moe.SIZES["tiny"], 0, False)
+    reference = bench_moe.build_variant(bench_moe.VARIANTS[0], models, mesh)  # "single"
+    model = bench_moe.build_variant(variant, models, mesh, ep_tp)
+    inputs, targets, data = bench_moe._micro_batch(variant, models, ep_tp)
+    assert data is not None and inputs.shape[0] == models.inputs.shape[0] // 2
+    _loss(model(inputs), targets).backward()
+    bench_moe.sync_dense_gradients(model, data.get_group(), data.size())
+    _loss(reference(models.inputs), models.targets).backward()
+    expected = dict(reference.named_parameters())
+    return [
+        (n, p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad, expected[n].grad)
+        for n, p in model.named_parameters()
+    ]
+
+
+@pytest.mark.four_ranks
+@pytest.mark.parametrize("name", ["etp", "etp+sp"])
+def test_moe_ep_tp_rows_average_gradients_as_one_device(name: str) -> None:
+    """The 2-D rows train what one device trains on the same global batch: the experts'
+    gradients (summed over the ep ranks' tokens) divided by ep, the others averaged over ep."""
+    for grads in run_distributed(_ep_tp_gradients, 4, name):
+        assert any(".experts." in param for param, _, _ in grads)
+        for param, got, expected in grads:
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=param)
+
+
+@pytest.mark.four_ranks
+def test_moe_script_quick_mode_at_four_ranks() -> None:
+    """The rows of the 4-rank mode, the 2-D ``(ep, tp)`` ones included, run: every torch_tp
+    row issues exactly the minimum in its MoE layers, and every row's first loss (the mean over
+    the ep ranks' micro-batches for the 2-D ones) is its one-device model's. (transformers'
+    ``hf-tp`` and ``hf-ep-allreduce``, as ``hf-ep`` but for the experts, are left out.)"""
+    rows_run = [v.name for v in bench_moe.variants_for(4, 2)]
+    rows_run = [n for n in rows_run if n not in ("hf-tp", "hf-ep-allreduce")]
+    argv = ["--quick", "--markdown", "--only", ",".join(rows_run)]
+    outputs = run_distributed(_moe_bench_as_torchrun_rank, 4, argv)
+    assert [status for status, _ in outputs] == [0] * 4
+    output = outputs[0][1]
+    assert "MoE benchmark: 4 ranks" in output and "4 heads / 4 kv heads" in output
+    rows: dict[str, list[str]] = {}  # the timing table's row of each variant
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 9:
+            rows.setdefault(cells[0], cells)
+    variants = [v for v in bench_moe.variants_for(4, 2) if v.name in rows_run]
+    assert set(rows) - {"variant"} == set(rows_run), output
+    assert {"etp", "etp+sp", "hf/torch_tp-etp", "hf-ep", "hf-ep-fsdp"} <= set(rows)
+    for variant in variants:
+        name, ms, loss_diff, *_, minimum = rows[variant.name]
+        if variant.library == "torch_tp":
+            assert minimum.startswith("yes;"), rows[variant.name]
+        if variant.library != "transformers" or ms != "fails":
+            assert float(loss_diff) < 1e-5, rows[variant.name]
+    assert "all_to_all(counts)×2" in rows["etp"][5]  # one per MoE layer, apart
 
 
 @pytest.mark.slow
@@ -457,3 +526,61 @@ def test_hf_checkpoint_script_tiny(tmp_path: Path) -> None:
     text = bench_hf_checkpoint.table(list(rows.values()), args, markdown=True)
     assert text.count("\n| ") == 7  # the header and six rows
     assert len(re.findall(r": (not )?met\b", text)) == 10  # 6 memory goals, 4 load-time goals
+
+
+# --- benchmarks/bench_context.py --------------------------------------------------------------
+
+import bench_context  # noqa: E402
+
+
+def _context_bench_as_torchrun_rank(argv: list[str]) -> tuple[int, str]:
+    """On a pool rank: run ``bench_context.py ARGV`` as if launched by torchrun."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
+    out = io.StringIO()
+    threads = torch.get_num_threads()
+    try:
+        with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out):
+            status = bench_context.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return status, out.getvalue()
+
+
+@pytest.mark.slow  # spawns nothing, but runs five variants on the pool's two ranks
+def test_context_script_quick_mode() -> None:
+    """Every cp row computes one device's loss (float32 rounding) and sends exactly the ring
+    volume ``torch_tp._ring.ring_volume`` predicts, bytes and messages, both passes; the
+    attention of a cp=2 rank saves at most ~0.6 of one device's for backward."""
+    argv = ["--quick", "--markdown"]
+    (status, output), (other_status, other) = run_distributed(
+        _context_bench_as_torchrun_rank, 2, argv
+    )
+    assert status == other_status == 0
+    assert other == ""  # only rank 0 prints
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in output.splitlines()
+        if line.startswith("| ") and not line.startswith("| variant")
+    ]
+    names = [v.name for v in bench_context.variants_for(2)]
+    timing, memory = rows[: len(names)], rows[len(names) :]
+    assert [r[0] for r in timing] == [r[0] for r in memory] == names, output
+    for name, _, _, loss_diff, sent, theory, match, fsdp in timing:
+        assert float(loss_diff) < 1e-5, (name, loss_diff)
+        if name.startswith("cp="):
+            assert match == "yes" and sent == theory, (name, sent, theory)
+            assert "reduce_scatter" in fsdp, (name, fsdp)  # FSDP2's gradients, apart
+    for name, _, share, *_ in memory:
+        if name.startswith("cp="):
+            assert float(share) < 0.65, (name, share)
+    assert "SDPA kernel:" in output
+
+
+def test_context_bad_arguments_are_refused_before_spawning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert bench_context.main(["--only", "nosuch"]) == 2
+    assert "matches no variant" in capsys.readouterr().err
+    assert bench_context.main(["--world-size", "1"]) == 2
+    assert "at least 2 ranks" in capsys.readouterr().err
