@@ -575,10 +575,16 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, is_causal, layout, rotation, scale):
         walk = _Context(q, k, v, group, is_causal, layout, scale)
         out, lse = _forward(walk, q, k, v, rotation)
-        out = out.view(q.shape[:-1] + (v.shape[-1],)).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out = out.view(q.shape[:-1] + (v.shape[-1],))
+        # returned as a [B, Hq, S, Dv] view of a [B, S, Hq, Dv] tensor, as SDPA's kernels
+        # return it: the (batch, tokens, heads * Dv) a model reshapes it into for its output
+        # projection is then a view, not a copy (nor a second tensor saved for backward)
+        b, h, s, dv = out.shape
+        result = out.new_empty((b, s, h, dv), dtype=q.dtype).transpose(1, 2)
+        result.copy_(out)
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.walk, ctx.rotation = walk, rotation
-        return out
+        return result
 
     @staticmethod
     @torch.autograd.function.once_differentiable

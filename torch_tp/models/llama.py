@@ -245,19 +245,18 @@ class Attention(nn.Module):
         q = apply_rotary_emb(q, rope)
         k = apply_rotary_emb(k, rope)
 
-        # Grouped-query attention: each kv head serves a contiguous group of query heads.
-        # Sharding keeps whole groups together on a rank (contiguous head blocks), so the
-        # local ratio equals the global one.
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
-
-        # (bsz, heads, seqlen, head_dim) for SDPA. No dropout on the attention weights: that
-        # would draw different masks per head shard; the block applies dropout to the
-        # branch output instead.
+        # (bsz, heads, seqlen, head_dim) for SDPA. Grouped-query attention (enable_gqa): each
+        # kv head serves a contiguous group of query heads, without copies of k and v (a
+        # context-parallel ring then carries the kv heads only). Sharding keeps whole groups
+        # together on a rank (contiguous head blocks), so the local ratio equals the global
+        # one. No dropout on the attention weights: that would draw different masks per head
+        # shard; the block applies dropout to the branch output instead.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=q.shape[2] != k.shape[2],
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
