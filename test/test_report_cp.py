@@ -48,8 +48,8 @@ def _report(shape, rotation="p2p", tp=False, **kwargs):
 
 
 def _ring_rows(rotation: str, cp: int, heads: int, where: str = ATTENTION) -> list[Collective]:
-    """The ring's rows for the reference Llama (its k and v repeated to the query heads
-    before attention: ``heads`` each), float64: each rank's packed k and v block, and its
+    """The ring's rows for the reference Llama (grouped-query attention: ``heads`` key/value
+    heads reach the ring), float64: each rank's packed k and v block, and its
     gradient (float64 too)."""
     kv = BATCH * heads * (SEQ // cp) * 2 * HEAD_DIM * 8
     layers, at = CONFIG.n_layers, where
@@ -73,12 +73,14 @@ def test_cp2_rows(rotation):
     """cp alone: only the ring moves anything, over cp; the model traced on 8 of 16 tokens;
     parameters whole on every rank; the attention's saved activations half one device's."""
     report = _report({"cp": 2}, rotation)
-    assert report.collectives == _ring_rows(rotation, 2, CONFIG.n_heads)
+    assert report.collectives == _ring_rows(rotation, 2, CONFIG.n_kv_heads)
     assert report.tokens_per_rank == SEQ // 2 and report.tp_degree == 1
     assert report.per_rank_bytes == report.unsharded_bytes
-    # per layer, per rank: q, k, v, output (B x H x S/cp x D each) and the log-sum-exp
+    # per layer, per rank: q and output (B x H x S/cp x D each), k and v (B x Hkv x S/cp x
+    # D) and the log-sum-exp
     local = BATCH * CONFIG.n_heads * (SEQ // 2)
-    saved = CONFIG.n_layers * (4 * local * HEAD_DIM + local) * 8
+    local_kv = BATCH * CONFIG.n_kv_heads * (SEQ // 2)
+    saved = CONFIG.n_layers * ((2 * local + 2 * local_kv) * HEAD_DIM + local) * 8
     assert report.attention_activations == (saved, 2 * saved)
     assert not report.errors
     assert any("Parameters are not sharded over cp" in p.message for p in report.problems)
@@ -93,7 +95,7 @@ def test_cp2_tp2_rows(rotation):
     collectives of the tensor-parallel plan on a rank's 8 tokens."""
     report = _report({"cp": 2, "tp": 2}, rotation, tp=True)
     assert [c for c in report.collectives if c.mesh_dim == "cp"] == _ring_rows(
-        rotation, 2, CONFIG.n_heads // 2, BLOCK
+        rotation, 2, CONFIG.n_kv_heads // 2, BLOCK
     )
     tp_only = plan_report(
         _meta_model(), llama_plan(), {"tp": 2}, batch_size=BATCH, seq_len=SEQ // 2,

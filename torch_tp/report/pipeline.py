@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import Shard
+from torch.overrides import TorchFunctionMode
 
 from torch_tp._torch_compat import tree_leaves
 from torch_tp.report.render import Problem, _size, _table
@@ -154,6 +156,36 @@ class PipelineReport:
         return "\n".join(lines)
 
 
+class _FusedAttentionSaves(torch.autograd.Function):
+    """On the meta device: attention that saves for backward what a fused kernel saves (q, k,
+    v as given, the output and each query's log-sum-exp), whatever kernel meta dispatch would
+    pick (grouped-query attention decomposes into the math path there, whose ``S x S``
+    probabilities no fused kernel keeps)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Meta-device ``F.scaled_dot_product_attention`` calls as :class:`_FusedAttentionSaves`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+            q, k, v = args[:3]
+            return _FusedAttentionSaves.apply(q, k, v)
+        return func(*args, **kwargs)
+
+
 def pipeline_report(
     model: nn.Module,
     *,
@@ -283,7 +315,7 @@ def pipeline_report(
                 saved += tensor.numel() * tensor.element_size()
             return tensor
 
-        with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t), _FusedAttention():
             out = stage(*stage_input) if isinstance(stage_input, tuple) else stage(stage_input)
         sent = 0
         if index < len(stage_modules) - 1:
