@@ -258,3 +258,32 @@ def test_dropout_and_a_cp_mesh_shared_with_tp_are_refused():
     dropout, shared = run_distributed(_refused_layouts, 2)[0]
     assert "model.layers.1" in dropout and "attention_dropout=0.1" in dropout, dropout
     assert "context parallelism needs a mesh dimension of its own" in shared, shared
+
+
+def _custom_mask_refused() -> str:
+    """A model whose attention gets a mask of its own making (here, on one rank only: full
+    attention, as a bidirectional span would): every rank raises, none hangs."""
+    model = _model("llama", "eager", (4, 2))
+    mesh = _parallelize(model, 2, 1)
+    cp_mesh = mesh["cp"]
+
+    def bidirectional(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is not None and cp_mesh.get_local_rank() == 1:
+            kwargs["attention_mask"] = torch.zeros_like(mask)
+        return args, kwargs
+
+    model.model.layers[0].self_attn.register_forward_pre_hook(bidirectional, with_kwargs=True)
+    tokens = shard_sequence(_batch(0)[0], cp_mesh)
+    positions = sequence_positions(SEQ, cp_mesh)[None]
+    with pytest.raises(NotImplementedError) as caught:
+        model(input_ids=tokens, position_ids=positions)
+    model.model.layers[0].self_attn._forward_pre_hooks.clear()
+    model(input_ids=tokens, position_ids=positions)  # the model's own mask: causal
+    return str(caught.value)
+
+
+def test_a_mask_of_the_models_own_is_refused_on_every_rank():
+    for message in run_distributed(_custom_mask_refused, 2):
+        assert "model.layers.0.self_attn" in message or "model.layers.0" in message, message
+        assert "an attention mask other than the causal one" in message, message

@@ -19,6 +19,7 @@ import copy
 import functools
 import inspect
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -219,6 +220,44 @@ def _check_inputs(
             "position_ids=torch_tp.sequence_positions(seq_len, mesh['cp'])[None] (for the "
             "rotary embeddings; without them each rank would count its tokens from 0)"
         )
+
+
+def _causal_pattern(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` (boolean, or additive: 0 where attended) lets each token attend to
+    itself and every earlier token of its run of consecutive positions, and to nothing else:
+    what transformers builds for a causal model on this rank's tokens (one run, or a run per
+    chunk of positions it takes for packed sequences)."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    if allowed.ndim != 4 or allowed.shape[-1] != allowed.shape[-2]:
+        return False
+    n = allowed.shape[-1]
+    rows = allowed.flatten(0, 1)
+    index = torch.arange(n, device=rows.device)
+    # a run starts at a token that does not see the one before it
+    starts = torch.ones(rows.shape[0], n, dtype=torch.bool, device=rows.device)
+    starts[:, 1:] = ~rows[:, index[1:], index[:-1]]
+    run = starts.cumsum(-1)
+    causal = index[:, None] >= index[None, :]
+    return torch.equal(rows, causal & (run[:, :, None] == run[:, None, :]))
+
+
+# the verdict on the last mask seen (every layer of a forward gets the same mask object): a
+# weak reference to it, its version, and whether it is causal on every rank
+_VERDICT: list[tuple[weakref.ref, int, bool]] = []
+
+
+def _agreed_causal(mask: torch.Tensor, group: Any) -> bool:
+    """:func:`_causal_pattern`, agreed over ``group`` (one all-reduce per mask object)."""
+    if _VERDICT:
+        seen, version, verdict = _VERDICT[0]
+        if seen() is mask and version == mask._version:
+            return verdict
+    flag = torch.tensor([0 if _causal_pattern(mask) else 1], dtype=torch.int32)
+    flag = flag.to(_regions._flag_device(group))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    verdict = not bool(flag.item())
+    _VERDICT[:] = [(weakref.ref(mask), mask._version, verdict)]
+    return verdict
 
 
 class _RingMode(TorchFunctionMode):
@@ -432,7 +471,16 @@ class ContextParallel(ParallelStyle):
         """Ring attention in place of one ``F.scaled_dot_product_attention`` call."""
         if attn_mask is not None and causal_masks:
             # a causal transformers model's own mask, laid out for this rank's tokens (its
-            # inputs were checked to hold no padding): the ring's causal mask takes its place
+            # inputs were checked to hold no padding): the ring's causal mask takes its place,
+            # once every rank has found its mask causal (over its tokens, or over each run of
+            # consecutive positions): a mask function of the model's own is refused
+            if not _agreed_causal(attn_mask, group):
+                raise NotImplementedError(
+                    f"{_where(self, module)}: the model builds an attention mask other than "
+                    "the causal one (a mask function of its own: bidirectional spans, windows, "
+                    "...), which cannot be followed over a split sequence; ContextParallel "
+                    "follows causal attention"
+                )
             attn_mask, is_causal = None, True
         if attn_mask is not None:
             raise NotImplementedError(
