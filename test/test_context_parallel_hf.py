@@ -251,11 +251,18 @@ def _refused_layouts() -> list[str]:
     with pytest.raises(ValueError) as caught:
         torch_tp.parallelize_module(model, mesh, {LAYERS: ContextParallel()})
     errors.append(str(caught.value))
+
+    model = _model("llama", "sdpa", (4, 2))  # a plan over (cp, tp) on a 1-D mesh
+    with pytest.raises(ValueError) as caught:
+        torch_tp.parallelize_module(model, mesh, plan_for(model, cp_degree=2))
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    errors.append(str(caught.value))
     return errors
 
 
 def test_dropout_and_a_cp_mesh_shared_with_tp_are_refused():
-    dropout, shared = run_distributed(_refused_layouts, 2)[0]
+    dropout, shared, one_d = run_distributed(_refused_layouts, 2)[0]
+    assert "ContextParallel on 'model.layers.0'" in one_d and "not a 1-D mesh" in one_d, one_d
     assert "model.layers.1" in dropout and "attention_dropout=0.1" in dropout, dropout
     assert "context parallelism needs a mesh dimension of its own" in shared, shared
 

@@ -174,12 +174,19 @@ def _entry_meshes(entries: list, device_mesh: DeviceMesh) -> list[DeviceMesh]:
     or taking fewer than all of them, each style's dimensions of it (its contract's
     ``mesh_dims``, or else the mesh's last ``mesh_ndim``: the 1-D tensor-parallel styles on
     the last, ``tp``). A plan of 1-D styles alone takes a 1-D mesh."""
-    if device_mesh.ndim == 1:
-        return [device_mesh] * len(entries)
     contracts = [getattr(e.style, "contract", None) for e in entries]
     ndims = [getattr(c, "mesh_ndim", 1) for c in contracts]
     named = [getattr(c, "mesh_dims", None) for c in contracts]
     own = [n > 1 or dims is not None for n, dims in zip(ndims, named, strict=True)]
+    if device_mesh.ndim == 1:
+        if any(own) and not all(own):  # e.g. ContextParallel with tensor-parallel styles
+            mixed = next(e for e, o in zip(entries, own, strict=True) if o)
+            raise ValueError(
+                f"{type(mixed.style).__name__} on {mixed.path or '<root>'!r} runs on a mesh "
+                "dimension of its own, beside the plan's tensor-parallel styles: pass the mesh "
+                'with both dimensions (e.g. mesh_dim_names=("cp", "tp")), not a 1-D mesh'
+            )
+        return [device_mesh] * len(entries)
     if not entries or not any(own):
         raise ValueError(
             f"parallelize_module takes a 1-D tensor-parallel mesh, found {device_mesh.ndim}-D "
