@@ -274,6 +274,10 @@ def _uneven_fsdp_etp(ckpt_dir: str) -> tuple[dict, str]:
     return full, str(caught.value)
 
 
+def _load_then_uneven(ckpt_dir: str, vocab_size: int, uneven_dir: str) -> tuple:
+    return (_dcp_load(ckpt_dir, "fsdp-etp", vocab_size), *_uneven_fsdp_etp(uneven_dir))
+
+
 @pytest.mark.slow  # eight ranks
 def test_dcp_and_full_state_dicts_of_experts_over_dp_ep_tp(tmp_path):
     """(dp2, ep2, tp2), FSDP2 on top: the experts' dim 0 split by ep and then by FSDP2's
@@ -289,10 +293,12 @@ def test_dcp_and_full_state_dicts_of_experts_over_dp_ep_tp(tmp_path):
     _assert_same(_dcp_load(ckpt, "one", even), saved)
     ckpt = str(tmp_path / "to-fsdp-etp")
     saved = run_distributed(_dcp_save, 4, ckpt, "etp", even)[0]
-    for loaded in run_distributed(_dcp_load, 8, ckpt, "fsdp-etp", even):
-        _assert_same(loaded, saved)
     expected = _gather("one")["model"]
-    for full, error in run_distributed(_uneven_fsdp_etp, 8, str(tmp_path / "uneven")):
+    # one launch of eight ranks: the load into fsdp-etp, then the uneven vocabulary
+    runs = run_distributed(_load_then_uneven, 8, ckpt, even, str(tmp_path / "uneven"))
+    for loaded, _, _ in runs:
+        _assert_same(loaded, saved)
+    for _, full, error in runs:
         assert list(full) == list(expected)
         for name, value in expected.items():
             torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
