@@ -66,7 +66,7 @@ def _loss(model: MoELlama, tokens: torch.Tensor, targets: torch.Tensor) -> torch
 
 
 def _parallelize(
-    model: MoELlama, sequence_parallel: bool, shape: tuple[int, int]
+    model: MoELlama, sequence_parallel: bool, shape: tuple[int, int], one_call: bool = False
 ) -> torch.distributed.DeviceMesh:
     mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("ep", "tp"))
     plan = moe_llama_plan(experts="tp", shared_expert=True, sequence_parallel=sequence_parallel)
@@ -74,9 +74,12 @@ def _parallelize(
     # expert's (and reduce-scatters it under sequence parallelism), they leave theirs a
     # partial sum over tp, as the plan's TensorParallelExperts entry says
     tp_experts = plan.pop(EXPERTS)
-    torch_tp.parallelize_module(model, mesh["tp"], plan)
     experts = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
-    torch_tp.parallelize_module(model, mesh, {EXPERTS: experts})
+    if one_call:  # one plan on the 2-D mesh: the experts on (ep, tp), the others on tp
+        torch_tp.parallelize_module(model, mesh, {**plan, EXPERTS: experts})
+    else:
+        torch_tp.parallelize_module(model, mesh["tp"], plan)
+        torch_tp.parallelize_module(model, mesh, {EXPERTS: experts})
     ep = mesh["ep"].size()
     for block in model.layers:
         experts = list(block.feed_forward.experts.parameters())
@@ -87,10 +90,10 @@ def _parallelize(
     return mesh
 
 
-def _train(sequence_parallel: bool, shape: tuple[int, int]) -> None:
+def _train(sequence_parallel: bool, shape: tuple[int, int], one_call: bool = False) -> None:
     reference = _model()
     model = copy.deepcopy(reference)
-    mesh = _parallelize(model, sequence_parallel, shape)
+    mesh = _parallelize(model, sequence_parallel, shape, one_call)
     data_rank, data_ranks = mesh["ep"].get_local_rank(), mesh["ep"].size()
     gate_up = model.layers[0].feed_forward.experts.gate_up_proj
     assert gate_up.device_mesh == mesh and gate_up.placements[0] == Shard(0)
@@ -123,11 +126,16 @@ def test_experts_over_ep2_and_tp2_match_one_device(sequence_parallel):
     run_distributed(_train, 4, sequence_parallel, (2, 2))
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (1, 2)], ids=["ep2-tp1", "ep1-tp2"])
-def test_experts_over_one_of_two_dimensions_match_one_device(shape):
+@pytest.mark.parametrize(
+    ("shape", "one_call"),
+    [((2, 1), False), ((1, 2), False), ((1, 2), True)],
+    ids=["ep2-tp1", "ep1-tp2", "ep1-tp2-one-plan"],
+)
+def test_experts_over_one_of_two_dimensions_match_one_device(shape, one_call):
     """The same on two ranks, one dimension of size 1: all-to-alls over ``ep`` and no
-    tensor parallelism, or tensor-parallel experts whose tokens all stay on their rank."""
-    run_distributed(_train, 2, False, shape)
+    tensor parallelism, or tensor-parallel experts whose tokens all stay on their rank.
+    ``one_call``: the dense plan and the experts' in one plan on the 2-D mesh."""
+    run_distributed(_train, 2, False, shape, one_call)
 
 
 def _refusals() -> list[str]:
