@@ -307,3 +307,19 @@ def test_cp_degree_of_the_ready_plans():
                 auto(model, cp_degree=bad)
     with pytest.raises(ValueError, match=r"already gives them a style \(\['layers.1'\]\)"):
         with_context_parallel(model, {"layers.1": "sequence_parallel"}, 2)
+
+
+def _odd_length() -> str:
+    model = _model()
+    mesh = init_device_mesh(device_type(), (2,), mesh_dim_names=("cp",))
+    torch_tp.parallelize_module(model, mesh, {"layers.*.attention": ContextParallel()})
+    tokens = torch.randint(0, 1001, (2, 3))  # 3 tokens a rank: 6 do not split in 4 chunks
+    with pytest.raises(ValueError) as caught:
+        model(tokens, positions=torch.arange(3))
+    return str(caught.value)
+
+
+def test_a_length_the_layout_cannot_split_is_refused_naming_the_module():
+    for message in run_distributed(_odd_length, 2):
+        assert "'layers.0.attention'" in message, message
+        assert "a sequence of 6 tokens cannot be split over cp=2" in message, message

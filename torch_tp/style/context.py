@@ -498,6 +498,11 @@ class ContextParallel(ParallelStyle):
                 f"{_where(self, module)}: {query.shape[-3]} query heads and "
                 f"{key.shape[-3]} key heads without enable_gqa=True"
             )
+        cp = torch.distributed.get_world_size(group)
+        try:  # the same shapes on every rank: every rank raises alike, before any message
+            _ring._chunks(query.shape[-2] * cp, cp, _layout(self.load_balance))
+        except ValueError as err:
+            raise ValueError(f"{_where(self, module)}: {err}") from None
         return _ring.ring_attention(
             query,
             key,
