@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from torch_tp import _regions, _ring
+from torch_tp import _torch_compat as compat
 from torch_tp.contract import StyleContract, Transfer
 from torch_tp.style.base import ParallelStyle, _where, plan_root
 
@@ -250,13 +251,13 @@ def _agreed_causal(mask: torch.Tensor, group: Any) -> bool:
     """:func:`_causal_pattern`, agreed over ``group`` (one all-reduce per mask object)."""
     if _VERDICT:
         seen, version, verdict = _VERDICT[0]
-        if seen() is mask and version == mask._version:
+        if seen() is mask and version == compat.version(mask):
             return verdict
     flag = torch.tensor([0 if _causal_pattern(mask) else 1], dtype=torch.int32)
     flag = flag.to(_regions._flag_device(group))
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
     verdict = not bool(flag.item())
-    _VERDICT[:] = [(weakref.ref(mask), mask._version, verdict)]
+    _VERDICT[:] = [(weakref.ref(mask), compat.version(mask), verdict)]
     return verdict
 
 
