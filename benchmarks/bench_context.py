@@ -742,33 +742,6 @@ def _run(args: argparse.Namespace) -> None:
             print(report(size, results, args.markdown) + "\n", flush=True)
 
 
-def _spawned_rank(rank: int, world_size: int, store_path: str, args: argparse.Namespace) -> None:
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    bench_tp._set_threads(world_size)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    try:
-        _run(args)
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as bench_tp: skip the interpreter's teardown of torch in spawned ranks
-
-
-def _torchrun_rank(args: argparse.Namespace) -> None:
-    bench_tp._set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo")
-    try:
-        _run(args)
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-
-
 def _sizes(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [n for n in names if n not in SIZES]
@@ -827,12 +800,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if torchrun:
-        _torchrun_rank(args)
+        bench_tp.torchrun_rank(_run, args)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _spawned_rank,
-            args=(args.world_size, os.path.join(tmp, "store"), args),
+            bench_tp.spawned_rank,
+            args=(_run, args.world_size, os.path.join(tmp, "store"), args),
             nprocs=args.world_size,
             start_method="spawn",
         )

@@ -1037,13 +1037,26 @@ def _set_threads(local_world_size: int) -> None:
 
 
 def _spawned_rank(rank: int, world_size: int, store_path: str, args: argparse.Namespace) -> None:
+    spawned_rank(rank, _run, world_size, store_path, args)
+
+
+def spawned_rank(
+    rank: int,
+    run: Callable[[argparse.Namespace], None],
+    world_size: int,
+    store_path: str,
+    args: argparse.Namespace,
+) -> None:
+    """One rank spawned by a benchmark's ``main``: a gloo group over a file store, ``run(args)``
+    in it, and an exit that skips the interpreter's teardown of torch (the benchmarks beside
+    this one spawn their ranks with it too)."""
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
     _set_threads(world_size)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        _run(args)
+        run(args)
     finally:
         dist.destroy_process_group()
     # Leave without the interpreter's teardown of torch: in about one run in five it aborted
@@ -1060,12 +1073,17 @@ def _launched_by_torchrun() -> bool:
 
 
 def _torchrun_rank(args: argparse.Namespace) -> None:
+    torchrun_rank(_run, args)
+
+
+def torchrun_rank(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+    """One rank under torchrun (or a caller's process group): ``run(args)`` in it."""
     _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo")
     try:
-        _run(args)
+        run(args)
     finally:
         if own_group:
             dist.destroy_process_group()
