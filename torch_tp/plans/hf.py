@@ -57,6 +57,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp.plan import names_something
 from torch_tp.plans._context import with_context_parallel
+from torch_tp.plans._sequence import with_sequence_parallel
 from torch_tp.style import (
     AttentionHeads,
     ColwiseParallel,
@@ -208,7 +209,9 @@ PLANS: dict[str, Callable[..., dict[str, ParallelStyle]]] = {
 }
 
 
-def plan_for(model: nn.Module, *, cp_degree: int | None = None) -> dict[str, ParallelStyle | str]:
+def plan_for(
+    model: nn.Module, *, sequence_parallel: bool = False, cp_degree: int | None = None
+) -> dict[str, ParallelStyle | str]:
     """The tensor-parallel plan of a transformers model.
 
     Llama, Mistral, Qwen2 and GPT-2 (by ``model.config.model_type``, see :data:`PLANS`) get
@@ -240,6 +243,15 @@ def plan_for(model: nn.Module, *, cp_degree: int | None = None) -> dict[str, Par
             ``_tp_plan`` is set (its config class declares ``base_model_tp_plan``).
 
     Keyword Args:
+        sequence_parallel (bool, optional): shard the activations between blocks on the
+            sequence: the residual stream becomes a DTensor sharded on dim 1, the norms run
+            on their shard, each attention and MLP gathers the sequence once and
+            reduce-scatters its output back (each MLP, dense or mixture-of-experts, one
+            region with partial results, its router's gradient summed). For decoder models
+            laid out as Llama's (``embed_tokens``, layers of ``input_layernorm``,
+            ``self_attn``, ``post_attention_layernorm`` and ``mlp``, a final ``norm``);
+            others are refused. The sequence length must divide by the TP degree: for
+            training and prefill, not token-by-token decoding. Default: ``False``.
         cp_degree (int, optional): over 1, the plan also splits each sequence over a ``cp``
             mesh dimension: :class:`~torch_tp.ContextParallel` on the decoder layers
             (``"model.layers.*"``). Apply it on a mesh with dimensions ``("cp", "tp")``
@@ -251,7 +263,9 @@ def plan_for(model: nn.Module, *, cp_degree: int | None = None) -> dict[str, Par
         :func:`torch_tp.parallelize_module`.
 
     Raises:
-        ValueError: the model has no ``config.model_type``, or it is not one of :data:`PLANS`
+        ValueError: ``sequence_parallel`` for a model not laid out as Llama's, or with
+            ``cp_degree`` over 1 (the message names the module and what was expected); or
+            the model has no ``config.model_type``, or it is not one of :data:`PLANS`
             and declares no ``_tp_plan`` (the message lists the supported types); or its own
             plan leaves out a parameter that computes on a sharded activation and is not one
             value (the message names it); or a rank would compute another shape than one
@@ -282,7 +296,7 @@ def plan_for(model: nn.Module, *, cp_degree: int | None = None) -> dict[str, Par
             if correct is not None:
                 plan = correct(model, plan)
             plan = _shape_checked(model, _with_unplanned_parameters(model, plan))
-            return with_context_parallel(model, plan, cp_degree)
+            return _with_sequence_or_context(model, plan, sequence_parallel, cp_degree)
         raise ValueError(
             f"no tensor-parallel plan for model_type {model_type!r} "
             f"({type(model).__qualname__}): it declares no _tp_plan of its own, and torch_tp's "
@@ -291,6 +305,18 @@ def plan_for(model: nn.Module, *, cp_degree: int | None = None) -> dict[str, Par
     prefix = getattr(model, "base_model_prefix", None) or "model"
     base_model = not isinstance(getattr(model, prefix, None), nn.Module)
     plan = _shape_checked(model, make_plan(base_model=base_model))
+    return _with_sequence_or_context(model, plan, sequence_parallel, cp_degree)
+
+
+def _with_sequence_or_context(
+    model: nn.Module, plan: dict, sequence_parallel: bool, cp_degree: int | None
+) -> dict:
+    if sequence_parallel is True and cp_degree not in (None, 1):
+        raise ValueError(
+            f"plan_for: sequence_parallel=True with cp_degree={cp_degree!r}: torch_tp has no "
+            "plan for a transformers model with both; choose one"
+        )
+    plan = with_sequence_parallel(model, plan, sequence_parallel)
     return with_context_parallel(model, plan, cp_degree)
 
 

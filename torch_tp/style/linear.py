@@ -42,6 +42,7 @@ from torch_tp.style.base import (
     _unstyled_submodules,
     _uses_stock_forward,
     _where,
+    in_partial_region,
     short_repr,
 )
 
@@ -325,7 +326,13 @@ class ColwiseParallel(_ShardLinearEmbedding):
         self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
     ) -> torch.Tensor:
         try:
-            x = rt.enter_replicated(input, self.input_layouts[0])
+            if isinstance(self.input_layouts[0], Replicate) and in_partial_region(input):
+                # the whole input of a region that sums its input gradients where it began
+                # (PrepareModuleInput(partial_input_gradients=True)): this rank's partial
+                # gradient goes back as it is
+                x = input
+            else:
+                x = rt.enter_replicated(input, self.input_layouts[0])
             weight = rt.local_parameter(module, "weight")
             y = _project(module, x, weight, rt.local_parameter(module, "bias"))
             return self._leave(y, rt, _out_features(module))

@@ -86,11 +86,19 @@ class SequenceParallel(_ReplicatedParameters):
 
     Keyword Args:
         sequence_dim (int, optional): the sequence dimension of the input. Default: 1.
+        output_layouts (Placement, optional): the layout of the output: the sequence shard
+            (``Shard(sequence_dim)``), or ``Replicate()``, the whole sequence gathered once
+            for the column-parallel projections of the block the norm feeds (their input
+            gradients are added up locally and reduce-scattered back once).
+            Default: ``Shard(sequence_dim)``.
         use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
             :class:`DTensor`. Default: ``False``.
 
     Returns:
         A :class:`ParallelStyle` that runs the module sequence-parallel.
+
+    Raises:
+        ValueError: ``output_layouts`` is neither the sequence shard nor ``Replicate()``.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -107,6 +115,7 @@ class SequenceParallel(_ReplicatedParameters):
         names={"sequence_parallel": {"use_local_output": True}},
         arguments=lambda s: {
             "sequence_dim": s.sequence_sharding[0].dim,
+            **({"output_layouts": s.output_layouts} if s.gathers_output else {}),
             "use_local_output": s.use_local_output,
         },
         modules=(nn.LayerNorm, nn.RMSNorm, nn.Dropout, "*RMSNorm", "*LayerNorm"),
@@ -115,15 +124,37 @@ class SequenceParallel(_ReplicatedParameters):
         partial_gradients=lambda s, m: tuple(n for n, _ in m.named_parameters(recurse=False)),
         inputs=lambda s, m: Boundary((Layout(s.sequence_sharding[0], s.sequence_sharding[0]),)),
         outputs=lambda s, m: Boundary(
-            (Layout(s.sequence_sharding[0], s.sequence_sharding[0], s.use_local_output),)
+            (Layout(s.sequence_sharding[0], s.output_layouts, s.use_local_output),)
         ),
         local_forward=lambda s, m: True,
     )
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        sequence_dim: int = 1,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = False,
+    ) -> None:
         super().__init__()
         self.sequence_sharding = (Shard(_check_int(sequence_dim, "sequence_dim")),)
+        if output_layouts is None:
+            output_layouts = self.sequence_sharding[0]
+        if output_layouts != self.sequence_sharding[0] and not isinstance(
+            output_layouts, Replicate
+        ):
+            raise ValueError(
+                f"SequenceParallel hands its output on sharded on the sequence "
+                f"({self.sequence_sharding[0]}) or gathered (Replicate()), found output_layouts="
+                f"{output_layouts!r}"
+            )
+        self.output_layouts = output_layouts
         self.use_local_output = _check_flag(use_local_output, "use_local_output")
+
+    @property
+    def gathers_output(self) -> bool:
+        """Whether the output is handed on gathered (``output_layouts=Replicate()``)."""
+        return isinstance(self.output_layouts, Replicate)
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         self._check_kind(module)
@@ -154,6 +185,13 @@ class SequenceParallel(_ReplicatedParameters):
         if isinstance(x, DTensor):
             x = rt.redistribute(x, layout)
             global_shape = x.shape
+            if self.gathers_output and global_shape[layout.dim] % rt.mesh.size():
+                # the same global shape on every rank: every rank raises alike
+                raise ValueError(
+                    f"{_where(self, module)}: the sequence (dim {layout.dim}) of length "
+                    f"{global_shape[layout.dim]} does not split evenly over the "
+                    f"{rt.mesh.size()} ranks; make it a multiple of {rt.mesh.size()}"
+                )
             x = x.to_local()
         if own_forward is nn.Dropout.forward:
             if not module.training or module.p == 0.0:
@@ -174,7 +212,12 @@ class SequenceParallel(_ReplicatedParameters):
             # the module's own forward, on the local sequence shard: a norm treats every
             # position alike, so the shard's result is the shard of the whole result
             out = _run_on_local_parameters(module, rt, True, own_forward, x, *inputs[1:], **kwargs)
-        if self.use_local_output or not isinstance(out, torch.Tensor):
+        if not isinstance(out, torch.Tensor):
+            return out
+        if self.gathers_output:
+            # gathered once; the readers' partial input gradients reduce-scattered back
+            return rt.prepare(out, layout, Replicate(), self.use_local_output)
+        if self.use_local_output:
             return out
         return DTensor.from_local(out, rt.mesh, (layout,))
 

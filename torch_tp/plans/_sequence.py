@@ -1,0 +1,266 @@
+"""Sequence parallelism for transformers' decoder models: :func:`with_sequence_parallel` turns
+the tensor-parallel plan of a Llama-like model (its own ``_tp_plan`` or torch_tp's ready plan)
+into the sequence-parallel one (:func:`torch_tp.plans.hf.plan_for`'s
+``sequence_parallel=True``).
+
+transformers' models compute the positions (``position_ids``) and the causal mask from the
+embedding output's length. So under sequence parallelism the residual stream between blocks
+is a DTensor sharded on the sequence (``Shard(1)``), whose shape is the whole sequence's: the
+model's own code computes what it computes on one device, and every tensor-parallel style
+reads the DTensor's layout. Per decoder layer:
+
+* ``input_layernorm`` runs on this rank's sequence shard and hands the attention the whole
+  sequence, gathered once (``SequenceParallel(output_layouts=Replicate())``); q, k and v
+  read it, and their partial input gradients are reduce-scattered back once;
+* the attention's row-parallel output projection reduce-scatters onto the sequence
+  (``output_layouts=Shard(1)``, a DTensor added to the residual stream);
+* ``post_attention_layernorm`` runs on the shard and hands it on sharded;
+* the MLP, dense or mixture-of-experts, is one region
+  (:class:`~torch_tp.PrepareModuleInputOutput`): its input gathered (its gradient
+  reduce-scattered back), everything in it computed on the whole sequence with partial
+  results (row-parallel projections and tensor-parallel experts with
+  ``output_layouts=Partial()``), and its output reduce-scattered onto the sequence. The
+  router sees every token; its gradient is a partial sum (summed over the ranks), but for
+  the load-balancing loss's, which is whole on every rank (the output transformers records
+  as ``router_logits``). A per-token gate of a shared expert (``Linear(dim, 1)``) is
+  replicated with its gradient summed.
+
+The embedding reduce-scatters its partial lookups onto the sequence; the final norm hands
+the whole sequence on to ``lm_head`` (a base model returns it as a plain tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from torch_tp.plan import resolve_plan
+from torch_tp.registry import STYLE_REGISTRY
+from torch_tp.style import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInputOutput,
+    ReplicateParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    TensorParallelExperts,
+)
+
+__all__ = ["with_sequence_parallel"]
+
+# a decoder layer's children, in the order its forward uses them
+_LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_NORMS = ("RMSNorm", "LayerNorm")
+
+
+def with_sequence_parallel(
+    model: nn.Module, plan: Mapping[str, Any], sequence_parallel: bool
+) -> dict[str, Any]:
+    """``plan``, the tensor-parallel plan of the transformers decoder ``model``, made
+    sequence-parallel when ``sequence_parallel`` is true; ``plan`` as it is otherwise.
+
+    Raises:
+        ValueError: ``sequence_parallel`` is not a bool; or ``model`` is not laid out as the
+            sequence-parallel plan expects (an embedding ``embed_tokens``, decoder layers of
+            ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and ``mlp``, a
+            final ``norm``), or ``plan`` leaves a part of it unplanned that computes on the
+            sequence (the message names the module and what was expected).
+    """
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel must be a bool, found {sequence_parallel!r}")
+    if not sequence_parallel:
+        return dict(plan)
+    base, prefix = _base_model(model)
+    layers = _check_layout(model, base, prefix)
+    styles = {key: _style(value) for key, value in plan.items()}
+    planned = {entry.path: entry.style for entry in resolve_plan(model, styles, strict=False)}
+    out: dict[str, Any] = {}
+    for key, style in styles.items():
+        out[key] = _sequence_entry(model, key, style, prefix)
+    embed = f"{prefix}embed_tokens"
+    if not isinstance(planned.get(embed), (RowwiseParallel, ColwiseParallel)):
+        raise _refused(model, embed, "a row- or column-parallel embedding in the plan")
+    layer_keys = f"{prefix}layers.*"
+    out[f"{layer_keys}.input_layernorm"] = SequenceParallel(output_layouts=Replicate())
+    out[f"{layer_keys}.post_attention_layernorm"] = SequenceParallel()
+    out[f"{layer_keys}.mlp"] = PrepareModuleInputOutput(
+        input_layouts=Shard(1),
+        desired_input_layouts=Replicate(),
+        use_local_input=True,
+        partial_input_gradients=True,
+        output_layouts=Partial(),
+        desired_output_layouts=Shard(1),
+        use_local_output=False,
+    )
+    lm_head = isinstance(planned.get("lm_head"), ColwiseParallel)
+    # gathered for lm_head (its partial input gradient reduce-scattered back); a base model
+    # hands the whole sequence on as a plain tensor
+    out[f"{prefix}norm"] = SequenceParallel(
+        output_layouts=Replicate(), use_local_output=not lm_head
+    )
+    for index, layer in enumerate(layers):
+        path = f"{prefix}layers.{index}"
+        _check_attention(model, f"{path}.self_attn", layer.self_attn, planned)
+        out.update(_mlp_entries(model, f"{path}.mlp", layer.mlp, planned, f"{layer_keys}.mlp"))
+    return out
+
+
+def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
+    for name in (getattr(model, "base_model_prefix", None), "model"):
+        base = getattr(model, name, None) if name else None
+        if isinstance(base, nn.Module):
+            return base, f"{name}."
+    return model, ""
+
+
+def _refused(model: nn.Module, path: str, expected: str) -> ValueError:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return ValueError(
+        f"sequence_parallel=True for {type(model).__qualname__} (model_type {model_type!r}): "
+        f"'{path}': expected {expected}. torch_tp's sequence-parallel plan covers decoder "
+        "models laid out as Llama's (embed_tokens, layers of input_layernorm, self_attn, "
+        "post_attention_layernorm and mlp, a final norm); use the plan without "
+        "sequence parallelism for this model"
+    )
+
+
+def _check_layout(model: nn.Module, base: nn.Module, prefix: str) -> list[nn.Module]:
+    """The decoder layers of ``base``, once the model is found laid out as expected."""
+    expected = {"embed_tokens": "an nn.Embedding", "norm": "a norm", "layers": "nn.ModuleList"}
+    kinds = {"embed_tokens": nn.Embedding, "layers": nn.ModuleList}
+    for name, what in expected.items():
+        child = getattr(base, name, None)
+        if not isinstance(child, kinds.get(name, nn.Module)) or (
+            name == "norm" and not _is_norm(child)
+        ):
+            raise _refused(model, f"{prefix}{name}", f"{what}, found {_kind(child)}")
+    _refuse_other_parameters(model, base, prefix, set(expected))
+    for index, layer in enumerate(base.layers):
+        path = f"{prefix}layers.{index}"
+        for name in _LAYER:
+            child = getattr(layer, name, None)
+            if not isinstance(child, nn.Module) or ("norm" in name and not _is_norm(child)):
+                what = "a norm (*RMSNorm, *LayerNorm)" if "norm" in name else "a module"
+                raise _refused(model, f"{path}.{name}", f"{what}, found {_kind(child)}")
+        _refuse_other_parameters(model, layer, f"{path}.", set(_LAYER))
+    return list(base.layers)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(_NORMS)
+
+
+def _kind(value: object) -> str:
+    return "nothing" if value is None else type(value).__name__
+
+
+def _refuse_other_parameters(
+    model: nn.Module, module: nn.Module, prefix: str, known: set[str]
+) -> None:
+    """A parameter outside the known children would compute on the sharded stream unplanned."""
+    for name, _ in module.named_parameters():
+        if name.split(".")[0] not in known:
+            raise _refused(
+                model,
+                f"{prefix}{name}",
+                "no parameter beside the known parts (it would compute on a sequence shard "
+                "no style plans)",
+            )
+
+
+def _style(value: Any) -> Any:
+    """A plan value as a style object (plan names looked up); anything else as it is."""
+    if isinstance(value, str):
+        style = STYLE_REGISTRY.style(value)
+        return value if style is None else style
+    return value
+
+
+def _with(style: ParallelStyle, **changes: Any) -> ParallelStyle:
+    """A copy of ``style`` with some constructor arguments changed."""
+    return type(style)(**{**style.contract.arguments(style), **changes})
+
+
+def _sequence_entry(model: nn.Module, key: str, style: Any, prefix: str) -> Any:
+    """One entry of the tensor-parallel plan, as the sequence-parallel plan has it."""
+    inner = key[len(prefix) :].split(".") if key.startswith(prefix) else key.split(".")
+    if key == f"{prefix}embed_tokens":
+        # the partial lookups reduce-scattered onto the sequence: the stream's DTensor
+        return _with(style, output_layouts=Shard(1), use_local_output=False)
+    if len(inner) >= 4 and inner[0] == "layers":
+        if inner[2] == "self_attn" and isinstance(style, RowwiseParallel):
+            # the attention's output projection: reduce-scattered onto the sequence
+            return _with(style, output_layouts=Shard(1), use_local_output=False)
+        if inner[2] == "mlp" and isinstance(style, (RowwiseParallel, TensorParallelExperts)):
+            # inside the MLP's region: partial sums, reduce-scattered once at its end
+            local = {"use_local_output": True} if isinstance(style, RowwiseParallel) else {}
+            return _with(style, output_layouts=Partial(), **local)
+    return style
+
+
+def _check_attention(
+    model: nn.Module, path: str, attention: nn.Module, planned: Mapping[str, Any]
+) -> None:
+    """The attention reads the gathered sequence and must hand its output back sharded:
+    through one row-parallel output projection."""
+    rowwise = [
+        p for p, s in planned.items() if p.startswith(f"{path}.") and isinstance(s, RowwiseParallel)
+    ]
+    if len(rowwise) != 1:
+        raise _refused(
+            model,
+            path,
+            f"one row-parallel output projection planned in the attention, found {len(rowwise)}"
+            f"{' (' + ', '.join(rowwise) + ')' if rowwise else ''}",
+        )
+
+
+def _mlp_entries(
+    model: nn.Module, path: str, mlp: nn.Module, planned: Mapping[str, Any], keys: str
+) -> dict[str, ParallelStyle]:
+    """The entries the MLP's region adds: the router, and the per-token gates of shared
+    experts, replicated with their gradients summed; anything else with parameters must be
+    planned already (its output a partial sum)."""
+    routers = _router_outputs(model)
+    added: dict[str, ParallelStyle] = {}
+    for name, sub in mlp.named_modules():
+        if not name or not any(True for _ in sub.parameters(recurse=False)):
+            continue
+        full = f"{path}.{name}"
+        if any(full == p or full.startswith(f"{p}.") for p in planned):
+            continue  # planned, or inside a planned module (the experts' own)
+        recorded = routers.get(type(sub))
+        if recorded is not None:
+            # the router sees every token; its output ``recorded`` feeds the load-balancing
+            # loss, whose gradient is whole on every rank; its routing weights' is partial
+            style = ReplicateParallel(sum_gradients=True, whole_gradient_outputs=(recorded,))
+        elif isinstance(sub, nn.Linear) and sub.out_features == 1:
+            # a per-token gate of a shared expert: it scales the expert's partial output
+            style = ReplicateParallel(sum_gradients=True)
+        else:
+            raise _refused(
+                model,
+                full,
+                "every module with parameters inside the MLP planned (its output a partial "
+                "sum, summed once at the MLP's end), a router, or a per-token gate; found "
+                f"{type(sub).__name__} unplanned",
+            )
+        added[f"{keys}.{name}"] = style
+    if not any(p.startswith(f"{path}.") for p in planned):
+        raise _refused(model, path, "a tensor-parallel MLP in the plan, found none")
+    return added
+
+
+def _router_outputs(model: nn.Module) -> dict[type, int]:
+    """The router classes of a transformers MoE model, and the index of the output it
+    records as ``router_logits`` (the load-balancing loss's input)."""
+    found: dict[type, int] = {}
+    recorders = getattr(type(model), "_can_record_outputs", None) or {}
+    recorder = recorders.get("router_logits") if isinstance(recorders, Mapping) else None
+    target = getattr(recorder, "target_class", None)
+    if isinstance(target, type):
+        found[target] = int(getattr(recorder, "index", 0) or 0)
+    return found
