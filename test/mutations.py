@@ -317,6 +317,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the rank that finished them instead of sending them home: every rank's keys and "
         "values get another rank's gradient",
     ),
+    Mutation(
+        name="colwise_reduces_inside_a_partial_region",
+        file="torch_tp/style/linear.py",
+        old="""            if isinstance(self.input_layouts[0], Replicate) and in_partial_region(input):""",
+        new="""            if False:""",
+        tests=(
+            "test/test_sequence_parallel_hf.py::test_sequence_parallel_plan_matches_one_device",
+        ),
+        description="a column-parallel layer reading the whole input of a partial-sum region "
+        "(a dense MLP under transformers' sequence-parallel plan) all-reduces its input "
+        "gradient, and the region reduce-scatters it again: the gradient is summed twice",
+    ),
 )
 
 

@@ -168,6 +168,10 @@ _SPLITS = {
     torch.unbind,
     torch.Tensor.unbind,
 }
+# ops that view a tensor or take part of it: on a replicated DTensor, DTensor makes a
+# replicated one without communicating, and their backward hands a gradient on in the
+# placement it arrives in (a partial sum stays one, to be summed where the DTensor was made)
+_PARTS = _VIEWS | _LIKE | {torch.Tensor.__getitem__, torch.Tensor.narrow, torch.narrow}
 
 
 def _generalize(path: str) -> str:
@@ -676,6 +680,12 @@ class _Trace:
                 self.set_state(t, new)
             return
         dtensors = [s for s in states if s is not None and not isinstance(s, _Local)]
+        if func in _PARTS and len(inputs) == 1 and dtensors and _replicated_node(dtensors[0]):
+            # the final norm's gathered output sliced for lm_head: the part stands for the
+            # whole, whose gradient its readers give (lm_head's partial sum, reduce-scattered)
+            for t in outputs:
+                self.set_state(t, dtensors[0])
+            return
         if dtensors:
             for state in dtensors:
                 if isinstance(state, _Node):
@@ -722,6 +732,10 @@ class _Trace:
         for t in outputs:
             if not any(t is i for i in inputs):  # an in-place op keeps its state
                 self.set_state(t, new)
+
+
+def _replicated_node(state: _State) -> bool:
+    return isinstance(state, _Node) and isinstance(state.placement, Replicate)
 
 
 def _broadcast_dropped(

@@ -1,0 +1,244 @@
+"""Sequence parallelism for transformers' models: ``plan_for(model, sequence_parallel=True)``.
+
+The residual stream between blocks is a DTensor sharded on the sequence (transformers computes
+the positions and the causal mask from its length, which is the whole sequence's); each norm
+runs on its shard, each attention and MLP gathers the sequence once and reduce-scatters its
+output back, each MLP (dense or mixture-of-experts) one region of partial sums. Against one
+device, float64: logits, loss (with the load-balancing loss where the model has one), every
+gradient (the routers' too) and the parameters after an SGD step; Llama and Qwen2 (two head
+layouts), the base model, and three MoE families (Mixtral, Qwen3-MoE with a dense first layer,
+OLMoE with its gathered attention). The experts over (ep, tp) under sequence parallelism are in
+``test_moe_etp.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tp_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+from torch_tp import ColwiseParallel, ParallelStyle, parallelize_module
+from torch_tp.testing import check_parity, collective_counts, run_distributed
+
+transformers = pytest.importorskip(
+    "transformers",
+    reason="the Hugging Face model tests need transformers (pip install -e '.[test]')",
+)
+
+from torch_tp.plans.hf import plan_for  # noqa: E402  (needs transformers' models only to run)
+
+VOCAB = 128
+LAYERS = 2
+
+
+def _dense(family: str, kv_heads: int, base_model: bool = False) -> torch.nn.Module:
+    """A float64 Llama or Qwen2 with random weights (norms and biases too), the same on every
+    rank."""
+    config_class, causal_lm, base = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, transformers.LlamaModel),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, transformers.Qwen2Model),
+    }[family]
+    config = config_class(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        **({"sliding_window": 6} if family == "qwen2" else {}),
+    )
+    torch.manual_seed(0)
+    model = (base if base_model else causal_lm)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.uniform_(0.5, 1.5)
+    return model.double()
+
+
+def _model(family: str, kv_heads: int = 2) -> torch.nn.Module:
+    if family in ("llama", "qwen2"):
+        return _dense(family, kv_heads)
+    from test_transformers_moe import _model as moe_model
+
+    return moe_model(family)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _parity(family: str, kv_heads: int) -> None:
+    model = _model(family, kv_heads)
+    plan = plan_for(model, sequence_parallel=True)
+    ids = torch.randint(2, VOCAB, (2, 12))
+    labels = torch.randint(2, VOCAB, (2, 12))
+    tp, _ = check_parity(
+        model,
+        tp_mesh(),
+        plan,
+        kwargs={"input_ids": ids, "labels": labels, "use_cache": False},
+        # every output (logits, loss, router logits), every gradient, every parameter
+        loss_fn=lambda out: out.loss,
+        optimizer_fn=_sgd,
+    )
+    layer = tp.model.layers[0]
+    # the norms run on sequence shards: replicated parameters, their gradients summed
+    assert layer.input_layernorm.weight.placements == (Replicate(),)
+    assert layer.self_attn.o_proj.weight.placements == (Shard(1),)
+    # the stream between blocks is the sequence-sharded DTensor
+    seen = []
+    handle = layer.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        tp(input_ids=ids, use_cache=False)
+    handle.remove()
+    assert isinstance(seen[0], DTensor) and seen[0].placements == (Shard(1),), seen[0]
+    assert seen[0].to_local().shape[1] == 12 // 2
+
+
+@pytest.mark.parametrize(
+    "family, kv_heads",
+    [
+        ("llama", 2),
+        ("mixtral", 2),
+        pytest.param("llama", 4, marks=pytest.mark.slow),
+        pytest.param("qwen2", 2, marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", 2, marks=pytest.mark.slow),
+        pytest.param("olmoe", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_sequence_parallel_plan_matches_one_device(family, kv_heads):
+    run_distributed(_parity, 2, family, kv_heads)
+
+
+def _base_model_parity() -> None:
+    """A base model's final norm hands on the whole sequence as a plain tensor."""
+    model = _dense("llama", 2, base_model=True)
+    ids = torch.randint(2, VOCAB, (2, 12))
+    tp, _ = check_parity(
+        model,
+        tp_mesh(),
+        plan_for(model, sequence_parallel=True),
+        kwargs={"input_ids": ids, "use_cache": False},
+        loss_fn=lambda out: out.last_hidden_state.square().sum(),
+        optimizer_fn=_sgd,
+    )
+    with torch.no_grad():
+        out = tp(input_ids=ids, use_cache=False).last_hidden_state
+    assert type(out) is torch.Tensor and out.shape == (2, 12, 32), out
+
+
+def test_base_model_matches_one_device():
+    run_distributed(_base_model_parity, 2)
+
+
+def _collectives(sequence_parallel: bool) -> tuple[dict[str, int], dict[str, int]]:
+    model = _dense("llama", 2)
+    parallelize_module(model, tp_mesh(), plan_for(model, sequence_parallel=sequence_parallel))
+    ids = torch.randint(2, VOCAB, (2, 12))
+    with CommDebugMode() as forward:
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+    with CommDebugMode() as backward:
+        out.loss.backward()
+    return dict(collective_counts(forward)), dict(collective_counts(backward))
+
+
+@pytest.mark.fast_runtime  # plain DTensor reduces the norms' gradients apart, as they arrive
+def test_each_all_reduce_becomes_one_all_gather_and_one_reduce_scatter():
+    """Megatron's sequence parallelism, counted (2 layers): where the plan without it
+    all-reduces (the embedding, each attention and MLP, each way), it reduce-scatters onto
+    the sequence and all-gathers off it; the final norm gathers for lm_head (one more each
+    way); the norms' gradients, partial over the shards, are summed in one all-reduce at the
+    end of backward."""
+    (tp_fwd, tp_bwd), (sp_fwd, sp_bwd) = (
+        run_distributed(_collectives, 2, sp)[0] for sp in (False, True)
+    )
+    blocks = 2 * LAYERS
+    # without: the embedding's all-reduce, one per block, the ids' check; lm_head's gather
+    assert tp_fwd == {"all_reduce": 1 + blocks + 1, "all_gather": 1}, tp_fwd
+    assert tp_bwd == {"all_reduce": blocks + 1}, tp_bwd
+    # with: the embedding's and each block's output reduce-scattered, each block's input and
+    # lm_head's gathered (and its logits, as without); the ids' check
+    assert sp_fwd == {"reduce_scatter": 1 + blocks, "all_gather": blocks + 2, "all_reduce": 1}
+    # the gathers' gradients reduce-scattered, the reduce-scatters' gathered; one all-reduce
+    assert sp_bwd == {"reduce_scatter": blocks + 1, "all_gather": blocks + 1, "all_reduce": 1}
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    "family, where, expected",
+    [
+        # transformers' plan leaves Qwen2-MoE's shared expert whole: inside the MLP's region of
+        # partial sums its whole output would be summed over the ranks
+        ("qwen2_moe", "'model.layers.1.mlp.shared_expert.gate_proj'", "found Linear unplanned"),
+        # DeepSeek-V3's plan leaves its latent attention replicated: nothing hands the
+        # attention's output back onto the sequence
+        ("deepseek_v3", "'model.layers.0.self_attn'", "one row-parallel output projection"),
+        # Llama 4's layers hold a feed_forward, not an mlp
+        ("llama4", "'model.layers.0.mlp'", "expected a module, found nothing"),
+    ],
+)
+def test_models_it_cannot_plan_are_refused_by_name(family, where, expected):
+    from test_transformers_moe import _model as moe_model
+
+    with torch.device("meta"):
+        model = moe_model(family)
+    with pytest.raises(ValueError) as caught:
+        plan_for(model, sequence_parallel=True)
+    message = str(caught.value)
+    assert f"sequence_parallel=True for {type(model).__name__}" in message, message
+    assert where in message and expected in message, message
+
+
+def test_gpt2_and_arguments_are_refused():
+    with torch.device("meta"):
+        gpt2 = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=VOCAB)
+        )
+        llama = _dense("llama", 2)
+    with pytest.raises(ValueError, match=r"'transformer.embed_tokens': expected an nn.Embed"):
+        plan_for(gpt2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel must be a bool, found 'yes'"):
+        plan_for(llama, sequence_parallel="yes")
+    with pytest.raises(ValueError, match="sequence_parallel=True with cp_degree=2"):
+        plan_for(llama, sequence_parallel=True, cp_degree=2)
+
+
+def test_an_mlp_left_unplanned_is_refused():
+    """An MLP computing whole outputs inside the region would have them summed over the
+    ranks: a plan that leaves one unplanned is refused, naming it."""
+    from torch_tp.plans._sequence import with_sequence_parallel
+
+    with torch.device("meta"):
+        model = _dense("llama", 2)
+    plan: dict[str, ParallelStyle | str] = {
+        k: v for k, v in plan_for(model).items() if ".mlp." not in k
+    }
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_proj'.*found Linear unplanned"):
+        with_sequence_parallel(model, plan, True)
+    plan["lm_head"] = ColwiseParallel()  # the rest as it was: nothing else is refused
+    plan.pop("model.embed_tokens")
+    with pytest.raises(ValueError, match="'model.embed_tokens': expected a row- or column"):
+        with_sequence_parallel(model, plan, True)
+
+
+def _odd_length() -> str:
+    model = _dense("llama", 2)
+    parallelize_module(model, tp_mesh(), plan_for(model, sequence_parallel=True))
+    with pytest.raises(ValueError) as caught:
+        model(input_ids=torch.randint(2, VOCAB, (2, 11)), use_cache=False)
+    return str(caught.value)
+
+
+def test_a_sequence_that_does_not_split_is_refused_on_every_rank():
+    for message in run_distributed(_odd_length, 2):
+        assert "'model.layers.0.input_layernorm' (LlamaRMSNorm)" in message, message
+        assert "of length 11 does not split evenly over the 2 ranks" in message, message
