@@ -874,7 +874,17 @@ def _run(
 def _meta_forward(
     contract: StyleContract, style: Any, module: nn.Module, *args: Any, **kwargs: Any
 ) -> Any:
-    return contract.meta_output(style, module, args, kwargs)
+    output = contract.meta_output(style, module, args, kwargs)
+    # made, not computed (``empty_like`` of the tokens): it still carries a gradient back
+    # where the forward would have (the collectives of its consumers' backward depend on it)
+    leaves = [*tree_leaves((args, kwargs)), *module.parameters()]
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in leaves
+    ):
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.is_leaf:
+                t.requires_grad_(True)
+    return output
 
 
 class _Restore:
