@@ -320,7 +320,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="colwise_reduces_inside_a_partial_region",
         file="torch_tp/style/linear.py",
-        old="""            if isinstance(self.input_layouts[0], Replicate) and in_partial_region(input):""",
+        old="            if isinstance(self.input_layouts[0], Replicate) and "
+        "in_partial_region(input):",
         new="""            if False:""",
         tests=(
             "test/test_sequence_parallel_hf.py::test_sequence_parallel_plan_matches_one_device",

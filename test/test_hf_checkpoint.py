@@ -59,11 +59,15 @@ def _saved(family: str, path: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _load(family: str, path: str, fsdp: bool, ep: bool = False) -> tuple[dict, dict]:
+def _load(
+    family: str, path: str, fsdp: bool, ep: bool = False, sp: bool = False
+) -> tuple[dict, dict]:
     """The model with other weights, parallelized, loaded from ``path``: its full state
     dict, and the elements each tensor's reads took on this rank."""
     model = _model(family, seed=1)
-    if ep:
+    if sp:  # the norms replicated DTensors, the routers too
+        parallelize_module(model, tp_mesh(), plan_for(model, sequence_parallel=True))
+    elif ep:
         parallelize_module(model, tp_mesh(), expert_parallel_plan(model))
     elif fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -86,19 +90,20 @@ def _load(family: str, path: str, fsdp: bool, ep: bool = False) -> tuple[dict, d
 
 
 @pytest.mark.parametrize(
-    ("family", "ep"),
+    ("family", "ep", "sp"),
     [
-        ("llama", False),
-        pytest.param("gpt2", False, marks=pytest.mark.slow),
-        pytest.param("moe", False, marks=pytest.mark.slow),
-        ("mixtral", False),
-        pytest.param("mixtral", True, marks=pytest.mark.slow),
+        ("llama", False, False),
+        pytest.param("gpt2", False, False, marks=pytest.mark.slow),
+        pytest.param("moe", False, False, marks=pytest.mark.slow),
+        ("mixtral", False, False),
+        pytest.param("mixtral", True, False, marks=pytest.mark.slow),
+        pytest.param("mixtral", False, True, marks=pytest.mark.slow),
     ],
-    ids=["llama", "gpt2", "moe", "mixtral", "mixtral-ep"],
+    ids=["llama", "gpt2", "moe", "mixtral", "mixtral-ep", "mixtral-sp"],
 )
-def test_load_pretrained_reads_each_ranks_slices(family, ep, tmp_path):
+def test_load_pretrained_reads_each_ranks_slices(family, ep, sp, tmp_path):
     expected = _saved(family, str(tmp_path))
-    results = run_distributed(_load, 2, family, str(tmp_path), False, ep)
+    results = run_distributed(_load, 2, family, str(tmp_path), False, ep, sp)
     for state, reads, mine in results:
         assert sorted(state) == sorted(expected)
         for name, value in expected.items():

@@ -13,6 +13,9 @@ OLMoE with its gathered attention). The experts over (ep, tp) under sequence par
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import tp_mesh
@@ -168,6 +171,34 @@ def test_each_all_reduce_becomes_one_all_gather_and_one_reduce_scatter():
     assert sp_fwd == {"reduce_scatter": 1 + blocks, "all_gather": blocks + 2, "all_reduce": 1}
     # the gathers' gradients reduce-scattered, the reduce-scatters' gathered; one all-reduce
     assert sp_bwd == {"reduce_scatter": blocks + 1, "all_gather": blocks + 1, "all_reduce": 1}
+
+
+def _moe_layer_collectives(sequence_parallel: bool) -> dict[str, dict[str, int]]:
+    """One step of Mixtral at TP=2: the collectives inside its MoE layers (bench_moe's split,
+    its agreed checks apart)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_moe
+
+    model = _model("mixtral")
+    parallelize_module(model, tp_mesh(), plan_for(model, sequence_parallel=sequence_parallel))
+    ids = torch.randint(2, VOCAB, (2, 12))
+    with bench_moe.MoECounter() as counter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    split = bench_moe.split_records(counter.records)
+    return {part: {k: n for k, (n, _) in split[part].items()} for part in ("fwd", "bwd", "checks")}
+
+
+@pytest.mark.fast_runtime  # plain DTensor reduces the router's gradient apart, as it arrives
+def test_each_moe_layer_gathers_once_and_reduce_scatters_once():
+    """Per MoE layer (Mixtral's 2): without sequence parallelism one all-reduce each way;
+    with it one all-gather of the sequence and one reduce-scatter of the layer's output
+    forward, the reverse backward; the agreed checks (the embedding's ids and each layer's
+    expert ids) alike."""
+    tp, sp = (run_distributed(_moe_layer_collectives, 2, flag)[0] for flag in (False, True))
+    checks = {"all_reduce(check)": 1 + LAYERS}
+    assert tp == {"fwd": {"all_reduce": LAYERS}, "bwd": {"all_reduce": LAYERS}, "checks": checks}
+    gather_scatter = {"all_gather": LAYERS, "reduce_scatter": LAYERS}
+    assert sp == {"fwd": gather_scatter, "bwd": gather_scatter, "checks": checks}, sp
 
 
 # --------------------------------------------------------------------------- refusals
