@@ -261,6 +261,45 @@ def test_an_mlp_left_unplanned_is_refused():
         with_sequence_parallel(model, plan, True)
 
 
+def _unplanned_inside_a_partial_sum(which: str) -> str:
+    """A plan whose partial-sum region holds a module no style distributes: the MLP's
+    ``down_proj`` of transformers' Llama, or the reference MoE's router."""
+    if which == "llama":
+        model = _dense("llama", 2)
+        plan = plan_for(model, sequence_parallel=True)
+        del plan["model.layers.*.mlp.down_proj"]
+        inputs = {"input_ids": torch.randint(2, VOCAB, (2, 12)), "use_cache": False}
+    else:
+        from torch_tp.models import MoEConfig, MoELlama
+        from torch_tp.plans.moe import moe_llama_plan
+
+        model = MoELlama(MoEConfig(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, vocab_size=64))
+        plan = moe_llama_plan(experts="tp", sequence_parallel=True)
+        del plan["layers.*.feed_forward.router"]
+        inputs = {"tokens": torch.randint(0, 64, (2, 8))}
+    parallelize_module(model, tp_mesh(), plan)
+    with pytest.raises(ValueError) as caught:
+        model(**inputs)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "which, where",
+    [
+        ("llama", "on 'model.layers.0.mlp' (LlamaMLP): its output is a partial sum over the 2 "
+         "ranks, summed once at its end, but parameter 'down_proj.weight' (Linear)"),
+        ("moe", "on 'layers.0.feed_forward' (MoEFeedForward): its output is a partial sum over "
+         "the 2 ranks, summed once at its end, but parameter 'router.weight'"),
+    ],
+)  # fmt: skip
+def test_a_module_left_unplanned_inside_a_partial_sum_is_refused_on_every_rank(which, where):
+    """Computed whole on every rank, its share of the output would be counted twice (the
+    router's gradient, from the experts' partial sums, left partial): silently wrong, so
+    refused at the first call, naming it."""
+    for message in run_distributed(_unplanned_inside_a_partial_sum, 2, which):
+        assert where in message, message
+
+
 def _odd_length() -> str:
     model = _dense("llama", 2)
     parallelize_module(model, tp_mesh(), plan_for(model, sequence_parallel=True))

@@ -612,6 +612,10 @@ class PrepareModuleInput(ParallelStyle):
         return value if self.use_local_output else _layouts._replicated(value, rt.mesh)
 
 
+# set on a module once PrepareModuleOutput found every parameter inside its partial sum planned
+_PARTIAL_SUM_CHECKED = "_torch_tp_partial_sum_checked"
+
+
 class PrepareModuleOutput(ParallelStyle):
     """Lay out a module's outputs as DTensors after its forward runs.
 
@@ -679,8 +683,37 @@ class PrepareModuleOutput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rt = _layouts.runtime(device_mesh)
+        if any(isinstance(layout, Partial) for layout in self.output_layouts):
+            module.register_forward_pre_hook(functools.partial(self._check_partial_sum, rt))
         module.register_forward_hook(functools.partial(self._prepare_hook, rt))
         return module
+
+    def _check_partial_sum(self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: Any):
+        """On the first call (every style of the model applied by then, in however many
+        ``parallelize_module`` calls): refuse a module inside whose parameters no style
+        distributed over this mesh's ranks. Its output is a partial sum: a submodule
+        computing whole on every rank would have its share counted once per rank (or, feeding
+        a partial sum, a partial gradient nobody sums). The same module tree on every rank:
+        every rank raises alike."""
+        if module.__dict__.get(_PARTIAL_SUM_CHECKED):
+            return
+        ranks = set(rt.mesh.mesh.flatten().tolist())
+        for path, sub in module.named_modules():
+            for name, param in sub.named_parameters(recurse=False):
+                mesh = param.device_mesh if isinstance(param, DTensor) else None
+                if mesh is None or not ranks <= set(mesh.mesh.flatten().tolist()):
+                    where = f"{path}.{name}" if path else name
+                    raise ValueError(
+                        f"{_where(self, module)}: its output is a partial sum over the "
+                        f"{rt.mesh.size()} ranks, summed once at its end, but parameter "
+                        f"{where!r} ({type(sub).__name__}) inside it is distributed by no "
+                        "style over those ranks: computed whole on every rank, its share of "
+                        "the output would be counted once per rank (or its gradient, from a "
+                        "partial sum, left partial). Plan that module: tensor-parallel with "
+                        "its output a partial sum, or ReplicateParallel(sum_gradients=True) "
+                        "for a router or gate that only weighs the partial sums"
+                    )
+        module.__dict__[_PARTIAL_SUM_CHECKED] = True
 
     def _prepare_hook(
         self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: Any, outputs: Any
