@@ -23,7 +23,8 @@ reads the DTensor's layout. Per decoder layer:
   router sees every token; its gradient is a partial sum (summed over the ranks), but for
   the load-balancing loss's, which is whole on every rank (the output transformers records
   as ``router_logits``). A per-token gate of a shared expert (``Linear(dim, 1)``) is
-  replicated with its gradient summed.
+  replicated with its gradient summed; a shared expert the plan leaves whole (a gated MLP,
+  Qwen2-MoE's) is made tensor-parallel, its output a partial sum.
 
 The embedding reduce-scatters its partial lookups onto the sequence; the final norm hands
 the whole sequence on to ``lm_head`` (a base model returns it as a plain tensor).
@@ -222,16 +223,26 @@ def _mlp_entries(
     model: nn.Module, path: str, mlp: nn.Module, planned: Mapping[str, Any], keys: str
 ) -> dict[str, ParallelStyle]:
     """The entries the MLP's region adds: the router, and the per-token gates of shared
-    experts, replicated with their gradients summed; anything else with parameters must be
-    planned already (its output a partial sum)."""
+    experts, replicated with their gradients summed; a gated MLP the plan leaves whole (a
+    shared expert: ``gate_proj``, ``up_proj``, ``down_proj``) made tensor-parallel, its
+    output a partial sum; anything else with parameters must be planned already."""
     routers = _router_outputs(model)
     added: dict[str, ParallelStyle] = {}
+    covered = list(planned)  # module paths whose parameters are accounted for, and below
     for name, sub in mlp.named_modules():
-        if not name or not any(True for _ in sub.parameters(recurse=False)):
-            continue
         full = f"{path}.{name}"
-        if any(full == p or full.startswith(f"{p}.") for p in planned):
+        if not name or any(full == p or full.startswith(f"{p}.") for p in covered):
             continue  # planned, or inside a planned module (the experts' own)
+        if _is_gated_mlp(sub):
+            # computed whole on every rank, its output would be counted once per rank: split
+            # as the dense MLPs are, its output left a partial sum
+            added[f"{keys}.{name}.gate_proj"] = ColwiseParallel()
+            added[f"{keys}.{name}.up_proj"] = ColwiseParallel()
+            added[f"{keys}.{name}.down_proj"] = RowwiseParallel(output_layouts=Partial())
+            covered.append(full)
+            continue
+        if not any(True for _ in sub.parameters(recurse=False)):
+            continue
         recorded = routers.get(type(sub))
         if recorded is not None:
             # the router sees every token; its output ``recorded`` feeds the load-balancing
@@ -252,6 +263,14 @@ def _mlp_entries(
     if not any(p.startswith(f"{path}.") for p in planned):
         raise _refused(model, path, "a tensor-parallel MLP in the plan, found none")
     return added
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    """Llama's MLP: Linear ``gate_proj``, ``up_proj`` and ``down_proj``, no other parameters."""
+    parts = ("gate_proj", "up_proj", "down_proj")
+    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in parts):
+        return False
+    return all(name.split(".")[0] in parts for name, _ in module.named_parameters())
 
 
 def _router_outputs(model: nn.Module) -> dict[type, int]:

@@ -247,7 +247,8 @@ def plan_for(
             sequence: the residual stream becomes a DTensor sharded on dim 1, the norms run
             on their shard, each attention and MLP gathers the sequence once and
             reduce-scatters its output back (each MLP, dense or mixture-of-experts, one
-            region with partial results, its router's gradient summed). For decoder models
+            region with partial results, its router's gradient summed, a shared expert the
+            plan leaves whole made tensor-parallel). For decoder models
             laid out as Llama's (``embed_tokens``, layers of ``input_layernorm``,
             ``self_attn``, ``post_attention_layernorm`` and ``mlp``, a final ``norm``);
             others are refused. The sequence length must divide by the TP degree: for

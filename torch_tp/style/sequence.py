@@ -634,6 +634,12 @@ class PrepareModuleOutput(ParallelStyle):
     Returns:
         A :class:`ParallelStyle` that prepares the module's outputs.
 
+    Raises:
+        ValueError: at the module's first call, when an output is laid out ``Partial()`` (a
+            partial sum over the ranks, summed here) and a parameter inside the module is
+            distributed by no style over the mesh's ranks: computed whole on every rank, it
+            would be counted once per rank. Raised on every rank alike, naming it.
+
     Example::
         >>> # xdoctest: +SKIP("distributed")
         >>> from torch_tp import parallelize_module, PrepareModuleOutput
