@@ -3,7 +3,7 @@
 ``plan_report`` on a meta-device copy of the model, with ``plan_for(model,
 sequence_parallel=True)``, must predict every collective of one training step at TP=2 (batch
 2 x 12, ``labels=ids``, ``use_cache=False``): per pass, per kind, the number of calls and their
-bytes. Measured with ``benchmarks/bench_moe.py``'s ``MoECounter`` (every collective, by pass;
+bytes; and each rank's parameter bytes. Measured with ``benchmarks/bench_moe.py``'s ``MoECounter`` (every collective, by pass;
 CommDebugMode's module tracker fails inside transformers' experts), which counts the agreed
 checks (the embedding's ids, each MoE layer's expert ids: all-reduces of one or two integers)
 apart: the report counts them as the all-reduces they are. Llama (the final norm's gathered
@@ -24,6 +24,7 @@ import pytest
 import torch
 from helpers import tp_mesh
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torch_tp import parallelize_module
 from torch_tp.report import plan_report
@@ -86,9 +87,12 @@ def _measured(family: str) -> _Totals:
     ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
     with bench_moe.MoECounter() as counter:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    return _totals(
+    totals = _totals(
         ("backward" if r.backward else "forward", r.kind, r.nbytes) for r in counter.records
     )
+    # the memory the report predicts: this rank's parameter bytes
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return totals, sum(t.numel() * t.element_size() for t in local)
 
 
 def _predicted(family: str) -> _Totals:
@@ -103,7 +107,8 @@ def _predicted(family: str) -> _Totals:
         device_type="cpu",
     )
     assert not report.errors, report.errors
-    return _totals((c.phase, c.kind, c.bytes) for c in report.collectives for _ in range(c.count))
+    totals = _totals((c.phase, c.kind, c.bytes) for c in report.collectives for _ in range(c.count))
+    return totals, report.per_rank_bytes
 
 
 @pytest.mark.fast_runtime  # plain DTensor sums the norms' (and routers') gradients apart
