@@ -3,8 +3,9 @@
 ``plan_report`` on a meta-device copy of the model, with ``plan_for(model,
 sequence_parallel=True)``, must predict every collective of one training step at TP=2 (batch
 2 x 12, ``labels=ids``, ``use_cache=False``): per pass, per kind, the number of calls and their
-bytes; and each rank's parameter bytes. Measured with ``benchmarks/bench_moe.py``'s ``MoECounter`` (every collective, by pass;
-CommDebugMode's module tracker fails inside transformers' experts), which counts the agreed
+bytes; and each rank's parameter bytes. Measured with ``benchmarks/bench_moe.py``'s
+``MoECounter`` (every collective, by pass; CommDebugMode's module tracker fails inside
+transformers' experts), which counts the agreed
 checks (the embedding's ids, each MoE layer's expert ids: all-reduces of one or two integers)
 apart: the report counts them as the all-reduces they are. Llama (the final norm's gathered
 output, sliced for lm_head, reduce-scatters lm_head's partial input gradient back onto the

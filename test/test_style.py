@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import FAST_RUNTIME, sgd, tp_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing import assert_close
 
 from torch_tp import (
@@ -261,6 +262,89 @@ def _sequence_parallel(norm_kind: str) -> None:
 @pytest.mark.parametrize("norm_kind", ["layernorm", "torch_rmsnorm", "rmsnorm"])
 def test_sequence_parallel_norms(world_size, norm_kind):
     run_distributed(_sequence_parallel, world_size, norm_kind)
+
+
+def _sequence_parallel_gathered(use_local_output: bool) -> None:
+    """``output_layouts=Replicate()``: the norm runs on the shard and hands the whole
+    sequence on, gathered once; the column-parallel layer reads it and its partial input
+    gradient is reduce-scattered back (a DTensor), or all-reduced by the layer (local)."""
+    torch.manual_seed(0)
+    mesh = tp_mesh()
+    norm = RMSNorm(16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 8, 16)
+    plan = {
+        "norm": SequenceParallel(output_layouts=Replicate(), use_local_output=use_local_output),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    tp, _ = check_parity(
+        _Residual(norm),
+        mesh,
+        plan,
+        (x,),
+        tp_args=(_local(x, mesh, Shard(1)),),
+        output_placements=Shard(1),
+        optimizer_fn=sgd,
+        steps=2,
+    )
+    seen = []
+    tp.up.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        tp(_local(x, mesh, Shard(1)))
+    assert isinstance(seen[0], DTensor) != use_local_output
+    assert seen[0].shape == (2, 8, 16)  # the whole sequence
+    if not FAST_RUNTIME:
+        return  # plain DTensor reduces each partial gradient apart, as it arrives
+    local = _local(x, mesh, Shard(1))
+    with CommDebugMode() as comm:
+        tp(local).sum().backward()
+    # forward: the norm's gather, the down projection's reduce-scatter; backward: down's
+    # gather, then the norm's and down's bias gradients summed at the end (one all-reduce);
+    # and up's partial input gradient: reduce-scattered back through the gathered DTensor,
+    # or, handed a plain tensor, all-reduced by up itself (the gather's backward a slice)
+    if use_local_output:
+        expected = {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 2}
+    else:
+        expected = {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}
+    assert dict(collective_counts(comm)) == expected
+
+
+@pytest.mark.parametrize("use_local_output", [False, True])
+def test_sequence_parallel_gathered_output(use_local_output):
+    run_distributed(_sequence_parallel_gathered, 2, use_local_output)
+
+
+class _GatedRMSNorm(nn.Module):
+    """A norm named so, with a gate in a submodule (transformers' AXK2GatedRMSNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(16)
+        self.gate = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.norm(x) * self.gate(x).sigmoid()
+
+
+def _gated_norm_refused() -> str:
+    model = nn.Sequential(_GatedRMSNorm())
+    with pytest.raises(NotImplementedError) as caught:
+        parallelize_module(model, tp_mesh(), {"0": SequenceParallel()})
+    assert not isinstance(model[0].gate.weight, DTensor)  # nothing changed
+    return str(caught.value)
+
+
+def test_sequence_parallel_refuses_a_norm_with_unplanned_submodule_parameters():
+    """Its own parameters are replicated and their gradients summed; a submodule's would
+    compute on the shard unsummed: silently wrong, so refused before anything changes."""
+    for message in run_distributed(_gated_norm_refused, 2):
+        assert "found parameters of submodules no style plans: ['norm.weight', 'gate.weight'," in (
+            message
+        ), message
+    with pytest.raises(ValueError, match=r"sequence \(Shard\(dim=1\)\) or gathered"):
+        SequenceParallel(output_layouts=Shard(2))
 
 
 def _sequence_parallel_alone(sequence_dim: int, use_local_output: bool) -> None:

@@ -85,7 +85,16 @@ def with_sequence_parallel(
     if not isinstance(planned.get(embed), (RowwiseParallel, ColwiseParallel)):
         raise _refused(model, embed, "a row- or column-parallel embedding in the plan")
     layer_keys = f"{prefix}layers.*"
-    out[f"{layer_keys}.input_layernorm"] = SequenceParallel(output_layouts=Replicate())
+    # an attention computing part of its work whole (a latent attention's unplanned down
+    # projections) reads the gathered sequence as a plain tensor: its column-parallel layers
+    # then each reduce their input gradient (an all-reduce each, not one reduce-scatter)
+    whole = [
+        _unplanned(f"{prefix}layers.{i}.self_attn", layer.self_attn, planned)
+        for i, layer in enumerate(layers)
+    ]
+    out[f"{layer_keys}.input_layernorm"] = SequenceParallel(
+        output_layouts=Replicate(), use_local_output=any(whole)
+    )
     out[f"{layer_keys}.post_attention_layernorm"] = SequenceParallel()
     out[f"{layer_keys}.mlp"] = PrepareModuleInputOutput(
         input_layouts=Shard(1),
@@ -144,13 +153,21 @@ def _check_layout(model: nn.Module, base: nn.Module, prefix: str) -> list[nn.Mod
         for name in _LAYER:
             child = getattr(layer, name, None)
             if not isinstance(child, nn.Module) or ("norm" in name and not _is_norm(child)):
-                what = "a norm (*RMSNorm, *LayerNorm)" if "norm" in name else "a module"
+                what = (
+                    "a norm (*RMSNorm, *LayerNorm, its parameters its own)"
+                    if "norm" in name
+                    else "a module"
+                )
                 raise _refused(model, f"{path}.{name}", f"{what}, found {_kind(child)}")
         _refuse_other_parameters(model, layer, f"{path}.", set(_LAYER))
     return list(base.layers)
 
 
 def _is_norm(module: nn.Module) -> bool:
+    """A norm SequenceParallel takes: a stock one, or one named so whose parameters are all
+    its own (a gated norm holding a Linear in a submodule is no norm to it)."""
+    if any("." in name for name, _ in module.named_parameters()):
+        return False
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(_NORMS)
 
 
@@ -200,6 +217,19 @@ def _sequence_entry(model: nn.Module, key: str, style: Any, prefix: str) -> Any:
             local = {"use_local_output": True} if isinstance(style, RowwiseParallel) else {}
             return _with(style, output_layouts=Partial(), **local)
     return style
+
+
+def _unplanned(path: str, module: nn.Module, planned: Mapping[str, Any]) -> list[str]:
+    """The submodules of ``module`` with parameters of their own that no entry of ``planned``
+    (module paths) covers, itself or an ancestor."""
+    found = []
+    for name, sub in module.named_modules():
+        full = f"{path}.{name}" if name else path
+        if any(True for _ in sub.parameters(recurse=False)) and not any(
+            full == p or full.startswith(f"{p}.") for p in planned
+        ):
+            found.append(full)
+    return found
 
 
 def _check_attention(
@@ -262,6 +292,19 @@ def _mlp_entries(
         added[f"{keys}.{name}"] = style
     if not any(p.startswith(f"{path}.") for p in planned):
         raise _refused(model, path, "a tensor-parallel MLP in the plan, found none")
+    for name, sub in mlp.named_modules():
+        full = f"{path}.{name}"
+        if (
+            isinstance(planned.get(full), RowwiseParallel)
+            and getattr(sub, "bias", None) is not None
+        ):
+            # its output is a partial sum, to which a bias would be added once per rank
+            raise _refused(
+                model,
+                full,
+                "row-parallel layers without a bias inside the MLP (its output a partial sum, "
+                "summed once at the MLP's end), found a bias",
+            )
     return added
 
 

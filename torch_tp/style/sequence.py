@@ -81,8 +81,10 @@ class SequenceParallel(_ReplicatedParameters):
 
     Supported modules: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Dropout``, and hand-written norms
     whose class name ends in ``RMSNorm`` or ``LayerNorm`` and whose parameters are 1-D (the
-    per-feature scale and shift of Llama-style models). ``nn.Dropout`` draws the mask the
-    single-device model would draw from the same seed and keeps this rank's slice of it.
+    per-feature scale and shift of Llama-style models) and their own: a submodule holding
+    parameters that no style of the plan takes (a gated norm's ``Linear``) is refused.
+    ``nn.Dropout`` draws the mask the single-device model would draw from the same seed and
+    keeps this rank's slice of it.
 
     Keyword Args:
         sequence_dim (int, optional): the sequence dimension of the input. Default: 1.
@@ -145,7 +147,7 @@ class SequenceParallel(_ReplicatedParameters):
         ):
             raise ValueError(
                 f"SequenceParallel hands its output on sharded on the sequence "
-                f"({self.sequence_sharding[0]}) or gathered (Replicate()), found output_layouts="
+                f"({self.sequence_sharding[0]!r}) or gathered (Replicate()), found output_layouts="
                 f"{output_layouts!r}"
             )
         self.output_layouts = output_layouts
@@ -164,6 +166,21 @@ class SequenceParallel(_ReplicatedParameters):
                 f"SequenceParallel supports hand-written norms ({type(module).__qualname__}) "
                 "whose parameters are per-feature scales and shifts (1-D), found "
                 f"{[tuple(p.shape) for p in module.parameters(recurse=False)]}"
+            )
+        unstyled = {id(sub) for sub in _unstyled_submodules(module)}
+        inner = [
+            f"{path}.{name}"
+            for path, sub in module.named_modules()
+            if id(sub) in unstyled
+            for name, _ in sub.named_parameters(recurse=False)
+        ]
+        if inner:
+            # its own parameters are replicated and their gradients summed; a submodule's
+            # would compute on the shard with nothing summing their gradients
+            raise NotImplementedError(
+                f"SequenceParallel runs {type(module).__qualname__} on a sequence shard with its "
+                f"own parameters replicated, found parameters of submodules no style plans: "
+                f"{inner}"
             )
         _check_not_distributed(module)
 
