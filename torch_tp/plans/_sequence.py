@@ -77,10 +77,13 @@ def with_sequence_parallel(
     base, prefix = _base_model(model)
     layers = _check_layout(model, base, prefix)
     styles = {key: _style(value) for key, value in plan.items()}
-    planned = {entry.path: entry.style for entry in resolve_plan(model, styles, strict=False)}
+    entries = resolve_plan(model, styles, strict=False)
+    planned = {entry.path: entry.style for entry in entries}
+    modules = {entry.key for entry in entries}  # the others name parameters: kept as they are
     out: dict[str, Any] = {}
-    for key, style in styles.items():
-        out[key] = _sequence_entry(model, key, style, prefix)
+    for key, value in plan.items():
+        style = _sequence_entry(key, styles[key], prefix) if key in modules else styles[key]
+        out[key] = value if style is styles[key] else style  # plan names kept where unchanged
     embed = f"{prefix}embed_tokens"
     if not isinstance(planned.get(embed), (RowwiseParallel, ColwiseParallel)):
         raise _refused(model, embed, "a row- or column-parallel embedding in the plan")
@@ -113,7 +116,7 @@ def with_sequence_parallel(
     )
     for index, layer in enumerate(layers):
         path = f"{prefix}layers.{index}"
-        _check_attention(model, f"{path}.self_attn", layer.self_attn, planned)
+        _check_attention(model, f"{path}.self_attn", planned)
         out.update(_mlp_entries(model, f"{path}.mlp", layer.mlp, planned, f"{layer_keys}.mlp"))
     return out
 
@@ -202,7 +205,7 @@ def _with(style: ParallelStyle, **changes: Any) -> ParallelStyle:
     return type(style)(**{**style.contract.arguments(style), **changes})
 
 
-def _sequence_entry(model: nn.Module, key: str, style: Any, prefix: str) -> Any:
+def _sequence_entry(key: str, style: Any, prefix: str) -> Any:
     """One entry of the tensor-parallel plan, as the sequence-parallel plan has it."""
     inner = key[len(prefix) :].split(".") if key.startswith(prefix) else key.split(".")
     if key == f"{prefix}embed_tokens":
@@ -232,9 +235,7 @@ def _unplanned(path: str, module: nn.Module, planned: Mapping[str, Any]) -> list
     return found
 
 
-def _check_attention(
-    model: nn.Module, path: str, attention: nn.Module, planned: Mapping[str, Any]
-) -> None:
+def _check_attention(model: nn.Module, path: str, planned: Mapping[str, Any]) -> None:
     """The attention reads the gathered sequence and must hand its output back sharded:
     through one row-parallel output projection."""
     rowwise = [
