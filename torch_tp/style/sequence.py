@@ -707,7 +707,10 @@ class PrepareModuleOutput(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rt = _layouts.runtime(device_mesh)
         if any(isinstance(layout, Partial) for layout in self.output_layouts):
-            module.register_forward_pre_hook(functools.partial(self._check_partial_sum, rt))
+            # before any input hook's collective
+            module.register_forward_pre_hook(
+                functools.partial(self._check_partial_sum, rt), prepend=True
+            )
         module.register_forward_hook(functools.partial(self._prepare_hook, rt))
         return module
 
