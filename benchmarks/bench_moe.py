@@ -9,8 +9,9 @@ prints, for each model size, one table row per variant of two models of the same
   token, so no dispatch) and ``ep+sp`` (each rank routes its sequence shard and the tokens go
   to their experts' ranks by all-to-all);
 * transformers' ``MixtralForCausalLM`` loaded from a tiny random checkpoint: ``hf-single``,
-  ``hf/torch_tp-tp`` (torch_tp with the model's own ``tp_plan``), ``hf/torch_tp-ep`` (with
-  its ``ep_plan``, see :func:`mixtral_plan`), and transformers' own
+  ``hf/torch_tp-tp`` (torch_tp with the model's own ``tp_plan``), ``hf/torch_tp-tp+sp``
+  (with ``torch_tp.plans.hf.plan_for(model, sequence_parallel=True)``), ``hf/torch_tp-ep``
+  (with its ``ep_plan``, see :func:`mixtral_plan`), and transformers' own
   ``from_pretrained(..., distributed_config=...)``: ``hf-tp`` (``tp_size=2``: its
   ``moe_tp_experts`` plan) and ``hf-ep`` / ``hf-ep-allreduce`` (``tp_size=2, ep_size=2``: its
   ``ep_dispatch_experts`` plan with ``ep_implementation="all_to_all"`` / ``"all_reduce"``).
@@ -28,7 +29,9 @@ many as query heads, see :func:`fitted`), and rows on a 2-D ``("ep", "tp")`` mes
   ``ep``, each one's matrices over ``tp``; under SP with ``output_layouts=Partial()``, the
   block reduce-scattering);
 * ``hf/torch_tp-etp``: the Mixtral's own ``tp_plan`` but for the experts on ``mesh["tp"]``,
-  its experts ``"ep_tp_experts"`` on the 2-D mesh;
+  its experts ``"ep_tp_experts"`` on the 2-D mesh; ``hf/torch_tp-etp+sp``: the same from
+  ``plan_for(model, sequence_parallel=True)``, its experts ``ExpertTensorParallel`` with the
+  plan's ``TensorParallelExperts``' ``output_layouts`` (``Partial()``) as ``etp+sp``'s;
 * ``hf-ep-fsdp``: transformers' own EP with data parallelism, ``distributed_config={"tp_size":
   ranks / ep, "fsdp_size": ep, "ep_size": ranks, "ep_implementation": "all_to_all"}`` (its
   dense (fsdp, tp) mesh is laid out as the (ep, tp) one). transformers 5.23 has no experts
@@ -96,7 +99,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import torch_tp
 from torch_tp import ExpertTensorParallel
 from torch_tp.models import MoEConfig, MoELlama
-from torch_tp.plans.hf import expert_parallel_plan
+from torch_tp.plans.hf import expert_parallel_plan, plan_for
 from torch_tp.plans.moe import moe_llama_plan
 
 __all__ = [
@@ -215,6 +218,7 @@ VARIANTS: list[Variant] = [
     Variant("ep+sp", "moe_llama", "torch_tp", "ep", True, minimum="ep-dispatch"),
     Variant("hf-single", "mixtral", "single"),
     Variant("hf/torch_tp-tp", "mixtral", "torch_tp", "tp", minimum="tp"),
+    Variant("hf/torch_tp-tp+sp", "mixtral", "torch_tp", "tp", True, minimum="tp+sp"),
     Variant("hf/torch_tp-ep", "mixtral", "torch_tp", "ep", minimum="ep-replicated"),
     Variant("hf-tp", "mixtral", "transformers", "tp", minimum="tp"),
     Variant("hf-ep", "mixtral", "transformers", "ep", False, "all_to_all", "ep-dispatch"),
@@ -228,6 +232,9 @@ VARIANTS_2D: list[Variant] = [
     Variant("etp", "moe_llama", "torch_tp", "etp", minimum="etp", mesh="ep,tp"),
     Variant("etp+sp", "moe_llama", "torch_tp", "etp", True, minimum="etp+sp", mesh="ep,tp"),
     Variant("hf/torch_tp-etp", "mixtral", "torch_tp", "etp", minimum="etp", mesh="ep,tp"),
+    Variant(
+        "hf/torch_tp-etp+sp", "mixtral", "torch_tp", "etp", True, minimum="etp+sp", mesh="ep,tp"
+    ),
     Variant(
         "hf-ep-fsdp", "mixtral", "transformers", "ep", False, "all_to_all", "ep-dispatch", "ep,tp"
     ),
@@ -440,7 +447,8 @@ def build_variant(
     if variant.library == "torch_tp" and variant.two_d:
         _parallelize_ep_tp(model, variant, ep_tp_mesh)
     elif variant.library == "torch_tp":
-        torch_tp.parallelize_module(model, mesh, mixtral_plan(model, variant.experts))
+        plan = mixtral_plan(model, variant.experts, variant.sequence_parallel)
+        torch_tp.parallelize_module(model, mesh, plan)
     return model
 
 
@@ -456,13 +464,18 @@ def _parallelize_ep_tp(model: nn.Module, variant: Variant, mesh: DeviceMesh) -> 
             experts="tp", shared_expert=shared, sequence_parallel=sp
         )
         experts_path = _MOE_LLAMA_EXPERTS
+    else:
+        plan, experts_path = mixtral_plan(model, "tp", sp), _MIXTRAL_EXPERTS
+    tp_experts = plan.pop(experts_path)
+    if isinstance(tp_experts, str):  # the Mixtral's own plan of names: its 2-D counterpart
+        experts: Any = "ep_tp_experts"
+    else:
         # where the block reduces the experts' output (under SP, or beside a shared expert)
         # they leave it a partial sum, as the plan's tensor-parallel experts say
-        tp_experts = plan.pop(_MOE_LLAMA_EXPERTS)
-        experts: Any = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
-    else:
-        plan = {k: v for k, v in model.tp_plan.items() if ".experts" not in k}
-        experts_path, experts = _MIXTRAL_EXPERTS, "ep_tp_experts"
+        experts = ExpertTensorParallel(output_layouts=tp_experts.output_layouts)
+    # the Mixtral's plans' entries for the experts' parameters (gate_up_proj, down_proj) go
+    # with the experts
+    plan = {k: v for k, v in plan.items() if ".experts" not in k}
     torch_tp.parallelize_module(model, mesh["tp"], plan)
     torch_tp.parallelize_module(model, mesh, {experts_path: experts})
     ep = mesh["ep"].size()
@@ -490,11 +503,22 @@ def sync_dense_gradients(model: nn.Module, group: dist.ProcessGroup, size: int) 
         g.copy_(new.view_as(g))
 
 
-def mixtral_plan(model: nn.Module, experts: str | None) -> dict[str, Any]:
+def mixtral_plan(
+    model: nn.Module, experts: str | None, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """The model's own plan of style names for torch_tp: its ``tp_plan``, or for ``"ep"`` its
     ``tp_plan`` with the experts' entries replaced by its ``ep_plan``'s
     (:func:`torch_tp.plans.hf.expert_parallel_plan`: ``ep_dispatch_experts`` is torch_tp's
-    ``ExpertParallel(input_layouts=Replicate())``, ``grouped_gemm`` its ``Shard(0)``)."""
+    ``ExpertParallel(input_layouts=Replicate())``, ``grouped_gemm`` its ``Shard(0)``).
+
+    With ``sequence_parallel`` (tensor-parallel experts only):
+    ``torch_tp.plans.hf.plan_for(model, sequence_parallel=True)``, the residual stream
+    sharded on the sequence, each MLP one region that gathers it once and reduce-scatters its
+    output (its experts ``TensorParallelExperts(output_layouts=Partial())``)."""
+    if sequence_parallel:
+        if experts == "ep":
+            raise ValueError("the Mixtral's expert-parallel plan has no sequence parallelism")
+        return plan_for(model, sequence_parallel=True)
     if experts != "ep":
         return dict(model.tp_plan)
     return expert_parallel_plan(model)

@@ -338,14 +338,16 @@ def _moe_bench_as_torchrun_rank(argv: list[str]) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_moe_script_quick_mode() -> None:
-    # one device, both expert layouts of torch_tp, and a transformers row (which reports its
-    # error in the table where transformers cannot run its own TP here)
-    argv = ["--quick", "--only", "single,tp,ep+sp,hf-single,hf-tp"]
+    # one device, both expert layouts of torch_tp, the Mixtral under torch_tp's sequence
+    # parallelism, and a transformers row (which reports its error in the table where
+    # transformers cannot run its own TP here)
+    names = ("single", "tp", "ep+sp", "hf-single", "hf/torch_tp-tp+sp", "hf-tp")
+    argv = ["--quick", "--only", ",".join(names)]
     (status, output), (other_status, other) = run_distributed(_moe_bench_as_torchrun_rank, 2, argv)
     assert status == other_status == 0
     assert other == ""  # only rank 0 prints
     assert "tiny: dim 64, 2 layers" in output
-    for name in ("single", "tp", "ep+sp", "hf-single", "hf-tp"):
+    for name in names:
         # a row of the timing table and one of the memory table (columns: 2+ spaces apart)
         rows = re.findall(rf"^{re.escape(name)} {{2,}}\S", output, re.MULTILINE)
         assert len(rows) == 2, output
@@ -356,6 +358,9 @@ def test_moe_script_quick_mode() -> None:
     assert "yes; CommDebugMode yes" in rows["tp"]
     assert "yes; CommDebugMode yes" in rows["ep+sp"]
     assert "all_to_all(counts)×2" in rows["ep+sp"]
+    # plan_for(model, sequence_parallel=True): one gather and one reduce-scatter each way
+    assert "yes; CommDebugMode yes" in rows["hf/torch_tp-tp+sp"]
+    assert "all_gather×2 (16.0 KiB), reduce_scatter×2 (16.0 KiB)" in rows["hf/torch_tp-tp+sp"]
 
 
 def test_moe_bad_filter_is_refused_before_spawning(capsys: pytest.CaptureFixture[str]) -> None:
@@ -408,11 +413,12 @@ def test_moe_script_quick_mode_at_four_ranks() -> None:
     row issues exactly the minimum in its MoE layers, and every row's first loss (the mean over
     the ep ranks' micro-batches for the 2-D ones) is its one-device model's. (transformers'
     own rows are left out for the suite's time: the benchmark runs them, and its README shows
-    them.)"""
+    them; so is ``hf/torch_tp-tp+sp``, which test_moe_script_quick_mode runs at 2 ranks.)"""
     rows_run = [
         v.name
         for v in bench_moe.variants_for(4, 2)
-        if v.library == "torch_tp" or v.name in ("single", "hf-single")
+        if (v.library == "torch_tp" and v.name != "hf/torch_tp-tp+sp")
+        or v.name in ("single", "hf-single")
     ]
     argv = ["--quick", "--markdown", "--only", ",".join(rows_run)]
     outputs = run_distributed(_moe_bench_as_torchrun_rank, 4, argv)
@@ -426,7 +432,7 @@ def test_moe_script_quick_mode_at_four_ranks() -> None:
             rows.setdefault(cells[0], cells)
     variants = [v for v in bench_moe.variants_for(4, 2) if v.name in rows_run]
     assert set(rows) - {"variant"} == set(rows_run), output
-    assert {"etp", "etp+sp", "hf/torch_tp-etp"} <= set(rows)
+    assert {"etp", "etp+sp", "hf/torch_tp-etp", "hf/torch_tp-etp+sp"} <= set(rows)
     for variant in variants:
         name, ms, loss_diff, *_, minimum = rows[variant.name]
         if variant.library == "torch_tp":
