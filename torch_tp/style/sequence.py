@@ -88,13 +88,13 @@ class SequenceParallel(_ReplicatedParameters):
 
     Keyword Args:
         sequence_dim (int, optional): the sequence dimension of the input. Default: 1.
+        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
+            :class:`DTensor`. Default: ``False``.
         output_layouts (Placement, optional): the layout of the output: the sequence shard
             (``Shard(sequence_dim)``), or ``Replicate()``, the whole sequence gathered once
             for the column-parallel projections of the block the norm feeds (their input
             gradients are added up locally and reduce-scattered back once).
-            Default: ``Shard(sequence_dim)``.
-        use_local_output (bool, optional): return the local :class:`torch.Tensor` instead of a
-            :class:`DTensor`. Default: ``False``.
+            Default: ``None`` (the sequence shard).
 
     Returns:
         A :class:`ParallelStyle` that runs the module sequence-parallel.
@@ -117,8 +117,8 @@ class SequenceParallel(_ReplicatedParameters):
         names={"sequence_parallel": {"use_local_output": True}},
         arguments=lambda s: {
             "sequence_dim": s.sequence_sharding[0].dim,
-            **({"output_layouts": s.output_layouts} if s.gathers_output else {}),
             "use_local_output": s.use_local_output,
+            **({"output_layouts": s.output_layouts} if s.gathers_output else {}),
         },
         modules=(nn.LayerNorm, nn.RMSNorm, nn.Dropout, "*RMSNorm", "*LayerNorm"),
         parameters=lambda s, m: s._parameter_placements(m),
@@ -126,7 +126,13 @@ class SequenceParallel(_ReplicatedParameters):
         partial_gradients=lambda s, m: tuple(n for n, _ in m.named_parameters(recurse=False)),
         inputs=lambda s, m: Boundary((Layout(s.sequence_sharding[0], s.sequence_sharding[0]),)),
         outputs=lambda s, m: Boundary(
-            (Layout(s.sequence_sharding[0], s.output_layouts, s.use_local_output),)
+            (
+                Layout(
+                    s.sequence_sharding[0],
+                    s.sequence_sharding[0] if s.output_layouts is None else s.output_layouts,
+                    s.use_local_output,
+                ),
+            )
         ),
         local_forward=lambda s, m: True,
     )
@@ -135,23 +141,22 @@ class SequenceParallel(_ReplicatedParameters):
         self,
         *,
         sequence_dim: int = 1,
-        output_layouts: Placement | None = None,
         use_local_output: bool = False,
+        output_layouts: Placement | None = None,
     ) -> None:
         super().__init__()
         self.sequence_sharding = (Shard(_check_int(sequence_dim, "sequence_dim")),)
-        if output_layouts is None:
-            output_layouts = self.sequence_sharding[0]
-        if output_layouts != self.sequence_sharding[0] and not isinstance(
-            output_layouts, Replicate
-        ):
+        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        if output_layouts == self.sequence_sharding[0]:
+            output_layouts = None  # the default, stated
+        if output_layouts is not None and not isinstance(output_layouts, Replicate):
             raise ValueError(
                 f"SequenceParallel hands its output on sharded on the sequence "
                 f"({self.sequence_sharding[0]!r}) or gathered (Replicate()), found output_layouts="
                 f"{output_layouts!r}"
             )
+        # None: the sequence shard (upstream's only layout)
         self.output_layouts = output_layouts
-        self.use_local_output = _check_flag(use_local_output, "use_local_output")
 
     @property
     def gathers_output(self) -> bool:
