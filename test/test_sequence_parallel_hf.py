@@ -41,32 +41,11 @@ LAYERS = 2
 
 
 def _dense(family: str, kv_heads: int, base_model: bool = False) -> torch.nn.Module:
-    """A float64 Llama or Qwen2 with random weights (norms and biases too), the same on every
-    rank."""
-    config_class, causal_lm, base = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, transformers.LlamaModel),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, transformers.Qwen2Model),
-    }[family]
-    config = config_class(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-        **({"sliding_window": 6} if family == "qwen2" else {}),
-    )
-    torch.manual_seed(0)
-    model = (base if base_model else causal_lm)(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.uniform_(0.5, 1.5)
-    return model.double()
+    """test_transformers.py's Llama or Qwen2 (random norms and biases, the same on every
+    rank), in float64."""
+    from test_transformers import _model as dense
+
+    return dense(family, kv_heads, base_model).double()
 
 
 def _model(family: str, kv_heads: int = 2) -> torch.nn.Module:
@@ -81,20 +60,27 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _parity(family: str, kv_heads: int) -> None:
-    model = _model(family, kv_heads)
-    plan = plan_for(model, sequence_parallel=True)
-    ids = torch.randint(2, VOCAB, (2, 12))
-    labels = torch.randint(2, VOCAB, (2, 12))
+def _trains_as_one_device(model, plan, ids, labels, **tolerance) -> torch.nn.Module:
+    """``check_parity`` of a causal LM's loss: every output (logits, loss, router logits),
+    every gradient, every parameter after an SGD step; the parallel model."""
     tp, _ = check_parity(
         model,
         tp_mesh(),
         plan,
         kwargs={"input_ids": ids, "labels": labels, "use_cache": False},
-        # every output (logits, loss, router logits), every gradient, every parameter
         loss_fn=lambda out: out.loss,
         optimizer_fn=_sgd,
+        **tolerance,
     )
+    return tp
+
+
+def _parity(family: str, kv_heads: int) -> None:
+    model = _model(family, kv_heads)
+    plan = plan_for(model, sequence_parallel=True)
+    ids = torch.randint(2, VOCAB, (2, 12))
+    labels = torch.randint(2, VOCAB, (2, 12))
+    tp = _trains_as_one_device(model, plan, ids, labels)
     if family == "qwen2_moe":  # transformers' plan leaves it whole; split here
         shared = tp.model.layers[1].mlp.shared_expert
         assert shared.down_proj.weight.placements == (Shard(1),)
@@ -143,7 +129,7 @@ def _base_model_parity() -> None:
     )
     with torch.no_grad():
         out = tp(input_ids=ids, use_cache=False).last_hidden_state
-    assert type(out) is torch.Tensor and out.shape == (2, 12, 32), out
+    assert type(out) is torch.Tensor and out.shape == (2, 12, 64), out
 
 
 def test_base_model_matches_one_device():
@@ -224,18 +210,9 @@ def _zoo(model_type: str) -> str:
     except ValueError as error:
         return str(error)
     ids = torch.randint(2, test_zoo.VOCAB, (2, test_zoo.SEQ))
-    check_parity(
-        model,
-        tp_mesh(),
-        plan,
-        kwargs={"input_ids": ids, "labels": ids, "use_cache": False},
-        loss_fn=lambda out: out.loss,
-        optimizer_fn=_sgd,
-        # transformers' norms (and routers) compute in float32 whatever the model's dtype:
-        # sums over the ranks in another order round differently there
-        rtol=1.3e-6,
-        atol=1e-5,
-    )
+    # transformers' norms (and routers) compute in float32 whatever the model's dtype: sums
+    # over the ranks in another order round differently there
+    _trains_as_one_device(model, plan, ids, ids, rtol=1.3e-6, atol=1e-5)
     return "pass"
 
 

@@ -91,10 +91,10 @@ def with_sequence_parallel(
     # an attention computing part of its work whole (a latent attention's unplanned down
     # projections) reads the gathered sequence as a plain tensor: its column-parallel layers
     # then each reduce their input gradient (an all-reduce each, not one reduce-scatter)
-    whole = [
-        _unplanned(f"{prefix}layers.{i}.self_attn", layer.self_attn, planned)
-        for i, layer in enumerate(layers)
-    ]
+    attentions = {
+        f"{prefix}layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(layers)
+    }
+    whole = [_unplanned(path, a, _within(path, planned)) for path, a in attentions.items()]
     out[f"{layer_keys}.input_layernorm"] = SequenceParallel(
         output_layouts=Replicate(), use_local_output=any(whole)
     )
@@ -114,11 +114,20 @@ def with_sequence_parallel(
     out[f"{prefix}norm"] = SequenceParallel(
         output_layouts=Replicate(), use_local_output=not lm_head
     )
+    routers = _router_outputs(model)
     for index, layer in enumerate(layers):
-        path = f"{prefix}layers.{index}"
-        _check_attention(model, f"{path}.self_attn", planned)
-        out.update(_mlp_entries(model, f"{path}.mlp", layer.mlp, planned, f"{layer_keys}.mlp"))
+        attention, mlp = f"{prefix}layers.{index}.self_attn", f"{prefix}layers.{index}.mlp"
+        _check_attention(model, attention, _within(attention, planned))
+        entries = _mlp_entries(
+            model, mlp, layer.mlp, _within(mlp, planned), f"{layer_keys}.mlp", routers
+        )
+        out.update(entries)
     return out
+
+
+def _within(path: str, planned: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``planned`` (module paths) at ``path`` or below it."""
+    return {p: s for p, s in planned.items() if p == path or p.startswith(f"{path}.")}
 
 
 def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
@@ -251,13 +260,17 @@ def _check_attention(model: nn.Module, path: str, planned: Mapping[str, Any]) ->
 
 
 def _mlp_entries(
-    model: nn.Module, path: str, mlp: nn.Module, planned: Mapping[str, Any], keys: str
+    model: nn.Module,
+    path: str,
+    mlp: nn.Module,
+    planned: Mapping[str, Any],
+    keys: str,
+    routers: Mapping[type, int],
 ) -> dict[str, ParallelStyle]:
     """The entries the MLP's region adds: the router, and the per-token gates of shared
     experts, replicated with their gradients summed; a gated MLP the plan leaves whole (a
     shared expert: ``gate_proj``, ``up_proj``, ``down_proj``) made tensor-parallel, its
     output a partial sum; anything else with parameters must be planned already."""
-    routers = _router_outputs(model)
     added: dict[str, ParallelStyle] = {}
     covered = list(planned)  # module paths whose parameters are accounted for, and below
     for name, sub in mlp.named_modules():
