@@ -561,18 +561,53 @@ def _swap_back(swapped: list[tuple[nn.Module, dict]]) -> None:
         compat.swap_direct_parameters(sub, original)
 
 
-# set on the local tensor PrepareModuleInput(partial_input_gradients=True) hands a module: a
-# whole value whose gradient each rank gives back as a partial sum (see in_partial_region)
-PARTIAL_GRADIENT_REGION = "_torch_tp_partial_gradient_region"
+# The partial-gradient regions running now (PrepareModuleInput(partial_input_gradients=True)),
+# innermost last: each the module and the whole inputs its input hook handed it. Held here,
+# not as a marker on the tensors: torch.compile traces identity comparisons of tensors, a
+# view's ``_base`` included, but an attribute set on a tensor inside a graph is not seen
+# through the ``_base`` of a view of it (the flattened tokens of an experts block), and
+# reading a tensor's ``__dict__`` does not trace at all. A frame lives while its module's
+# forward runs: pushed by the input hook, popped by a forward hook that runs even when the
+# forward raises, so nothing outlives the call.
+_OPEN_REGIONS: list[tuple[nn.Module, list[torch.Tensor]]] = []
+
+
+def open_partial_region(module: nn.Module) -> None:
+    """Begin a call of ``module``, a partial-gradient region (its input hook)."""
+    _OPEN_REGIONS.append((module, []))
+
+
+def enter_partial_region(local: torch.Tensor) -> None:
+    """Record ``local`` as a whole input of the region opened last."""
+    _OPEN_REGIONS[-1][1].append(local)
+
+
+def close_partial_region(module: nn.Module, *_: Any) -> None:
+    """End a call of ``module`` (a forward hook, always called): its frame goes, if its input
+    hook got as far as pushing it."""
+    if _OPEN_REGIONS and _OPEN_REGIONS[-1][0] is module:
+        _OPEN_REGIONS.pop()
 
 
 def in_partial_region(value: Any) -> bool:
-    """Whether ``value`` (or the tensor it is a view of) is a block's input whose gradients
-    are partial sums, summed where the block began (``partial_input_gradients``)."""
+    """Whether ``value`` (or the tensor it is a view of) is a whole input of a region running
+    now whose input gradients are partial sums, summed where the region began
+    (``partial_input_gradients``)."""
+    if not _OPEN_REGIONS:  # the common case, read first: no region is running
+        return False
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         return False
     base = compat.view_base(value)
-    base = value if base is None else base
-    return bool(
-        value.__dict__.get(PARTIAL_GRADIENT_REGION) or base.__dict__.get(PARTIAL_GRADIENT_REGION)
-    )
+    for _, entered in _OPEN_REGIONS:
+        for tensor in entered:
+            if value is tensor:
+                return True
+            # a view of it, or of what it is a view of, or that: the views share one base.
+            # Both bases read here, together: torch.compile tells two reads of one base
+            # apart when one of them was kept from an earlier read
+            entered_base = compat.view_base(tensor)
+            if base is not None and (base is tensor or base is entered_base):
+                return True
+            if entered_base is not None and value is entered_base:
+                return True
+    return False

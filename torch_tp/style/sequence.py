@@ -23,7 +23,6 @@ from torch_tp import _torch_compat as compat
 from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.random import sequence_parallel_dropout
 from torch_tp.style.base import (
-    PARTIAL_GRADIENT_REGION,
     ParallelStyle,
     _arguments,
     _as_kwarg_layouts,
@@ -40,7 +39,10 @@ from torch_tp.style.base import (
     _swap_in_local_parameters,
     _unstyled_submodules,
     _where,
+    close_partial_region,
+    enter_partial_region,
     in_partial_region,
+    open_partial_region,
 )
 
 __all__ = [
@@ -548,11 +550,16 @@ class PrepareModuleInput(ParallelStyle):
             )
         else:
             module.register_forward_pre_hook(functools.partial(self._prepare_hook, rt))
+        if self.partial_input_gradients:
+            # the region's whole inputs are known while its forward runs (in_partial_region)
+            module.register_forward_hook(close_partial_region, always_call=True)
         return module
 
     def _prepare_hook(
         self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
     ):
+        if self.partial_input_gradients:
+            open_partial_region(module)
         return self._prepare_args(rt, module, inputs)
 
     def _prepare_with_kwargs(
@@ -562,6 +569,8 @@ class PrepareModuleInput(ParallelStyle):
         inputs: tuple[Any, ...],
         kwargs: dict,
     ):
+        if self.partial_input_gradients:
+            open_partial_region(module)
         prepared = {
             key: self._prepare_one(
                 module,
@@ -624,10 +633,8 @@ class PrepareModuleInput(ParallelStyle):
             local = rt.enter_replicated(value, layout)
             if not self.use_local_output:
                 return DTensor.from_local(local, rt.mesh)
-            # marked, so that a style inside that would sum its own gradients can refuse
-            for t in (local, compat.view_base(local)):  # its views share the base
-                if t is not None:
-                    t.__dict__[PARTIAL_GRADIENT_REGION] = True
+            # recorded, so that a style inside that would sum its own gradients can refuse
+            enter_partial_region(local)
             return local
         # a replicated local input of an enclosing partial-gradient region (which sums the
         # gradients where it began): handed back as it is
@@ -636,6 +643,14 @@ class PrepareModuleInput(ParallelStyle):
 
 # set on a module once PrepareModuleOutput found every parameter inside its partial sum planned
 _PARTIAL_SUM_CHECKED = "_torch_tp_partial_sum_checked"
+
+
+@torch.compiler.assume_constant_result
+def _mesh_ranks(mesh: DeviceMesh) -> frozenset[int]:
+    """The global ranks of ``mesh``. A constant of the mesh, which torch.compile takes as
+    one (the mesh tensor's values are data to its tracer, and a set of them could not be
+    traced)."""
+    return frozenset(mesh.mesh.flatten().tolist())
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -726,13 +741,13 @@ class PrepareModuleOutput(ParallelStyle):
         computing whole on every rank would have its share counted once per rank (or, feeding
         a partial sum, a partial gradient nobody sums). The same module tree on every rank:
         every rank raises alike."""
-        if module.__dict__.get(_PARTIAL_SUM_CHECKED):
+        if getattr(module, _PARTIAL_SUM_CHECKED, False):
             return
-        ranks = set(rt.mesh.mesh.flatten().tolist())
+        ranks = _mesh_ranks(rt.mesh)
         for path, sub in module.named_modules():
             for name, param in sub.named_parameters(recurse=False):
                 mesh = param.device_mesh if isinstance(param, DTensor) else None
-                if mesh is None or not ranks <= set(mesh.mesh.flatten().tolist()):
+                if mesh is None or not (mesh is rt.mesh or ranks <= _mesh_ranks(mesh)):
                     where = f"{path}.{name}" if path else name
                     raise ValueError(
                         f"{_where(self, module)}: its output is a partial sum over the "
@@ -744,7 +759,7 @@ class PrepareModuleOutput(ParallelStyle):
                         "its output a partial sum, or ReplicateParallel(sum_gradients=True) "
                         "for a router or gate that only weighs the partial sums"
                     )
-        module.__dict__[_PARTIAL_SUM_CHECKED] = True
+        setattr(module, _PARTIAL_SUM_CHECKED, True)
 
     def _prepare_hook(
         self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: Any, outputs: Any
