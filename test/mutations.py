@@ -330,6 +330,42 @@ MUTATIONS: tuple[Mutation, ...] = (
         "(a dense MLP under transformers' sequence-parallel plan) all-reduces its input "
         "gradient, and the region reduce-scatters it again: the gradient is summed twice",
     ),
+    Mutation(
+        name="clip_norm_not_reduced_over_stages",
+        file="torch_tp/clip.py",
+        old="""        total = total.clone()
+        dist.all_reduce(total, op=op, group=pp_mesh.get_group())""",
+        new="""        total = total.clone()""",
+        tests=("test/test_clip_pp.py::test_clip_grad_norm_over_pipeline_stages[2.0-1.0]",),
+        description="`clip_grad_norm_(..., pp_mesh=...)` takes each stage's own norm for the "
+        "total (the all-reduce over the pipeline stages is dropped)",
+    ),
+    Mutation(
+        name="partial_region_read_from_tensor_dict",
+        file="torch_tp/style/base.py",
+        old="""    if not _OPEN_REGIONS:  # the common case, read first: no region is running
+        return False""",
+        new="""    if isinstance(value, torch.Tensor) and value.__dict__.get("_torch_tp_region"):
+        return True
+    if not _OPEN_REGIONS:
+        return False""",
+        tests=("test/test_compile.py::test_compiled_colwise_rowwise_matches_one_device[mlp]",),
+        description="the hot path asks whether a column-parallel layer's input is a region's "
+        "by reading the tensor's `__dict__`, which torch.compile cannot trace: compiling a "
+        "plain ColwiseParallel/RowwiseParallel MLP fails",
+    ),
+    Mutation(
+        name="embedding_ids_shape_not_agreed",
+        file="torch_tp/style/linear.py",
+        old="        code = 2 * _shape_code(ids.shape)",
+        new="        code = 0",
+        tests=(
+            "test/test_input_agreement.py::"
+            "test_ids_of_different_shapes_are_refused_on_every_rank[transformers-False]",
+        ),
+        description="the vocabulary-parallel embedding's agreed check leaves out the ids' "
+        "shape: ranks given (2, 8) and (4, 4) ids sum rows of different tokens, no error",
+    ),
 )
 
 

@@ -374,6 +374,27 @@ class ColwiseParallel(_ShardLinearEmbedding):
         return rt.leave(y, Shard(y.ndim - 1), layout, self.use_local_output, shape)
 
 
+# The bytes of a vocabulary-parallel embedding's agreed check of its replicated ids: two
+# int64s (see RowwiseParallel._check_ids)
+_AGREED_IDS_BYTES = 16
+
+
+def _shape_code(shape: torch.Size) -> int:
+    """``shape`` as an int in ``[0, 2**61)``, equal for two shapes exactly when they are for
+    ids of up to four dims, each below ``2 ** (56 // ndim)`` (a batch of 2**28 sequences of
+    2**28 tokens): the ndim and the dims packed. Other shapes (never seen as token ids):
+    ``2**60`` plus a hash of the shape (ints' and tuples' hashes are not salted), equal for
+    different shapes only by a collision."""
+    ndim = len(shape)
+    bits = 56 // ndim if ndim else 0
+    if ndim <= 4 and all(dim < 1 << bits for dim in shape):
+        code = ndim
+        for dim in shape:
+            code = code << bits | dim
+        return code
+    return 1 << 60 | hash(tuple(shape)) & ((1 << 60) - 1)
+
+
 class RowwiseParallel(_ShardLinearEmbedding):
     """Shard an ``nn.Linear`` or ``nn.Embedding`` by input row.
 
@@ -422,9 +443,10 @@ class RowwiseParallel(_ShardLinearEmbedding):
         },
         **_LINEAR_EMBEDDING_CONTRACT,
         partial_gradients=lambda s, m: s._partial_gradients(m),
-        # an Embedding's replicated ids: their least and greatest, agreed (see _check_ids)
+        # an Embedding's replicated ids: whether any is out of range and their shape, agreed
+        # (see _check_ids)
         transfers=lambda s, m, inputs, degree: (
-            (Transfer("forward", "all_reduce", 2 * inputs[0].element_size()),)
+            (Transfer("forward", "all_reduce", _AGREED_IDS_BYTES),)
             if isinstance(m, nn.Embedding) and inputs and not isinstance(s.input_layouts[0], Shard)
             else ()
         ),
@@ -505,10 +527,11 @@ class RowwiseParallel(_ShardLinearEmbedding):
             # Ids out of the vocabulary would be foreign to every rank: rows of zeros, where
             # one device raises. Ids gathered from sequence shards are the same on every
             # rank; ids given as replicated are meant to be, but one rank's bad batch must
-            # not leave the others waiting in the reduction below: their least and greatest
-            # are agreed over the mesh first (one all-reduce of two numbers). Reading them
-            # back is a host sync on a GPU (one). Under torch.compile the check is left out:
-            # a branch on data would break the graph (meta ids have no values to check).
+            # not leave the others waiting in the reduction below, nor a batch of another
+            # shape with as many ids be summed with theirs: whether any is out of range and
+            # their shape are agreed over the mesh first (one all-reduce of two numbers).
+            # Reading them back is a host sync on a GPU (one). Under torch.compile the check
+            # is left out: a branch on data would break the graph (meta ids have no values).
             gathered = isinstance(self.input_layouts[0], Shard) and not isinstance(input, DTensor)
             self._check_ids(module, rt, ids, gathered)
         start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)
@@ -532,25 +555,59 @@ class RowwiseParallel(_ShardLinearEmbedding):
         self, module: nn.Embedding, rt: _layouts.DTensorRuntime, ids: torch.Tensor, gathered: bool
     ) -> None:
         """Raise, on every rank, the error of one device's ``F.embedding`` if any rank's ids
-        are outside the vocabulary (agreed over the mesh unless ``gathered``)."""
+        are outside the vocabulary, or a ``ValueError`` naming each rank's shape if the
+        ranks' ids differ in shape (agreed over the mesh unless ``gathered``)."""
         size = module.num_embeddings
-        gathered = gathered or _regions._size(rt.mesh) == 1  # one rank: nothing to agree
         if ids.numel():
             low, high = torch.aminmax(ids)
-            bounds = torch.stack([low.neg(), high])  # both reduced by one maximum
+            bad = (low < 0) | (high >= size)
         else:
-            bounds = torch.zeros(2, dtype=torch.long, device=ids.device)
-        if not gathered:
-            group = rt.mesh.get_group()
-            bounds = bounds.to(_regions._flag_device(group))
-            torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX, group=group)
-        if not ((bounds[0] > 0) | (bounds[1] >= size)).item():
+            bad = torch.zeros((), dtype=torch.bool, device=ids.device)
+        if gathered or _regions._size(rt.mesh) == 1:  # the same ids on every rank, or one rank
+            if bad.item():
+                raise self._ids_out_of_range(module, ids)
             return
-        mine = bool(ids.numel()) and bool(((ids < 0) | (ids >= size)).any())
-        error = self._ids_out_of_range(module, ids) if mine else None
-        if gathered:
-            raise error
-        _regions.raise_agreed(error, [group])
+        # [2 * shape + bad, -2 * shape + bad], reduced by one maximum (2 int64s, as the ids'
+        # least and greatest were before): the two maxima sum to 0 exactly when every
+        # rank's shape code is the same and no rank's ids are out of range (a rank with a
+        # greater code raises the first, one with a lesser code the second)
+        group = rt.mesh.get_group()
+        device = _regions._flag_device(group)
+        code = 2 * _shape_code(ids.shape)
+        agreed = bad.to(device) + torch.tensor([code, -code], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
+        if not agreed.sum().item():  # (one read back: a host sync on a GPU)
+            return
+        # the error path: which it is, from every rank's shape and verdict
+        mine = bool(bad.item())
+        found: list = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(found, (tuple(ids.shape), mine), group=group)
+        if len({shape for shape, _ in found}) > 1:
+            raise self._shapes_differ(module, [shape for shape, _ in found], group)
+        _regions.raise_agreed(self._ids_out_of_range(module, ids) if mine else None, [group])
+
+    def _shapes_differ(
+        self,
+        module: nn.Embedding,
+        shapes: list[tuple[int, ...]],
+        group: torch.distributed.ProcessGroup,
+    ) -> ValueError:
+        """The error of ids of different shapes on the ranks of ``group`` (``shapes``, one
+        per rank of the group in order), naming each rank's."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        ranks = torch.distributed.get_process_group_ranks(group)  # global ranks
+        for rank, shape in zip(ranks, shapes, strict=True):
+            by_shape.setdefault(shape, []).append(rank)
+        found = "; ".join(
+            f"{shape} on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}"
+            for shape, on in by_shape.items()
+        )
+        return ValueError(
+            f"{_where(self, module)}: the ranks of its tensor-parallel group were given ids "
+            f"of different shapes: {found}. The ids are replicated over the group: give each "
+            "of its ranks the same batch (ranks of other mesh dimensions, data parallelism, "
+            "may differ)"
+        )
 
     def _ids_out_of_range(self, module: nn.Embedding, ids: torch.Tensor) -> IndexError:
         """The error of one device's ``F.embedding``, naming the module and a few of the ids."""
