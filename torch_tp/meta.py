@@ -14,20 +14,23 @@ whole tensor. Parameters and persistent buffers are left uninitialised (a checkp
 fills them). Non-persistent buffers are not in any checkpoint: they are derived from the
 configuration when the module is built (rotary ``inv_freq`` tables, causal masks, position
 ids), so :func:`materialize` computes them again the way the module's own constructor does
-(see :func:`materialize` for how, and what it refuses).
+(see :func:`materialize` for how, and what it refuses; the code is ``torch_tp/_buffers.py``).
+
+``model.to_empty()`` instead of :func:`materialize` leaves those buffers uninitialised: the
+loaders of :mod:`torch_tp.checkpoint` compare each with its value computed so, compute again
+(with a warning) those that differ, and refuse a model that also holds such buffers they
+cannot compute.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 
-from torch_tp import _torch_compat as compat
+from torch_tp._buffers import recompute
 
 __all__ = ["materialize"]
 
@@ -134,129 +137,11 @@ def _device(module: nn.Module, device: torch.device | str | None) -> torch.devic
 def _recomputed_buffers(module: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
     """Every non-persistent buffer on the meta device, computed again on the CPU: (owner,
     name, value) with the meta buffer's dtype; raise naming every one that cannot be."""
-    parents: dict[int, tuple[str, nn.Module] | None] = {id(module): None}
-    for path, owner in module.named_modules():
-        for _, child in owner.named_children():
-            parents.setdefault(id(child), (path, owner))
-    built: dict[tuple[type, int], nn.Module | Exception] = {}
-    values, refused = [], []
-    for path, owner in module.named_modules():
-        for name, buffer in owner.named_buffers(recurse=False):
-            if not buffer.is_meta:
-                continue
-            if name not in compat.non_persistent_buffers(owner):
-                continue  # persistent: a checkpoint fills it
-            full_name = f"{path}.{name}" if path else name
-            try:
-                value = _recompute(owner, path, name, buffer, parents, built)
-            except ValueError as exc:
-                refused.append(f"{full_name!r} ({type(owner).__name__}): {exc}")
-                continue
-            values.append((owner, name, value))
+    computed, refused = recompute(module, lambda buffer: buffer.is_meta)
     if refused:
         raise ValueError(
             "materialize cannot compute these non-persistent buffers again (nothing was "
             "changed): " + "; ".join(refused) + ". Give each a value before materialize "
             "(module.register_buffer(name, tensor, persistent=False)); it then leaves it alone."
         )
-    return values
-
-
-def _recompute(
-    owner: nn.Module,
-    path: str,
-    name: str,
-    buffer: Tensor,
-    parents: dict[int, tuple[str, nn.Module] | None],
-    built: dict[tuple[type, int], nn.Module | Exception],
-) -> Tensor:
-    if isinstance(buffer, DTensor):
-        raise ValueError("a DTensor buffer: its sharding cannot be recomputed")
-    # the nearest module, the owner or an ancestor, that keeps its configuration
-    builder, builder_path, relative = owner, path, name
-    while getattr(builder, "config", None) is None:
-        parent = parents.get(id(builder))
-        if parent is None:
-            raise ValueError(
-                "neither its module nor any module above it keeps a `config` to build it again from"
-            )
-        parent_path, parent_module = parent
-        child_name = builder_path[len(parent_path) + 1 :] if parent_path else builder_path
-        builder, builder_path, relative = parent_module, parent_path, f"{child_name}.{relative}"
-    key = (type(builder), id(builder.config))
-    if key not in built:
-        built[key] = _build(type(builder), builder.config, empty_on_meta=True)
-    fresh = built[key]
-    if not isinstance(fresh, Exception) and _meta_or_missing(fresh, relative):
-        # a buffer made from torch.empty: build it again with only the parameters on meta
-        built[key] = fresh = _build(type(builder), builder.config, empty_on_meta=False)
-    where = f"{type(builder).__name__}(config)"
-    if isinstance(fresh, Exception):
-        raise ValueError(f"building {where} again failed: {type(fresh).__name__}: {fresh}")
-    try:
-        value = fresh.get_buffer(relative)
-    except AttributeError as exc:
-        raise ValueError(f"{where} built again has no buffer {relative!r}") from exc
-    if value is None or value.is_meta or tuple(value.shape) != tuple(buffer.shape):
-        found = None if value is None else ("meta" if value.is_meta else list(value.shape))
-        raise ValueError(
-            f"{where} built again gives {relative!r} as {found}, not a tensor of shape "
-            f"{list(buffer.shape)}"
-        )
-    return value.detach().to(dtype=buffer.dtype)
-
-
-def _build(cls: type, config: object, *, empty_on_meta: bool) -> nn.Module | Exception:
-    """``cls(config)`` on the CPU with its parameters on the meta device (and, with
-    ``empty_on_meta``, every ``torch.empty`` result: parameters are made so, and never
-    allocating them keeps a large freed block from changing how the allocator serves the
-    loads that follow), under a forked RNG; or the exception it raised."""
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_parameters_on_meta())
-            stack.enter_context(torch.device("cpu"))
-            stack.enter_context(torch.random.fork_rng(devices=[]))
-            if empty_on_meta:
-                stack.enter_context(_EmptyOnMeta())
-            return cls(config)
-    except Exception as exc:  # noqa: BLE001 - reported with the buffer
-        return exc
-
-
-def _meta_or_missing(module: nn.Module, name: str) -> bool:
-    try:
-        value = module.get_buffer(name)
-    except AttributeError:
-        return False  # reported as missing by the caller
-    return value is not None and value.is_meta
-
-
-class _EmptyOnMeta(TorchFunctionMode):
-    """``torch.empty`` (how ``nn.Linear``, ``nn.Embedding`` and most modules allocate their
-    parameters) gives meta tensors; everything else runs as usual."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.empty:
-            kwargs = {**kwargs, "device": "meta"}
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Build modules with every parameter moved to the meta device as it is registered,
-    while buffers and everything else are computed for real (so a copy of a module costs
-    its buffers and, for a moment, one parameter). Patches ``nn.Module.register_parameter``
-    for the duration (every assignment of a parameter goes through it)."""
-    original = nn.Module.register_parameter
-
-    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
+    return [(owner, name, value) for owner, name, _, _, value in computed]

@@ -125,6 +125,9 @@ class TensorParallelRNGTracker:
             }
         # which TP group this stream belongs to, to tell a stale tracker from a fitting one
         self._group = _group_of(tp_mesh)
+        # the mesh as given (N-D, or the TP mesh): the layout a saved state of this tracker
+        # belongs to, which torch_tp.checkpoint.load compares before it restores one
+        self._mesh = device_mesh
         self._depth = 0  # fork() nesting: only the outermost fork swaps states
         self._installed_by_user = False
 

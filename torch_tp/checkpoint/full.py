@@ -15,10 +15,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from torch_tp._buffers import put_buffers, stale_buffers
 from torch_tp._torch_compat import IncompatibleKeys
 from torch_tp.checkpoint._staging import (
     CheckpointError,
     _agree,
+    _agree_identity,
     _check_keys,
     _coordinate,
     _copy_staged,
@@ -134,8 +136,16 @@ def load_full_state_dict(
     point, ``float64`` to ``float16``) warns once per call, naming the keys. The model may
     have been built on the meta device, parallelized, and given memory for its shards by
     :func:`torch_tp.materialize` (which also computes non-persistent buffers such as rotary
-    tables again; ``model.to_empty`` leaves them uninitialised). A model with tensors still
-    on the meta device is refused before anything is read.
+    tables again; ``model.to_empty`` leaves them uninitialised: those that differ from their
+    value computed so are computed again, with a warning, and a model with such buffers that
+    cannot be computed is refused). A model with tensors still on the meta device is refused
+    before anything is read.
+
+    Every rank must be given the same state dict: where the model holds DTensors the ranks
+    compare a fingerprint of it (every name, shape and dtype, and 48 elements of each
+    tensor: only those bytes are read from a file) and refuse a file or dict that differs
+    on some rank. Copies of one file at other paths, and a dict holding the same tensors as
+    a file, are the same state dict.
 
     With a process group, a model holding DTensors must be loaded on every rank (the
     agreement is a collective over every rank of the default group); a model without
@@ -161,14 +171,17 @@ def load_full_state_dict(
         CheckpointError: missing or unexpected keys (with ``strict``), shape mismatches,
             dtypes that cannot be read or converted, a file that is not a readable
             ``safetensors`` file, or a read that failed; the message names the file and
-            every offending key. It derives from ``RuntimeError``.
+            every offending key, or the ranks were given different state dicts. It derives
+            from ``RuntimeError``.
         TypeError: ``state_dict`` is neither a mapping nor a path, or holds non-tensors.
         FileNotFoundError: ``state_dict`` is a path with no file.
         NotImplementedError: a parameter whose local shard is not one block of the whole
             tensor (e.g. ``Partial``), or a packed parameter whose packed dim FSDP2 shards
             too. Other packed parameters are loaded exactly: their shard is one block per
             part (one ``get_slice`` read each from a ``safetensors`` file).
-        ValueError: the model has tensors on the meta device (named; on every rank).
+        ValueError: the model has tensors on the meta device, or non-persistent buffers
+            left uninitialised by ``to_empty`` that cannot be computed again (named; on
+            every rank).
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -181,21 +194,29 @@ def load_full_state_dict(
     targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
     _refuse_nested_packed(targets)  # on every rank, before any communication
     if broadcast_from_rank0:
-        result, staged = _stage_broadcast(model, targets, state_dict, strict)
+        result, staged, buffers = _stage_broadcast(model, targets, state_dict, strict)
     else:
-        result, staged, error = None, {}, None
+        result, staged, buffers, error, identity = None, {}, [], None, ""
+        agreed = _distributed() and any(isinstance(t, DTensor) for t in targets.values())
         try:
             _raise(_meta_error(model, "load_full_state_dict"))  # before reading anything
+            buffers = stale_buffers(model, "load_full_state_dict")  # to_empty()'s garbage
             source = _Source(state_dict)
             result = _check_keys(model, targets, source, strict)
+            if agreed:
+                identity = source.identity()
             staged = _stage_local(source, targets, result)
         except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
             error = exc
-        if _distributed() and any(isinstance(t, DTensor) for t in targets.values()):
+        if agreed:
             _agree(error, _load_failed("loading a full state dict"))
+            # every rank slices the same tensors: a different file or dict on some rank
+            # would load a mixture of two models
+            _agree_identity(identity, source.description)
         elif error is not None:
             raise error
     _copy_staged(targets, staged)
+    put_buffers(buffers)
     return result
 
 
@@ -204,14 +225,15 @@ def _stage_broadcast(
     targets: dict[str, Tensor],
     state_dict: Mapping[str, Tensor] | str | os.PathLike | None,
     strict: bool,
-) -> tuple[IncompatibleKeys, dict[str, Tensor]]:
+) -> tuple[IncompatibleKeys, dict[str, Tensor], list[tuple[Tensor, Tensor]]]:
     rank = _rank()
     what = "loading a full state dict broadcast from rank 0"
     # rank 0 opens and checks the source; every rank checks its model; every rank then
     # raises the same error, or none does (one small collective)
-    error, verdict = None, None
+    error, verdict, buffers = None, None, []
     try:
         _raise(_meta_error(model, "load_full_state_dict"))
+        buffers = stale_buffers(model, "load_full_state_dict")  # on every rank: its own model
         if rank == 0:
             source = _Source(state_dict)
             verdict = tuple(_check_keys(model, targets, source, strict))
@@ -267,4 +289,4 @@ def _stage_broadcast(
         _agree(error, _load_failed(what))
     elif error is not None:
         raise error
-    return result, staged
+    return result, staged, buffers
