@@ -50,16 +50,16 @@ def _report(shape, rotation="p2p", tp=False, **kwargs):
 def _ring_rows(rotation: str, cp: int, heads: int, where: str = ATTENTION) -> list[Collective]:
     """The ring's rows for the reference Llama (grouped-query attention: ``heads`` key/value
     heads reach the ring), float64: each rank's packed k and v block, and its
-    gradient (float64 too)."""
+    gradient (float64 too); forward, with its rank's verdict (one element more)."""
     kv = BATCH * heads * (SEQ // cp) * 2 * HEAD_DIM * 8
     layers, at = CONFIG.n_layers, where
     if rotation == "p2p":  # cp - 1 sends forward; cp - 1 of kv and cp of gradients backward
         return [
-            Collective("forward", "send_recv", at, layers * (cp - 1), kv, "cp"),
+            Collective("forward", "send_recv", at, layers * (cp - 1), kv + 8, "cp"),
             Collective("backward", "send_recv", at, layers * (2 * cp - 1), kv, "cp"),
         ]
     return [
-        Collective("forward", "all_gather_into_tensor", at, layers, cp * kv, "cp"),
+        Collective("forward", "all_gather_into_tensor", at, layers, cp * (kv + 8), "cp"),
         Collective("backward", "reduce_scatter_tensor", at, layers, cp * kv, "cp"),
         Collective("backward", "all_gather_into_tensor", at, layers, cp * kv, "cp"),
     ]

@@ -387,6 +387,8 @@ def test_ring_volume():
     )
     kv = 1 * 8 * 1024 * 2 * 128 * 2
     p2p = ring_volume(1, 8, 4096, 128, 2, 4, "p2p")
-    assert p2p["forward_bytes"] == 3 * kv and p2p["backward_bytes"] == 3 * kv + 4 * 2 * kv
+    # a forward block carries its rank's verdict: one element (2 bytes) more
+    assert p2p["forward_bytes"] == 3 * (kv + 2) and p2p["backward_bytes"] == 3 * kv + 4 * 2 * kv
     gathered = ring_volume(1, 8, 4096, 128, 2, 4, "allgather")
+    assert gathered["forward_bytes"] == 3 * (kv + 2)
     assert gathered["messages"] == 3 and gathered["backward_bytes"] == 3 * kv + 3 * 2 * kv

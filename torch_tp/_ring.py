@@ -38,15 +38,22 @@ float64 for float64):
 =========  ==========================  ===============================================
 rotation   forward                     backward
 =========  ==========================  ===============================================
-p2p        cp - 1 sends of kv          cp - 1 sends of kv, cp sends of acc
-allgather  1 all-gather: (cp-1) * kv   1 all-gather: (cp-1) * kv, 1 reduce-scatter:
-                                       (cp-1) * acc
+p2p        cp - 1 sends of kv + 1      cp - 1 sends of kv, cp sends of acc
+allgather  1 all-gather:               1 all-gather: (cp-1) * kv, 1 reduce-scatter:
+           (cp-1) * (kv + 1)           (cp-1) * acc
 =========  ==========================  ===============================================
 
 (as many receives as sends; a ring all-gather or reduce-scatter sends ``cp - 1`` shards per
-rank). The bytes are the same; ``"p2p"`` holds two blocks at a time and overlaps every step,
-``"allgather"`` holds all ``cp`` (the memory of the whole sequence's keys and values) and
-overlaps only the first.
+rank; ``+ 1``: one element of the input dtype). The bytes are the same; ``"p2p"`` holds two
+blocks at a time and overlaps every step, ``"allgather"`` holds all ``cp`` (the memory of the
+whole sequence's keys and values) and overlaps only the first.
+
+Agreement. A forward block carries one element more: its rank's verdict on its own call
+(``refused``: the caller found it wrong, e.g. an attention mask the ring cannot follow on that
+rank only). A rank that refused still sends and relays every block (so no peer waits in the
+ring) but computes nothing; once the forward's blocks have gone round, every rank has seen
+every rank's verdict and all raise :class:`RingRefused` together. No collective of its own:
+one element per forward message, and one read of the ``cp`` verdicts on the host per call.
 
 Memory saved for backward: this rank's q, k, v and output (as given) and the log-sum-exp
 (``B * Hq * S / cp`` float32, float64 for float64), nothing of the other ranks: the same
@@ -69,6 +76,7 @@ from torch.distributed import ProcessGroup
 
 __all__ = [
     "Layout",
+    "RingRefused",
     "Rotation",
     "ring_attention",
     "ring_volume",
@@ -81,6 +89,19 @@ Layout = Literal["load_balanced", "contiguous"]
 Rotation = Literal["p2p", "allgather"]
 _LAYOUTS = ("load_balanced", "contiguous")
 _ROTATIONS = ("p2p", "allgather")
+
+
+class RingRefused(Exception):
+    """Raised by :func:`ring_attention` on every rank of the group when some rank's caller
+    refused its call (``refused=True``), once the forward's blocks have gone round.
+
+    Attributes:
+        ranks: the ranks (in the group) that refused, in increasing order.
+    """
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"ring attention refused by the caller on group rank(s) {ranks}")
+        self.ranks = ranks
 
 
 # --------------------------------------------------------------------------- the layout
@@ -261,7 +282,9 @@ def ring_volume(
 
     A message is one ``isend`` (``"p2p"``, with as many ``irecv``) or one collective
     (``"allgather"``); a collective's bytes are those a ring algorithm sends per rank
-    (``cp - 1`` shards). Gradients travel in the accumulation dtype (``max(dtype_bytes, 4)``).
+    (``cp - 1`` shards). Gradients travel in the accumulation dtype (``max(dtype_bytes, 4)``);
+    a forward block carries one element more, its rank's verdict (see the module's
+    "Agreement").
 
     Args:
         batch: the batch size.
@@ -279,7 +302,7 @@ def ring_volume(
     Example::
 
         >>> ring_volume(1, 8, 4096, 128, 2, 4, "p2p")["forward_bytes"]
-        12582912
+        12582918
     """
     _check_choice("rotation", rotation, _ROTATIONS)
     _chunks(seq_len, cp, "contiguous")
@@ -288,10 +311,10 @@ def ring_volume(
     if cp == 1:
         forward_bytes = backward_bytes = forward_messages = backward_messages = 0
     elif rotation == "p2p":
-        forward_bytes, backward_bytes = (cp - 1) * kv, (cp - 1) * kv + cp * acc
+        forward_bytes, backward_bytes = (cp - 1) * (kv + dtype_bytes), (cp - 1) * kv + cp * acc
         forward_messages, backward_messages = cp - 1, 2 * cp - 1
     else:
-        forward_bytes, backward_bytes = (cp - 1) * kv, (cp - 1) * (kv + acc)
+        forward_bytes, backward_bytes = (cp - 1) * (kv + dtype_bytes), (cp - 1) * (kv + acc)
         forward_messages, backward_messages = 1, 2
     return {
         "forward_bytes": forward_bytes,
@@ -350,13 +373,18 @@ class _Shapes:
     def kv(self, buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """k and v out of a packed buffer, in ``dtype``."""
         k = buf[: self.nk].view(self.b, self.hkv, self.s, self.d)
-        v = buf[self.nk :].view(self.b, self.hkv, self.s, self.dv)
+        v = buf[self.nk : self.nk + self.nv].view(self.b, self.hkv, self.s, self.dv)
         return k.to(dtype), v.to(dtype)
 
-    def pack(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        buf = k.new_empty(self.nk + self.nv, dtype=dtype)
+    def pack(
+        self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, verdict: bool | None = None
+    ) -> torch.Tensor:
+        """k and v in one buffer; with ``verdict``, one element more (1: refused) at its end."""
+        buf = k.new_empty(self.nk + self.nv + (verdict is not None), dtype=dtype)
         buf[: self.nk].view(k.shape).copy_(k)
-        buf[self.nk :].view(v.shape).copy_(v)
+        buf[self.nk : self.nk + self.nv].view(v.shape).copy_(v)
+        if verdict is not None:
+            buf[-1] = float(verdict)
         return buf
 
     def grouped(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -449,30 +477,40 @@ def _forward_block(ctx, q5, buf, owner, out, lse) -> None:
     old_lse.copy_(new_lse)
 
 
-def _forward(ctx: _Context, q, k, v, rotation):
+def _forward(ctx: _Context, q, k, v, rotation, refused: bool):
+    """The output and log-sum-exp, and the ranks that refused (by the verdicts the blocks
+    carry; a rank that refused computes nothing, but sends and relays as any)."""
     sh = ctx.sh
     q5 = sh.grouped(q, ctx.dtype)
     out = q5.new_zeros(sh.b, sh.hkv, sh.g, sh.s, sh.dv)
     lse = q5.new_full((sh.b, sh.hkv, sh.g, sh.s), float("-inf"))
-    local = sh.pack(k, v, k.dtype)
+    local = sh.pack(k, v, k.dtype, verdict=refused)
+    # of the owners in ring order: this rank, rank - 1, ... (copies: the buffers are reused)
+    verdicts = [local[-1:].clone()]
+    compute = functools.partial(_forward_block, ctx, q5) if not refused else lambda *a: None
     if rotation == "allgather" and ctx.cp > 1:
         blocks = local.new_empty(ctx.cp * local.numel())
         request = dist.all_gather_single(blocks, local, group=ctx.group, async_op=True)
         blocks = blocks.view(ctx.cp, local.numel())
-        _forward_block(ctx, q5, local, ctx.rank, out, lse)
+        compute(local, ctx.rank, out, lse)
         request.wait()
         for step in range(1, ctx.cp):
             owner = (ctx.rank - step) % ctx.cp
-            _forward_block(ctx, q5, blocks[owner], owner, out, lse)
+            verdicts.append(blocks[owner, -1:])
+            compute(blocks[owner], owner, out, lse)
     else:
         buffers = [local, torch.empty_like(local) if ctx.cp > 1 else None]
         for step in range(ctx.cp):
             current, incoming = buffers[step % 2], buffers[(step + 1) % 2]
+            if step:  # (the buffer is received into again two steps on)
+                verdicts.append(current[-1:].clone())
             last = step == ctx.cp - 1
             requests = [] if last else _exchange(ctx, [current], [incoming])
-            _forward_block(ctx, q5, current, (ctx.rank - step) % ctx.cp, out, lse)
+            compute(current, (ctx.rank - step) % ctx.cp, out, lse)
             _wait(requests)
-    return out, lse
+    found = torch.cat(verdicts).tolist()
+    ranks = sorted((ctx.rank - step) % ctx.cp for step, flag in enumerate(found) if flag)
+    return out, lse, ranks
 
 
 # --------------------------------------------------------------------------- backward
@@ -572,9 +610,11 @@ def _backward_ring(ctx: _Context, args, local: torch.Tensor, dq: torch.Tensor) -
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, is_causal, layout, rotation, scale):
+    def forward(ctx, q, k, v, group, is_causal, layout, rotation, scale, refused):
         walk = _Context(q, k, v, group, is_causal, layout, scale)
-        out, lse = _forward(walk, q, k, v, rotation)
+        out, lse, refusing = _forward(walk, q, k, v, rotation, refused)
+        if refusing:
+            raise RingRefused(refusing)
         out = out.view(q.shape[:-1] + (v.shape[-1],))
         # returned as a [B, Hq, S, Dv] view of a [B, S, Hq, Dv] tensor, as SDPA's kernels
         # return it: the (batch, tokens, heads * Dv) a model reshapes it into for its output
@@ -591,7 +631,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(ctx.walk, q, k, v, out, lse, grad, ctx.rotation)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -631,6 +671,7 @@ def ring_attention(
     layout: Layout = "load_balanced",
     rotation: Rotation = "p2p",
     scale: float | None = None,
+    refused: bool = False,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence's keys and values.
 
@@ -649,6 +690,10 @@ def ring_attention(
         layout: how the sequence is split, ``"load_balanced"`` or ``"contiguous"``.
         rotation: ``"p2p"`` (a ring of blocks) or ``"allgather"`` (one all-gather).
         scale: the scores' factor, default ``1 / sqrt(D)``.
+        refused: this rank's caller found its call wrong (a condition of this rank's own
+            data): the blocks go round all the same, and every rank raises
+            :class:`RingRefused` (the ring's "Agreement"; q, k and v must still have the
+            shapes of every other rank's).
 
     Returns:
         ``[B, Hq, S / cp, Dv]`` in the query's dtype, differentiable in all three inputs.
@@ -656,6 +701,7 @@ def ring_attention(
     Raises:
         ValueError: shapes, dtypes or devices that disagree, ``Hq % Hkv != 0``, an unknown
             layout or rotation, a local length the layout cannot hold (odd, load-balanced).
+        RingRefused: on every rank, when a rank's call was ``refused``.
 
     Example::
 
@@ -670,5 +716,5 @@ def ring_attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     return _RingAttention.apply(
-        query, key, value, group, bool(is_causal), layout, rotation, float(scale)
+        query, key, value, group, bool(is_causal), layout, rotation, float(scale), bool(refused)
     )

@@ -153,6 +153,51 @@ def _hf_attention_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+# the layer types (config.layer_types) whose attention is full causal attention ("attention":
+# the legacy name transformers remaps)
+_FULL_ATTENTION = ("full_attention", "attention")
+
+
+def _local_attention(attention: nn.Module) -> str | None:
+    """What makes a transformers attention module attend to less than every earlier token
+    (a sliding window, chunks, another kind of layer), and where it was found; ``None`` for
+    full causal attention.
+
+    transformers keeps windows in three places, and each family reads its own: the layer's
+    type (``config.layer_types[layer_idx]``: Gemma 2/3, Cohere 2, GPT-OSS, Qwen 2/3 (from
+    ``use_sliding_window`` and ``max_window_layers``), OLMo 3, Llama 4's chunks, ...), the
+    module's own ``sliding_window`` (set per layer, ``None`` on full layers; Exaone 4 keeps
+    the config's on every layer and says which slide by ``is_sliding``), or only the config's
+    ``sliding_window``, which the model reads for every layer's mask (Mistral, Mixtral, Phi-3,
+    Starcoder 2, MiniMax, ...; their attention modules have no ``sliding_window``)."""
+    config = attention.config
+    window = getattr(config, "sliding_window", None)
+    layer = getattr(attention, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(layer, int) and isinstance(types, (list, tuple)) and 0 <= layer < len(types):
+        kind = types[layer]
+        if kind not in _FULL_ATTENTION:
+            if kind == "chunked_attention":
+                size = getattr(config, "attention_chunk_size", None)
+                what = f"chunks of {size} tokens" if size is not None else "chunks"
+            elif "sliding" in str(kind):
+                what = f"a sliding window of {window} tokens" if window else "a sliding window"
+            else:
+                what = "attention other than full causal attention"
+            return f"{what} (config.layer_types[{layer}] = {kind!r})"
+    if hasattr(attention, "sliding_window"):
+        own = attention.sliding_window
+        if own is not None and getattr(attention, "is_sliding", True) is not False:
+            return f"a sliding window of {own} tokens (its sliding_window)"
+        return None
+    if window is not None and getattr(config, "use_sliding_window", True) is not False:
+        return (
+            f"a sliding window of {window} tokens (config.sliding_window, which "
+            "the model reads for every layer's mask)"
+        )
+    return None
+
+
 def _check_orthogonal(module: nn.Module, mesh: DeviceMesh) -> None:
     """The cp mesh must be a dimension of its own: a parameter of ``module`` already
     distributed (tensor parallelism) over ranks of the cp mesh would mix the two splits."""
@@ -182,41 +227,59 @@ def _with_sdpa(config: Any) -> Any:
 def _check_inputs(
     root: nn.Module, args: tuple, kwargs: dict, *, group: Any, layout: _ring.Layout
 ) -> None:
-    """Refuse, on every rank of ``group``, a forward whose inputs the ring cannot follow: an
-    ``attention_mask`` that masks any token (padding: the ring applies the causal mask of the
-    positions alone), or ``position_ids`` that are not this rank's tokens' true positions
-    (:func:`sequence_positions`). One all-reduce of two flags per forward."""
+    """Refuse, on every rank of ``group``, a forward whose inputs the ring cannot follow: a
+    length the layout cannot split (or that differs between ranks), an ``attention_mask`` that
+    masks any token (padding: the ring applies the causal mask of the positions alone), or
+    ``position_ids`` that are not this rank's tokens' true positions
+    (:func:`sequence_positions`). One all-reduce of four numbers per forward."""
     mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
     tokens = kwargs.get("input_ids", args[0] if args else None)
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
     rank, cp = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     padding = mask is not None and (mask.ndim != 2 or not bool(mask.bool().all()))
+    length = tokens.shape[1] if tokens is not None and tokens.ndim >= 2 else 0
     wrong = positions is None or tokens is None
     if not wrong:
-        length = tokens.shape[1]
         try:
             expected = _ring.sequence_positions(length * cp, cp, rank, layout)
         except ValueError:
-            wrong = True
+            wrong = True  # (the length's own error below)
         else:
             wrong = positions.shape[-1] != length or not bool(
                 (positions.reshape(-1, length).cpu() == expected).all()
             )
-    flags = torch.tensor([padding, wrong], dtype=torch.int32)
+    # the longest and (negated) the shortest length: equal when every rank has the same
+    flags = torch.tensor([padding, wrong, length, -length], dtype=torch.int64)
     flags = flags.to(_regions._flag_device(group))
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-    padding, wrong = flags.tolist()
+    padding, wrong, longest, shortest = flags.tolist()
+    shortest = -shortest
+    name = f"{type(root).__name__} under ContextParallel"
+    if tokens is not None and longest != shortest:
+        raise ValueError(
+            f"{name}: the ranks of cp hold sequences of {shortest} to {longest} tokens; every "
+            "rank must hold its part of the same sequences (shard_sequence)"
+        )
+    if tokens is not None:
+        try:
+            _ring._chunks(longest * cp, cp, layout)
+        except ValueError as err:
+            raise ValueError(
+                f"{name}: {longest} tokens per rank, {err} (each rank's part, "
+                "torch_tp.shard_sequence(tokens, mesh['cp']), of a whole sequence of such a "
+                "length)"
+            ) from None
     if padding:
         raise ValueError(
-            f"{type(root).__name__} under ContextParallel: an attention_mask that masks tokens "
+            f"{name}: an attention_mask that masks tokens "
             "(padding) is not supported on a split sequence; the ring applies the causal mask "
             "of the tokens' positions alone. Pack sequences without padding, or pass no "
             "attention_mask (or one of all ones)"
         )
     if wrong:
         raise ValueError(
-            f"{type(root).__name__} under ContextParallel: position_ids must be the positions "
+            f"{name}: position_ids must be the positions "
             "of this rank's tokens in the whole sequence, "
             "position_ids=torch_tp.sequence_positions(seq_len, mesh['cp'])[None] (for the "
             "rotary embeddings; without them each rank would count its tokens from 0)"
@@ -243,20 +306,17 @@ def _causal_pattern(mask: torch.Tensor) -> bool:
 
 
 # the verdict on the last mask seen (every layer of a forward gets the same mask object): a
-# weak reference to it, its version, and whether it is causal on every rank
+# weak reference to it, its version, and whether it is causal
 _VERDICT: list[tuple[weakref.ref, int, bool]] = []
 
 
-def _agreed_causal(mask: torch.Tensor, group: Any) -> bool:
-    """:func:`_causal_pattern`, agreed over ``group`` (one all-reduce per mask object)."""
+def _causal(mask: torch.Tensor) -> bool:
+    """:func:`_causal_pattern`, computed once per mask object (and version)."""
     if _VERDICT:
         seen, version, verdict = _VERDICT[0]
         if seen() is mask and version == compat.version(mask):
             return verdict
-    flag = torch.tensor([0 if _causal_pattern(mask) else 1], dtype=torch.int32)
-    flag = flag.to(_regions._flag_device(group))
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-    verdict = not bool(flag.item())
+    verdict = _causal_pattern(mask)
     _VERDICT[:] = [(weakref.ref(mask), compat.version(mask), verdict)]
     return verdict
 
@@ -353,17 +413,19 @@ class ContextParallel(ParallelStyle):
         )  # fmt: skip
         if cp == 1:
             return []
-        kv = volume["forward_bytes"] // (cp - 1)  # this rank's packed keys and values
+        # this rank's packed keys and values: in the forward with its verdict (one element)
+        block = volume["forward_bytes"] // (cp - 1)
+        kv = block - key.element_size()
         if self.rotation == "p2p":  # the gradients of each block come home in cp sends
-            acc = (volume["backward_bytes"] - volume["forward_bytes"]) // cp
+            acc = (volume["backward_bytes"] - (cp - 1) * kv) // cp
             return [
-                *[Transfer("forward", "send_recv", kv)] * (cp - 1),
+                *[Transfer("forward", "send_recv", block)] * (cp - 1),
                 *[Transfer("backward", "send_recv", kv)] * (cp - 1),
                 *[Transfer("backward", "send_recv", acc)] * cp,
             ]
-        acc = (volume["backward_bytes"] - volume["forward_bytes"]) // (cp - 1)
+        acc = volume["backward_bytes"] // (cp - 1) - kv
         return [
-            Transfer("forward", "all_gather_into_tensor", cp * kv),
+            Transfer("forward", "all_gather_into_tensor", cp * block),
             Transfer("backward", "all_gather_into_tensor", cp * kv),
             Transfer("backward", "reduce_scatter_tensor", cp * acc),
         ]
@@ -392,12 +454,15 @@ class ContextParallel(ParallelStyle):
                     "implementation; ContextParallel follows 'eager' and 'sdpa' (load the "
                     "model with attn_implementation='sdpa')"
                 )
-            window = getattr(attention, "sliding_window", None)
-            if window is not None:
-                raise NotImplementedError(
-                    f"{where} attends within a sliding window of {window} tokens; "
-                    "ContextParallel computes full causal attention over the sequence and "
-                    "does not follow sliding windows"
+            local = _local_attention(attention)
+            if local is not None:
+                raise ValueError(
+                    f"{where} attends within {local}; ContextParallel computes full causal "
+                    "attention over the whole sequence, so the window would be silently "
+                    "dropped. Build the model without it (sliding_window=None, or "
+                    "use_sliding_window=False where the config has it) if no sequence is "
+                    "longer than the window (the same attention then), or do not split the "
+                    "sequence (no ContextParallel, no cp_degree)"
                 )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -469,14 +534,19 @@ class ContextParallel(ParallelStyle):
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
-        """Ring attention in place of one ``F.scaled_dot_product_attention`` call."""
+        """Ring attention in place of one ``F.scaled_dot_product_attention`` call.
+
+        What depends on this rank's own data (a mask, dropout) is judged here and the verdict
+        travels with this rank's first key/value block (``refused``): a call refused on one
+        rank raises the same error on every rank, and no peer waits in the ring."""
+        error: Exception | None = None
         if attn_mask is not None and causal_masks:
             # a causal transformers model's own mask, laid out for this rank's tokens (its
             # inputs were checked to hold no padding): the ring's causal mask takes its place,
-            # once every rank has found its mask causal (over its tokens, or over each run of
-            # consecutive positions): a mask function of the model's own is refused
-            if not _agreed_causal(attn_mask, group):
-                raise NotImplementedError(
+            # if it is causal (over its tokens, or over each run of consecutive positions): a
+            # mask function of the model's own is refused
+            if not _causal(attn_mask):
+                error = NotImplementedError(
                     f"{_where(self, module)}: the model builds an attention mask other than "
                     "the causal one (a mask function of its own: bidirectional spans, windows, "
                     "...), which cannot be followed over a split sequence; ContextParallel "
@@ -484,13 +554,13 @@ class ContextParallel(ParallelStyle):
                 )
             attn_mask, is_causal = None, True
         if attn_mask is not None:
-            raise NotImplementedError(
+            error = NotImplementedError(
                 f"{_where(self, module)}: an attention mask (attn_mask) cannot be followed "
                 "over a split sequence: it is laid out for this rank's tokens; pass "
                 "is_causal=True (causal) or no mask (full attention)"
             )
-        if dropout_p:
-            raise NotImplementedError(
+        elif dropout_p:
+            error = NotImplementedError(
                 f"{_where(self, module)}: dropout inside attention (dropout_p={dropout_p}) is "
                 "not supported under context parallelism"
             )
@@ -504,13 +574,18 @@ class ContextParallel(ParallelStyle):
             _ring._chunks(query.shape[-2] * cp, cp, _layout(self.load_balance))
         except ValueError as err:
             raise ValueError(f"{_where(self, module)}: {err}") from None
-        return _ring.ring_attention(
-            query,
-            key,
-            value,
-            group=group,
-            is_causal=is_causal,
-            layout=_layout(self.load_balance),
-            rotation=self.rotation,
-            scale=scale,
-        )
+        try:
+            return _ring.ring_attention(
+                query,
+                key,
+                value,
+                group=group,
+                is_causal=is_causal,
+                layout=_layout(self.load_balance),
+                rotation=self.rotation,
+                scale=scale,
+                refused=error is not None,
+            )
+        except _ring.RingRefused:  # every rank: the messages gathered (the error path only)
+            _regions.raise_agreed(error, [group])
+            raise  # (raise_agreed raises)
