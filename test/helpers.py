@@ -42,6 +42,7 @@ __all__ = [
     "reference_llama",
     "safetensors_reads",
     "sgd",
+    "tiny_hf_llama",
     "tp_mesh",
     "train_llama",
 ]
@@ -141,6 +142,21 @@ CHECKPOINT_CONFIG = {"max_seq_len": 32, "n_kv_heads": 4}
 def checkpoint_llama(seed: int = 0, **config) -> Llama:
     """The reference Llama of the checkpoint tests (``CHECKPOINT_CONFIG``, then ``config``)."""
     return reference_llama(seed, **{**CHECKPOINT_CONFIG, **config})
+
+
+def tiny_hf_llama(seed: int = 0) -> nn.Module:
+    """A tiny transformers Llama (2 layers, hidden size 32, untied embeddings, eager
+    attention) drawn after ``torch.manual_seed(seed)``: the checkpoint tests' Hugging Face
+    model."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def parallelize_dp_tp(

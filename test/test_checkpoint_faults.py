@@ -29,6 +29,7 @@ from helpers import (
     meta_llama,
     parallelize_dp_tp,
     saved_then_trained_on,
+    tiny_hf_llama,
     train_llama,
 )
 from safetensors.torch import save_file
@@ -399,18 +400,6 @@ def test_load_dcp_from_damaged_checkpoints(tmp_path):
 # ---------------------------------------------- Hugging Face saves killed at each point
 
 
-def _hf_llama(seed: int):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        attn_implementation="eager",
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
 def _save_pretrained_and_die(path: str, out_dir: str, point: str) -> None:
     """Save a checkpoint to ``path``, change the model, then save it again to ``path``
     with one rank killed at ``point``."""
@@ -421,7 +410,7 @@ def _save_pretrained_and_die(path: str, out_dir: str, point: str) -> None:
     from torch_tp.checkpoint import hf as hf_checkpoint
     from torch_tp.plans.hf import plan_for
 
-    model = _hf_llama(seed=0)
+    model = tiny_hf_llama(seed=0)
     parallelize_module(model, tp_mesh(), plan_for(model))
     hf_checkpoint.save_pretrained(model, path, max_shard_size="20KB")
     before = {k: v.clone() for k, v in checkpoint.full_state_dict(model).items()}
@@ -523,7 +512,7 @@ def test_killed_save_pretrained_keeps_a_checkpoint(tmp_path, point, victim, kept
     # the previous or the new checkpoint loads, never neither (mid-replacement: from .old)
     assert path.exists() != (point == "rename")
     expected = torch.load(out / "states.pt")[kept]
-    model = _hf_llama(seed=1)
+    model = tiny_hf_llama(seed=1)
     load_pretrained(model, path)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)

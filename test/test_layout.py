@@ -46,6 +46,7 @@ LAYERS = {
         "_regions",
         "_ring",
         "_torch_compat",
+        "_buffers",  # non-persistent buffers computed again: meta and checkpoint share it
     ),
     "features": ("loss", "clip", "meta", "checkpoint", "pipeline"),
     "tools": ("report", "cli", "__main__"),

@@ -17,12 +17,19 @@ Three kinds, for three jobs, one module each:
   (:mod:`torch_tp.checkpoint._hf_conversion`); :func:`save_pretrained` writes what
   transformers writes.
 
-All of them stage, agree and publish through one private module,
-:mod:`torch_tp.checkpoint._staging`.
+All of them stage and agree through one private module, :mod:`torch_tp.checkpoint._staging`,
+and every writer publishes through one other, :mod:`torch_tp.checkpoint._publishing`.
 
 Failures: a save writes a new directory and publishes it with an atomic rename once every
 rank is done, so a crash at any point leaves the previous or the new checkpoint loadable
-(every writer, DCP and Hugging Face directories, publishes through one routine).
+(every writer, DCP and Hugging Face directories, publishes through one routine). A save
+first claims its target (a claim file created exclusively and locked while the save lasts),
+so a second save of the same checkpoint while the first runs raises :class:`CheckpointError`
+on every rank, naming the writer that holds it, having written nothing; each save stages in
+a directory of its own, and a claim is broken only once its writer is gone. A save that
+fails (a full disk while writing any file, say) raises :class:`CheckpointError` on every
+rank naming the file, removes its own staging directory and leaves the previous checkpoint
+in place.
 Every load checks the whole checkpoint against the model, reads into staging buffers and
 copies into the model (and optimizer) only once every rank has read everything, so a load
 completes or changes nothing. Errors are :class:`CheckpointError` (an ``Exception``, unlike

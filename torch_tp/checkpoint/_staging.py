@@ -1,13 +1,7 @@
-"""Staging, agreeing and publishing: what every reader and writer of :mod:`torch_tp.checkpoint`
-shares.
+"""Staging and agreeing: what every reader and writer of :mod:`torch_tp.checkpoint` shares
+(publishing, the one routine every writer goes through, is
+:mod:`torch_tp.checkpoint._publishing`'s).
 
-* **Publishing** (one routine every writer, DCP steps and Hugging Face directories, goes
-  through): a checkpoint ``final`` is written whole into ``final.partial``, its files and
-  directories fsynced, and made visible by one rename; a ``final`` it replaces is first moved
-  aside to ``final.old`` and deleted only once the new one is visible. So at any point
-  ``final``, or ``final.old`` while ``final`` is missing, is a complete checkpoint: readers
-  look there (:func:`_visible`), and the next save finishes what a crash left
-  (:func:`_recover_one`).
 * **Staging**: a load reads into buffers (:func:`_stage_local`, :func:`_stage_broadcast`)
   after checking every key, shape and dtype (:func:`_check_keys`), and copies them into the
   model (:func:`_copy_staged`) only once every rank has read everything.
@@ -24,12 +18,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 import pickle
-import shutil
 import warnings
 from collections.abc import Callable, Container, Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -220,9 +211,14 @@ def _lossy(src: torch.dtype, dst: torch.dtype) -> bool:
     if dst == torch.bool or (src.is_complex and not dst.is_complex):
         return True
     if not (src.is_floating_point or src.is_complex):  # integers
+        s = torch.iinfo(src)
         if dst.is_floating_point or dst.is_complex:
-            return True  # large integers do not survive
-        s, d = torch.iinfo(src), torch.iinfo(dst)
+            # exact while every integer fits the significand (int16 into float32, not int32):
+            # eps = 2**(1 - digits)
+            d = torch.finfo(dst.to_real() if dst.is_complex else dst)
+            digits = round(-math.log2(d.eps)) + 1
+            return max(-s.min, s.max) > 2**digits or d.max < s.max
+        d = torch.iinfo(dst)
         return d.min > s.min or d.max < s.max
     if not (dst.is_floating_point or dst.is_complex):
         return True  # floating point to integer
@@ -500,6 +496,27 @@ def _agree(
     return values
 
 
+def _agree_identity(identity: str, source: str, group: dist.ProcessGroup | None = None) -> None:
+    """Raise :class:`CheckpointError` on every rank of ``group`` (default: every rank) unless
+    all read the same checkpoint: ``identity`` is what this rank opened (a fingerprint of
+    its bytes), ``source`` names it. One small collective, before anything changes."""
+    if not _distributed():
+        return
+    group = _group() if group is None else group
+    failed = _load_failed(f"loading {source}")
+    every: list[Any] = [None] * dist.get_world_size(group)
+    _coordinate(dist.all_gather_object, every, identity, failed=failed, group=group)
+    if any(other != identity for other in every):
+        found = ", ".join(f"rank {rank}: {str(other)[:16]}" for rank, other in enumerate(every))
+        raise CheckpointError(
+            failed(
+                f"the ranks did not read the same checkpoint ({found}): give every rank the "
+                "same one, unchanged while they load (not different paths, nor a checkpoint "
+                "replaced between two ranks' reads)"
+            )
+        )
+
+
 def _raise(error: Exception | None) -> None:
     if error is not None:
         raise error
@@ -613,98 +630,3 @@ def _rank() -> int:
 
 def _load_failed(what: str) -> Callable[[str], str]:
     return lambda cause: f"{what} failed: {cause}. Nothing was changed."
-
-
-# ------------------------------------------------------------------------------------------
-# Publishing
-# ------------------------------------------------------------------------------------------
-
-_PARTIAL = ".partial"  # a save in progress, or one that failed: never read
-_OLD = ".old"  # the previous checkpoint being replaced, until the new one is in
-
-
-def _staged_name(final: Path) -> Path:
-    return final.with_name(final.name + _PARTIAL)
-
-
-def _old_name(final: Path) -> Path:
-    return final.with_name(final.name + _OLD)
-
-
-def _staging(final: Path) -> Path:
-    """An empty staging directory for ``final``, the leftover of a failed save removed (one
-    rank only; call :func:`_recover_one` first)."""
-    partial = _staged_name(final)
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    return partial
-
-
-def _publish(partial: Path, final: Path) -> None:
-    """Make the complete checkpoint in ``partial`` visible as ``final`` (one rank only).
-
-    Every file under ``partial`` and every directory is fsynced first; then each step is
-    atomic and made durable before the next: a crash between two of them leaves ``final``,
-    or ``final.old`` with ``final`` missing, complete on disk.
-    """
-    _fsync_tree(partial)
-    old = _old_name(final)
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        _fsync_dir(final.parent)
-    os.rename(partial, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _recover_one(final: Path, complete: Callable[[Path], bool]) -> None:
-    """Finish what a save of ``final`` that crashed while publishing left (one rank, before
-    the next save): an old checkpoint whose replacement never arrived goes back in place;
-    one whose replacement did is deleted."""
-    old = _old_name(final)
-    if not old.exists():
-        return
-    if complete(final):
-        shutil.rmtree(old)
-    elif not final.exists() and complete(old):
-        os.rename(old, final)
-        _fsync_dir(final.parent)
-
-
-def _visible(final: Path, complete: Callable[[Path], bool]) -> Path | None:
-    """The complete checkpoint published as ``final``: ``final``, or, while a save of it is
-    being published (or crashed while publishing), the ``.old`` one it replaces."""
-    for path in (final, _old_name(final)):
-        if complete(path):
-            return path
-    return None
-
-
-def _fsync_tree(path: Path) -> None:
-    """Make every file under ``path``, and the entries of every directory, durable."""
-    for directory, _, files in os.walk(path):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(directory))
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the entries of directory ``path`` durable (where the platform allows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)

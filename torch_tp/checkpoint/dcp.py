@@ -7,6 +7,7 @@ finds the newest complete one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import warnings
@@ -25,11 +26,21 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from torch_tp import random as tp_random
+from torch_tp._buffers import put_buffers, stale_buffers
 from torch_tp._torch_compat import StridedShard, compute_local_shape_and_global_offset
-from torch_tp.checkpoint._staging import (
+from torch_tp.checkpoint._publishing import (
     _OLD,
+    _begin,
+    _end,
+    _publish,
+    _recover_idle,
+    _target_name,
+    _visible,
+)
+from torch_tp.checkpoint._staging import (
     CheckpointError,
     _agree,
+    _agree_identity,
     _coordinate,
     _distributed,
     _dtensors,
@@ -41,15 +52,10 @@ from torch_tp.checkpoint._staging import (
     _meta_error,
     _packed_mesh_dim,
     _packed_placement,
-    _publish,
     _raise,
     _raise_or_warn,
     _rank,
-    _recover_one,
     _refuse_nested_packed,
-    _staged_name,
-    _staging,
-    _visible,
 )
 
 __all__ = ["latest_step", "load", "save"]
@@ -71,14 +77,23 @@ def save(
     """Save a distributed checkpoint of the model, the optimizer and the RNG streams.
 
     Every rank writes its own shards in parallel (:func:`torch.distributed.checkpoint.save`,
-    each file flushed and fsynced) into ``checkpoint_dir/step-<step>.partial``. When every
-    rank is done, rank 0 fsyncs the directory and publishes it with one atomic rename to
-    ``checkpoint_dir/step-<step>``. Saving a step that already exists moves the old one
-    aside to ``step-<step>.old`` first and deletes it only once the new one is published;
+    each file flushed and fsynced) into ``checkpoint_dir/step-<step>.<save id>.partial``, a
+    directory of this save alone. When every rank is done, rank 0 fsyncs the directory and
+    publishes it with one atomic rename to ``checkpoint_dir/step-<step>``. Saving a step that
+    already exists moves the old one aside to ``step-<step>.old`` first and deletes it only
+    once the new one is published;
     :func:`load` and :func:`latest_step` read ``step-<step>.old`` while ``step-<step>`` is
     missing, and the next save restores or deletes it. So a crash at any point (a rank
     killed while writing, during the renames, between saves) leaves the previous or the new
     checkpoint loadable, never neither.
+
+    One save of a step at a time: rank 0 first claims it (``step-<step>.claim``, created
+    exclusively, naming the writer and locked while the save lasts). A save of a step that
+    another live save is writing, from this job or any other, raises
+    :class:`CheckpointError` on every rank naming that writer (host, process id, save id),
+    having written nothing; a claim whose writer is gone (its lock free, or its process ended
+    on this machine) is broken, with what that writer left. Saves of other steps go on
+    meanwhile and are never touched.
 
     A save that fails raises :class:`CheckpointError` on every rank, saying what failed and
     which step is the latest complete one (the previous checkpoint is intact). When a rank
@@ -111,8 +126,8 @@ def save(
         The path of the completed checkpoint.
 
     Raises:
-        CheckpointError: the save failed on some rank (raised on every rank); the previous
-            checkpoint is intact.
+        CheckpointError: the save failed on some rank, or another save of the step is in
+            progress (raised on every rank); the previous checkpoint is intact.
         ValueError: ``step`` is not a non-negative int, or the model has tensors on the
             meta device (on every rank: the ranks agree on their checks, and on ``step``,
             before anything is written).
@@ -139,39 +154,54 @@ def save(
         error = exc
     failed = lambda cause: _save_failed(what, root, cause)  # noqa: E731
     _agree(error, failed, value=repr(step), same="the step")
-    partial = _staged_name(final)
+    # rank 0 claims the step (refused while another save of it is in progress), and every
+    # rank learns the staging directory of this save alone
+    claim, partial = None, None
     if _rank() == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            _recover(root)
-            _staging(final)
-        except OSError as exc:
-            error = CheckpointError(_save_failed(what, root, f"cannot prepare it: {exc}"))
-    _agree(error, failed)
-    model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        state["optim"] = optim_state
-    with torch.no_grad():
-        state = _map_dtensors(state, _as_plain_shard)  # packed: the same values, as Shard
-    rng = _rng_state()
-    if rng is not None:
-        state["rng"] = rng
-    with _single_process_is_intended():
-        _coordinate(
-            dcp.save,
-            state,
-            storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-            process_group=_group() if _distributed() else None,
-            no_dist=not _distributed(),
-            failed=lambda cause: _save_failed(what, root, cause),
-        )
-    if _rank() == 0:
-        try:
-            _publish(partial, final)
-        except OSError as exc:
-            error = CheckpointError(_save_failed(what, root, f"publishing it: {exc}"))
-    _agree(error, lambda cause: _save_failed(what, root, cause))
+            claim, partial = _begin(final, _complete, failed)
+            _recover(root, final)
+        except (OSError, CheckpointError) as exc:
+            if claim is not None:
+                _end(claim, partial)
+                claim = None
+            error = (
+                exc
+                if isinstance(exc, CheckpointError)
+                else CheckpointError(failed(f"cannot prepare it: {exc}"))
+            )
+    partial = root / _agree(error, failed, value=partial and partial.name)[0]
+    try:
+        model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
+        state: dict[str, Any] = {"model": model_state}
+        if optimizer is not None:
+            state["optim"] = optim_state
+        with torch.no_grad():
+            state = _map_dtensors(state, _as_plain_shard)  # packed: the same values, as Shard
+        rng = _rng_state()
+        if rng is not None:
+            state["rng"] = rng
+        with _single_process_is_intended():
+            _coordinate(
+                dcp.save,
+                state,
+                storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+                process_group=_group() if _distributed() else None,
+                no_dist=not _distributed(),
+                failed=failed,
+            )
+        if claim is not None:
+            try:
+                _publish(partial, final)
+            except OSError as exc:
+                error = CheckpointError(failed(f"publishing it: {exc}"))
+            finally:  # before the last agreement: whoever saves next finds the step free
+                _end(claim, partial)
+                claim = None
+        _agree(error, failed)
+    finally:
+        if claim is not None:  # a collective failed: nothing of this save is left behind
+            _end(claim, partial)
     return final
 
 
@@ -185,12 +215,14 @@ def _save_failed(what: str, root: Path, cause: str) -> str:
     return f"{what} failed: {cause}. Nothing was lost: {kept}."
 
 
-def _recover(root: Path) -> None:
-    """Finish what DCP saves that crashed while publishing left in ``root``."""
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name.removesuffix(_OLD))
-        if entry.name.endswith(_OLD) and match is not None:
-            _recover_one(root / match.group(0), _complete)
+def _recover(root: Path, final: Path) -> None:
+    """Finish what crashed DCP saves of other steps than ``final`` (claimed) left in
+    ``root``: a publication cut short, staging directories. A step another live job is
+    saving now is left alone (see :func:`_recover_idle`)."""
+    steps = {_target_name(entry.name) for entry in root.iterdir()} - {None, final.name}
+    for name in sorted(steps):
+        if _STEP_DIR.match(name):
+            _recover_idle(root / name, _complete)
 
 
 def _complete(path: Path) -> bool:
@@ -236,9 +268,11 @@ def load(
     Keyword Args:
         step (int, optional): the step to load. Default: the latest complete checkpoint.
         rng (bool, optional): restore each rank's RNG streams. They can only continue on the
-            layout they were saved on (the same world size and tensor-parallel size);
-            pass ``False`` to keep the current streams, e.g. when changing layouts.
-            Default: ``True``.
+            layout they were saved on: the same world size and tensor-parallel size, and
+            every rank where it stood in the RNG tracker's mesh (its dim names, the rank's
+            coordinates and its tensor-parallel group, compared from the metadata before
+            anything is read); pass ``False`` to keep the current streams, e.g. when
+            changing layouts. Default: ``True``.
         strict (bool, optional): raise for checkpoint entries that the model and optimizer
             do not have (e.g. a checkpoint of a deeper model). Entries the checkpoint lacks
             are always an error. Default: ``True``.
@@ -255,9 +289,15 @@ def load(
         FileNotFoundError: ``checkpoint_dir`` does not exist, or ``step`` was given and
             there is no complete checkpoint for it.
         CheckpointError: the checkpoint does not match the model or optimizer, or cannot
-            be read; the message names the files and every offending key.
-        ValueError: ``rng`` and the checkpoint has no RNG state for this layout, or the
-            model has tensors on the meta device (named).
+            be read (the message names the files and every offending key); or the ranks
+            were given different checkpoints (DCP's id of the save differs; copies of one
+            checkpoint have the same). With ``rng``, a checkpoint with no RNG streams for
+            this layout, or saved on another arrangement of the mesh: this one is a
+            ``ValueError`` too, as it was before.
+        ValueError: the model has tensors on the meta device (named), or non-persistent
+            buffers that ``model.to_empty()`` left uninitialised and that cannot be computed
+            again (named: use :func:`torch_tp.materialize`). Those that can be (rotary
+            tables) are computed again, as :func:`torch_tp.materialize` does, with a warning.
         NotImplementedError: a packed parameter whose packed dim FSDP2 shards too (nothing
             is changed).
 
@@ -318,11 +358,13 @@ def _load_dcp(
     strict: bool,
 ) -> None:
     what = f"loading {str(path)!r}"
-    error, staged, rng_key = None, {}, None
+    error, staged, rng_key, moved, identity, buffers = None, {}, None, None, "", []
     packed: dict[int, DTensor] = {}  # id(plain template) -> the packed tensor it stands for
     try:
         metadata = _read_metadata(path)
         saved = metadata.state_dict_metadata
+        identity = _save_identity(metadata)
+        buffers = stale_buffers(model, "load")  # what to_empty() left in non-persistent ones
         model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
         state: dict[str, Any] = {"model": model_state}
         if optimizer is not None:
@@ -332,12 +374,13 @@ def _load_dcp(
             wanted = f"rng.{rng_key}.tp_state"
             if rng_key is None or wanted not in saved:
                 layouts = sorted({k.split(".")[1] for k in saved if k.startswith("rng.")})
-                raise ValueError(
+                raise _RNGLayoutError(
                     f"the checkpoint at {str(path)!r} has RNG streams for the layouts "
                     f"{layouts or 'none'} (world size x tensor-parallel size), not for this "
                     f"one ({_layout() or 'no RNG tracker'}): the streams cannot continue on "
                     "another layout; pass rng=False to keep the current ones"
                 )
+            moved = _moved_rank(saved, rng_key)
             state["rng"] = {rng_key: _empty_rng_entry()}
 
         def stage(value: Tensor) -> Tensor:
@@ -366,7 +409,22 @@ def _load_dcp(
             _check_metadata(path, metadata, flat, parts, strict, type(model).__name__, loaded)
         except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
             error = exc
-    _agree(error, _load_failed(what))  # one small collective: nobody reads unless all can
+    # one small collective: nobody reads unless all can
+    moves = _agree(error, _load_failed(what), value=moved)
+    # every rank reads the same save: ranks given different directories (or a step saved
+    # again between two ranks' reads of its metadata) would load a mixture
+    _agree_identity(identity, repr(str(path)))
+    # the RNG streams continue only where each rank stands where it stood when they were
+    # saved; refused on every rank alike, before anything is read
+    moves = [f"rank {rank}: {move}" for rank, move in enumerate(moves) if move is not None]
+    if moves:
+        raise _RNGLayoutError(
+            _load_failed(what)(
+                "the RNG streams were saved on another arrangement of the mesh ("
+                + "; ".join(moves)
+                + "): they cannot continue here; pass rng=False to keep the current ones"
+            )
+        )
     with _single_process_is_intended():
         _coordinate(
             dcp.load,
@@ -392,8 +450,22 @@ def _load_dcp(
         model_state_dict=staged["model"],
         optim_state_dict=staged.get("optim", {}),
     )
+    put_buffers(buffers)
     if rng_key is not None:
         _restore_rng(staged["rng"][rng_key])
+
+
+def _save_identity(metadata: Any) -> str:
+    """What tells one save from another: the id DCP gives each save (a fresh UUID, kept in
+    the metadata, so a copy of a checkpoint keeps it); failing that (a checkpoint written
+    without one), a hash of every entry's name, shape, dtype and where its bytes are."""
+    save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    if save_id:
+        return f"save {save_id}"
+    entries = sorted((str(k), repr(v)) for k, v in metadata.state_dict_metadata.items())
+    storage = getattr(metadata, "storage_data", None) or {}
+    places = sorted((repr(k), repr(v)) for k, v in storage.items())
+    return "metadata " + hashlib.sha256(repr((entries, places)).encode()).hexdigest()
 
 
 def _read_metadata(path: Path) -> Any:
@@ -615,7 +687,14 @@ def latest_step(checkpoint_dir: str | os.PathLike) -> int | None:
 
 
 # The RNG streams are saved per rank, under a key naming the layout and the rank, as
-# tensors only (no pickled objects): ``rng.<world>x<tp>.rank<r>.{tp_state, ...}``.
+# tensors only (no pickled objects): ``rng.<world>x<tp>.rank<r>.{tp_state, ...}``. Where the
+# rank stood in the mesh is part of a key, so that a load reads it from the metadata alone,
+# before anything: ``rng.<world>x<tp>.rank<r>.mesh.<where>`` (see _where).
+
+
+class _RNGLayoutError(CheckpointError, ValueError):
+    """The RNG streams of a checkpoint belong to another layout (a ``CheckpointError``,
+    and a ``ValueError`` as :func:`load` raised before)."""
 
 
 def _layout() -> str | None:
@@ -632,6 +711,31 @@ def _rng_key() -> str | None:
     return None if layout is None else f"{layout}.rank{_rank()}"
 
 
+def _where() -> str:
+    """Where this rank stands in the mesh of the RNG tracker (``torch_tp.random``): the mesh's
+    dim names and this rank's coordinate along each, of its size, and the global ranks of
+    its tensor-parallel group in order, e.g. ``dp=0/2,tp=1/2;tp-group=0,1``."""
+    tracker = tp_random.get_rng_tracker()
+    mesh = tracker._mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    coordinate = mesh.get_coordinate()
+    dims = ",".join(
+        f"{name}={at}/{size}" for name, at, size in zip(names, coordinate, mesh.shape, strict=True)
+    )
+    return f"{dims};tp-group=" + ",".join(map(str, tracker._group[1]))
+
+
+def _moved_rank(saved: Mapping[str, Any], rng_key: str) -> str | None:
+    """How this rank stands elsewhere in the mesh than when its RNG streams were saved (from
+    the metadata's keys alone), or ``None`` where it stands where it stood."""
+    prefix = f"rng.{rng_key}.mesh."
+    found = [key[len(prefix) :] for key in saved if key.startswith(prefix)]
+    here = _where()
+    if not found:
+        return f"saved without where it stood in the mesh (by an older torch_tp), here {here}"
+    return None if found[0] == here else f"saved at {found[0]}, here at {here}"
+
+
 def _rng_state() -> dict[str, dict[str, Tensor]] | None:
     tracker = tp_random.get_rng_tracker()
     key = _rng_key()
@@ -646,6 +750,8 @@ def _rng_state() -> dict[str, dict[str, Tensor]] | None:
             # int64 holds the bits of a seed in [0, 2**64)
             "seed": torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64),
             "tp_rank": torch.tensor(state["tp_rank"], dtype=torch.int64),
+            # the key says where this rank stood (a load reads it from the metadata)
+            "mesh": {_where(): torch.tensor(state["tp_rank"], dtype=torch.int64)},
         }
     }
 

@@ -11,16 +11,20 @@ back as transformers writes it, one parameter gathered at a time, rank 0 writing
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from pathlib import Path, PureWindowsPath
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from torch_tp._buffers import put_buffers, stale_buffers
 from torch_tp._torch_compat import IncompatibleKeys
 from torch_tp.checkpoint._hf_conversion import (
     CheckpointLayout,
@@ -29,30 +33,33 @@ from torch_tp.checkpoint._hf_conversion import (
     revert,
     save_groups,
 )
+from torch_tp.checkpoint._publishing import (
+    _begin,
+    _end,
+    _old_name,
+    _publish,
+    _visible,
+)
 from torch_tp.checkpoint._staging import (
     CheckpointError,
     _agree,
+    _agree_identity,
     _check_keys,
     _copy_staged,
     _distributed,
     _first_line,
     _load_failed,
     _meta_error,
-    _old_name,
     _Piece,
-    _publish,
     _raise,
     _rank,
-    _recover_one,
     _refuse_nested_packed,
     _single_device_name,
     _stage_local,
-    _staged_name,
-    _staging,
-    _visible,
 )
 from torch_tp.checkpoint.safetensors import (
     _SAFETENSORS_DTYPES,
+    _Pinned,
 )
 
 __all__ = ["load_pretrained", "save_pretrained"]
@@ -69,34 +76,127 @@ def _complete(path: Path) -> bool:
     return (path / _SINGLE).is_file() or (path / _INDEX).is_file()
 
 
+def _kind(value: object) -> str:
+    """What a JSON value is, for a message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    names = {dict: "an object", list: "a list", str: "a string"}
+    return names.get(type(value), "a number")
+
+
+def _weight_map(data: bytes, where: Path) -> dict[str, str]:
+    """The ``weight_map`` of an index file's bytes, each entry a file inside the directory;
+    anything else is refused naming the index and the keys at fault."""
+
+    def refused(why: str) -> CheckpointError:
+        return CheckpointError(f"{str(where)!r} is not a safetensors index: {why}")
+
+    try:
+        index = json.loads(data)
+    except RecursionError as exc:
+        raise refused("its JSON is nested too deeply") from exc
+    except ValueError as exc:  # invalid JSON, or bytes that are not UTF-8
+        raise refused(_first_line(exc)) from exc
+    if not isinstance(index, dict):
+        raise refused(f"it is {_kind(index)}, not an object holding a 'weight_map'")
+    if "weight_map" not in index:
+        raise refused("it has no 'weight_map'")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise refused(f"its 'weight_map' is {_kind(weight_map)}, not an object of key -> file")
+    if not weight_map:
+        raise refused("its 'weight_map' lists no tensors")
+    bad = [f"{k!r} -> {v!r}" for k, v in weight_map.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise refused("entries that are not file names: " + _shown(bad))
+    outside: dict[str, list[str]] = {}
+    for key, entry in weight_map.items():
+        if _leaves(entry):
+            outside.setdefault(entry, []).append(key)
+    if outside:
+        raise CheckpointError(
+            f"{str(where)!r} names files outside the directory, which are not read: "
+            + "; ".join(f"{e!r} for {_shown(list(map(repr, keys)))}" for e, keys in outside.items())
+            + " (an entry is a path inside the index's directory; a symlink there may lead "
+            "anywhere, as a Hugging Face cache's do)"
+        )
+    return weight_map
+
+
+def _leaves(entry: str) -> bool:
+    """Whether an index entry names a path outside its directory, as written: absolute
+    (``/x``, ``C:x``, ``\\\\host\\x``) or going up (``..``)."""
+    parts = entry.replace("\\", "/").split("/")
+    return entry.startswith(("/", "\\")) or bool(PureWindowsPath(entry).drive) or ".." in parts
+
+
+def _shown(items: list[str], most: int = 8) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def _pin(directory: Path) -> _Pinned:
+    """The published version of ``directory`` (or, while it is being replaced, the ``.old``
+    one), held open. Its rename between our look and our open is retried."""
+    for _ in range(3):
+        root = _visible(directory, _complete)
+        try:
+            pinned = _Pinned(root or directory)
+        except (FileNotFoundError, NotADirectoryError):
+            if root is None:
+                break
+            continue  # moved aside between the look and the open
+        if root is None or pinned.exists(_SINGLE) or pinned.exists(_INDEX):
+            return pinned
+        pinned.close()  # deleted (an .old) between the look and the open
+    raise FileNotFoundError(
+        f"no {_SINGLE} or {_INDEX} in {str(directory)!r} (expected a save_pretrained directory)"
+    )
+
+
 class _PretrainedSource:
     """A Hugging Face checkpoint directory read as the model's full state dict.
 
     ``shapes``/``dtypes`` are by the model's names: the checkpoint's keys as transformers'
     conversion mapping for the model reads them (renamed, merged, split; see
     :class:`~torch_tp.checkpoint._hf_conversion.CheckpointLayout`), and under their own names
-    the keys nothing in the model reads. Only the files' headers are read up front.
+    the keys nothing in the model reads. Only the files' headers (and a fingerprint of
+    each) are read up front; every file is opened then, and read through those handles
+    until :meth:`close` (see :class:`_Pinned`): one version of the directory, whole.
+
+    As transformers' ``from_pretrained`` (5.23), ``model.safetensors`` is read where it
+    exists, the index only without it.
     """
 
     def __init__(
         self, directory: str | os.PathLike, model: nn.Module, targets: dict[str, Tensor]
     ) -> None:
-        from safetensors import safe_open
-
         # while a save_pretrained of this directory is published (or crashed doing so), the
         # checkpoint it replaces is whole under <directory>.old
-        root = _visible(Path(directory), _complete) or Path(directory)
+        self._pinned = _pin(Path(directory))
+        try:
+            self._open(model, targets)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, model: nn.Module, targets: dict[str, Tensor]) -> None:
+        from safetensors import safe_open
+
+        pinned = self._pinned
+        root = pinned.root
         self.description = f"the Hugging Face checkpoint {str(root)!r}"
-        if (root / _INDEX).is_file():
-            try:
-                weight_map = json.loads((root / _INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
-                raise CheckpointError(
-                    f"{str(root / _INDEX)!r} is not a safetensors index: {_first_line(exc)}"
-                ) from exc
-            self._file = {key: root / name for key, name in weight_map.items()}
-        elif (root / _SINGLE).is_file():
-            self._file = {}
+        index: dict[str, str] = {}
+        identity = hashlib.sha256()
+        if pinned.exists(_SINGLE):  # transformers' precedence: the index is not read
+            names = [_SINGLE]
+            identity.update(b"single\0")
+        elif pinned.exists(_INDEX):
+            data = pinned.read(_INDEX)
+            identity.update(b"index\0" + data)
+            index = _weight_map(data, root / _INDEX)
+            names = sorted(set(index.values()))
         else:
             pickled = [root / name for name in _PICKLED if (root / name).is_file()]
             if pickled:
@@ -111,31 +211,33 @@ class _PretrainedSource:
             raise FileNotFoundError(
                 f"no {_SINGLE} or {_INDEX} in {str(root)!r} (expected a save_pretrained directory)"
             )
-        shapes: dict[str, tuple[int, ...]] = {}
-        dtypes: dict[str, torch.dtype | str] = {}
-        for path in sorted(set(self._file.values())) or [root / _SINGLE]:
+        for name in names:  # every file opened before anything is read
+            pinned.open(name)
+        # every file holding each key: (file, shape, dtype)
+        found: dict[str, list[tuple[str, tuple[int, ...], torch.dtype | str]]] = {}
+        for name in names:
+            identity.update(pinned.fingerprint(name))
             try:
-                with safe_open(str(path), framework="pt", device="cpu") as file:
+                with safe_open(pinned.path(name), framework="pt", device="cpu") as file:
                     for key in file.keys():
                         tensor_slice = file.get_slice(key)
-                        shapes[key] = tuple(tensor_slice.get_shape())
                         dtype = tensor_slice.get_dtype()
-                        dtypes[key] = _SAFETENSORS_DTYPES.get(dtype, dtype)
-                        self._file.setdefault(key, path)
+                        found.setdefault(key, []).append(
+                            (name, tuple(tensor_slice.get_shape()),
+                             _SAFETENSORS_DTYPES.get(dtype, dtype))
+                        )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
                 raise CheckpointError(
-                    f"{str(path)!r} is not a readable safetensors file: {_first_line(exc)}"
+                    f"{str(root / name)!r} is not a readable safetensors file: {_first_line(exc)}"
                 ) from exc
-        missing = sorted(k for k in self._file if k not in shapes)
-        if missing:
-            raise CheckpointError(
-                f"{str(root / _INDEX)!r} lists key(s) its files do not hold: "
-                + ", ".join(map(repr, missing[:8]))
-                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            )
-        files = {key: path.name for key, path in self._file.items()}
+        self._identity = identity.hexdigest()
+        self._check_files(index, found)
+        # each key's file: the index's, or the one file holding a key the index does not list
+        self._file = {key: index.get(key, holders[0][0]) for key, holders in found.items()}
+        shapes = {key: holders[0][1] for key, holders in found.items()}
+        dtypes = {key: holders[0][2] for key, holders in found.items()}
         self.layout = CheckpointLayout(
-            model, targets, shapes, dtypes, conversion_mapping(model), files
+            model, targets, shapes, dtypes, conversion_mapping(model), dict(self._file)
         )
         if self.layout.errors:
             raise CheckpointError(
@@ -147,12 +249,76 @@ class _PretrainedSource:
         self.describe = self.layout.describe
         self.views: set[str] = set()  # the names read as views of their files (mapped)
 
+    def _check_files(
+        self,
+        index: dict[str, str],
+        found: dict[str, list[tuple[str, tuple[int, ...], torch.dtype | str]]],
+    ) -> None:
+        """Refuse a key held by several files (which one is read would be a guess: the
+        index names one, the headers may say another's shape and dtype), and an index
+        naming a file for a key it does not hold."""
+        where = self._pinned.root / _INDEX
+        errors = []
+        unheld = sorted(k for k in index if k not in found)
+        if unheld:
+            errors.append(
+                f"{str(where)!r} lists key(s) its files do not hold: "
+                + _shown(list(map(repr, unheld)))
+            )
+        elsewhere = [
+            f"{key!r} -> {index[key]} (held by {', '.join(h[0] for h in holders)})"
+            for key, holders in found.items()
+            if key in index and all(h[0] != index[key] for h in holders)
+        ]
+        if elsewhere:
+            errors.append(
+                f"{str(where)!r} names files that do not hold the keys: " + _shown(elsewhere)
+            )
+        several = []
+        for key, holders in found.items():
+            if len(holders) < 2:
+                continue
+            named = index.get(key)
+            holders = sorted(holders, key=lambda h: (h[0] != named, h[0]))
+            several.append(
+                f"{key!r} is in more than one file: "
+                + ", ".join(
+                    f"{file} ({'the index' + chr(39) + 's; ' if file == named else ''}"
+                    f"{dtype} {list(shape)})"
+                    for file, shape, dtype in holders
+                )
+            )
+        if several:
+            errors.append("; ".join(several[:8]) + (
+                f" and {len(several) - 8} more" if len(several) > 8 else ""
+            ) + " (each key must be in one file only)")  # fmt: skip
+        if errors:
+            raise CheckpointError(
+                f"cannot read {self.description} (nothing was changed): " + "; ".join(errors)
+            )
+
+    def identity(self) -> str:
+        """A fingerprint of the version read (the index's bytes; each file's name, size,
+        header and blocks of its data): the ranks compare theirs before the model changes."""
+        return self._identity
+
+    def verify(self) -> None:
+        """After the reads: refuse a file read by path that was replaced meanwhile."""
+        self._pinned.verify()
+
+    def close(self) -> None:
+        """Let the files go (a tensor mapped from one keeps its mapping)."""
+        self._pinned.close()
+
+    def _safe_open(self, key: str):
+        from safetensors import safe_open
+
+        return safe_open(self._pinned.path(self._file[key]), framework="pt", device="cpu")
+
     def _read(self, key: str, region: tuple[slice, ...]) -> Tensor:
         """``key[region]`` from its file (all of it for ``()``), reading only those bytes;
         the file is closed again, so its mapped pages are let go."""
-        from safetensors import safe_open
-
-        with safe_open(str(self._file[key]), framework="pt", device="cpu") as file:
+        with self._safe_open(key) as file:
             tensor_slice = file.get_slice(key)
             if not tensor_slice.get_shape():
                 return file.get_tensor(key)
@@ -161,15 +327,13 @@ class _PretrainedSource:
     def copy_to(self, name: str, pieces: list[_Piece] | None, dst: Tensor) -> None:
         """``dst[mine] = name[whole]`` for each piece (the whole tensor: ``pieces=None``),
         reading only those bytes."""
-        from safetensors import safe_open
-
         if pieces is None:
             pieces = [(tuple(slice(0, s) for s in self.shapes[name]), (slice(None),) * dst.ndim)]
         if name in self.layout.converted:
             self.layout.copy_to(name, pieces, dst, self._read)
             return
         key = self.layout.plain[name]
-        with safe_open(str(self._file[key]), framework="pt", device="cpu") as file:
+        with self._safe_open(key) as file:
             if not self.shapes[name]:  # 0-d
                 dst.copy_(file.get_tensor(key))
                 return
@@ -183,8 +347,6 @@ class _PretrainedSource:
         is one piece of ``local``'s shape, dtype and strides as the file holds it: a
         replicated tensor, or a shard of rows. ``None`` elsewhere (a shard of columns, another
         dtype, a converted tensor): read it into a buffer."""
-        from safetensors import safe_open
-
         if name in self.layout.converted or self.dtypes[name] != local.dtype:
             return None
         if pieces is None:
@@ -199,9 +361,10 @@ class _PretrainedSource:
         if local[mine].shape != local.shape or not rows_only or not local.is_contiguous():
             return None  # checked before the read: a tensor is read once
         key = self.layout.plain[name]
-        with safe_open(str(self._file[key]), framework="pt", device="cpu") as file:
+        with self._safe_open(key) as file:
             view = file.get_slice(key)[whole]
-        if view.shape != local.shape or view.stride() != local.stride():
+        # the dtype too: a view of other bytes would reinterpret them
+        if (view.dtype, view.shape, view.stride()) != (local.dtype, local.shape, local.stride()):
             return None
         self.views.add(name)
         return view
@@ -282,14 +445,25 @@ def load_pretrained(
         ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``.
 
     While :func:`save_pretrained` replaces ``directory`` (or after it crashed doing so),
-    the previous checkpoint, whole, is read from ``<directory>.old``.
+    the previous checkpoint, whole, is read from ``<directory>.old``. A load reads one
+    version of the directory: the directory and every file it needs are opened before
+    anything is read, and read through those handles, so a directory replaced meanwhile
+    is still read whole as it was when opened; the ranks then compare a fingerprint of what
+    they opened (the index's bytes; each file's name, size, header and 16 blocks of 4 KiB
+    spread over its data) and refuse together where it differs. As transformers 5.23's
+    ``from_pretrained``, ``model.safetensors`` is read where it exists, the index only
+    without it.
 
     Raises:
         FileNotFoundError: the directory holds no checkpoint.
         CheckpointError: missing or unexpected keys, shapes or dtypes that do not fit, a
             conversion that cannot be applied, a file that cannot be read, or a directory
             holding only pickled weights (``pytorch_model.bin``: named, with how to convert
-            it); the message names every key at fault and its file.
+            it); a key held by more than one file, a file that is not a regular one (a
+            FIFO, a directory), an index entry outside the directory (absolute, or with
+            ``..``; a symlink in the directory may lead anywhere, as a Hugging Face cache's
+            into ``../../blobs/`` do), a malformed index; ranks that read different
+            checkpoints. The message names every key at fault and its file.
         ValueError: the model has tensors on the meta device (named): give it memory with
             :func:`torch_tp.materialize` first.
 
@@ -312,6 +486,7 @@ def load_pretrained(
     source = None
     try:
         _raise(_meta_error(model, "load_pretrained"))  # before reading anything
+        buffers = stale_buffers(model, "load_pretrained")  # what to_empty() left in them
         source = _PretrainedSource(directory, model, targets)
         aliases = _tied_aliases(model)
         wanted = {
@@ -322,13 +497,21 @@ def load_pretrained(
         result = _check_keys(model, wanted, source, strict)
         mapped = source.mapped if mmap else None
         staged = _stage_local(source, wanted, result, threads=_READERS, mapped=mapped)
+        source.verify()
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = exc
+    finally:
+        if source is not None:
+            source.close()  # everything is staged (a mapped tensor keeps its mapping)
     if _distributed() and any(isinstance(t, DTensor) for t in targets.values()):
         _agree(error, _load_failed(f"loading {str(directory)!r}"))
+        # the same version on every rank: paths that differ, or a directory replaced
+        # between two ranks' opens, would load a mixture
+        _agree_identity(source.identity(), source.description)
     elif error is not None:
         raise error
     _copy_staged(targets, staged, source.views if source is not None else ())
+    put_buffers(buffers)
     if source is not None and source.layout.mapping is not None:
         # as transformers' from_pretrained: the conversions applied, reverted on save
         model._weight_conversions = source.layout.used()
@@ -377,15 +560,18 @@ def save_pretrained(
     first name. Must be called on every rank.
 
     The previous checkpoint is never lost: the directory is written whole beside it
-    (``<directory>.partial``), its files fsynced, and published as the DCP
-    :func:`~torch_tp.checkpoint.save` publishes a step: an existing ``directory`` is moved
-    aside to ``<directory>.old`` and deleted only once the new one is in place. A crash at
-    any point leaves ``directory`` whole (the old or the new one), or the old one whole as
-    ``<directory>.old`` with ``directory`` missing, which :func:`load_pretrained` reads and
-    the next :func:`save_pretrained` puts back. A save that fails raises
+    (``<directory>.<save id>.partial``, this save's alone), its files fsynced, and published
+    as the DCP :func:`~torch_tp.checkpoint.save` publishes a step: an existing ``directory``
+    is moved aside to ``<directory>.old`` and deleted only once the new one is in place. A
+    crash at any point leaves ``directory`` whole (the old or the new one), or the old one
+    whole as ``<directory>.old`` with ``directory`` missing, which :func:`load_pretrained`
+    reads and the next :func:`save_pretrained` puts back. A save that fails raises
     :class:`~torch_tp.checkpoint.CheckpointError` on every rank, saying where the previous
     checkpoint is, intact (a rank that died makes the others' collectives fail: they raise
-    it too, within moments).
+    it too, within moments). A failure to write any file (a full disk) names the file, and
+    leaves nothing beside the directory. One save of a directory at a time: a save while
+    another live one holds ``<directory>.claim`` is refused, naming that writer, as
+    :func:`~torch_tp.checkpoint.save` refuses a second save of a step.
 
     Args:
         model (:class:`nn.Module`): a transformers model, parallelized (and possibly
@@ -402,8 +588,8 @@ def save_pretrained(
     Raises:
         ValueError: a ``max_shard_size`` that is not a size, a ``layout`` that is not one,
             or a model on the meta device (before anything is written, on every rank).
-        CheckpointError: the save failed on some rank (raised on every rank); the previous
-            checkpoint is intact.
+        CheckpointError: the save failed on some rank, or another save of the directory is
+            in progress (raised on every rank); the previous checkpoint is intact.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")
@@ -417,10 +603,7 @@ def save_pretrained(
 def _save_pretrained(
     model: nn.Module, directory: str | os.PathLike, max_shard_size: int | str, layout: str
 ) -> None:
-    from safetensors.torch import save_file
-
     final = Path(directory)
-    partial = _staged_name(final)
     writer = _rank() == 0
     what = f"saving {str(final)!r}"
     state = model.state_dict()
@@ -448,13 +631,57 @@ def _save_pretrained(
     except (ValueError, NotImplementedError, CheckpointError) as exc:
         error = exc
     _agree(error, failed)  # nothing is written unless every rank can go on
+    # rank 0 claims the directory (refused while another save of it is in progress) and
+    # writes into a staging directory of this save alone
+    claim, partial = None, final
     if writer:
         try:
-            _recover_one(final, _complete)
-            _staging(final)
+            claim, partial = _begin(final, _complete, failed)
         except OSError as exc:
-            error = CheckpointError(failed(f"cannot prepare {str(partial)!r}: {exc}"))
+            error = CheckpointError(failed(f"cannot prepare a staging directory: {exc}"))
+        except CheckpointError as exc:
+            error = exc
     _agree(error, failed)
+    try:
+        error = _write_pretrained(model, state, groups, layout, limit, partial, final, failed)
+        if claim is not None:
+            # before the last agreement: whoever saves next finds the directory free, and a
+            # failed save leaves nothing behind
+            _end(claim, partial)
+            claim = None
+    finally:
+        if claim is not None:  # a collective failed: nothing of this save is left behind
+            _end(claim, partial)
+    _agree(error, failed)
+
+
+def _write_pretrained(
+    model: nn.Module,
+    state: dict[str, Tensor],
+    groups: list[list[str]],
+    layout: str,
+    limit: int,
+    partial: Path,
+    final: Path,
+    failed: Callable[[str], str],
+) -> Exception | None:
+    """Gather every group (every rank, in order) and, on rank 0, write it into ``partial``
+    and publish that as ``final``. Rank 0 returns its error, for the caller to agree on: a
+    :class:`CheckpointError` naming the file it could not write (a full disk, say). A failed
+    gather raises on every rank (no rank is left to agree with)."""
+    from safetensors.torch import save_file
+
+    writer = _rank() == 0
+    error: Exception | None = None
+
+    @contextlib.contextmanager
+    def doing(what: str) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
+            raise CheckpointError(failed(f"cannot {what}: {_first_line(exc)}")) from exc
 
     shard: dict[str, Tensor] = {}
     shard_bytes, files, weight_map, total = 0, [], {}, 0
@@ -463,7 +690,8 @@ def _save_pretrained(
         nonlocal shard, shard_bytes
         if shard:
             name = f"model-{len(files) + 1:05d}.safetensors"
-            save_file(shard, str(partial / name), metadata={"format": "pt"})
+            with doing(f"write {str(partial / name)!r}"):
+                save_file(shard, str(partial / name), metadata={"format": "pt"})
             files.append((name, list(shard)))
         shard, shard_bytes = {}, 0
 
@@ -499,28 +727,34 @@ def _save_pretrained(
             del gathered
             for key, value in written.items():
                 add(key, value)
-        except Exception as exc:  # noqa: BLE001 - agreed on below
+        except Exception as exc:  # noqa: BLE001 - raised after the gathers
             error = exc
-    if writer and error is None:
-        try:
-            flush()
-            if len(files) == 1:
+    if not writer or error is not None:
+        return error
+    try:
+        flush()
+        if len(files) == 1:
+            with doing(f"write {str(partial / _SINGLE)!r}"):
                 (partial / files[0][0]).rename(partial / _SINGLE)
-            else:
-                for i, (name, keys) in enumerate(files):
-                    renamed = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        else:
+            for i, (name, keys) in enumerate(files):
+                renamed = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                with doing(f"write {str(partial / renamed)!r}"):
                     (partial / name).rename(partial / renamed)
-                    weight_map.update(dict.fromkeys(keys, renamed))
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                weight_map.update(dict.fromkeys(keys, renamed))
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with doing(f"write {str(partial / _INDEX)!r}"):
                 (partial / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-            for attribute in ("config", "generation_config"):
-                config = getattr(model, attribute, None)
-                if config is not None and hasattr(config, "save_pretrained"):
+        for attribute in ("config", "generation_config"):
+            config = getattr(model, attribute, None)
+            if config is not None and hasattr(config, "save_pretrained"):
+                with doing(f"write {str(partial / (attribute + '.json'))!r}"):
                     config.save_pretrained(partial)
+        with doing(f"publish {str(partial)!r} as {str(final)!r}"):
             _publish(partial, final)
-        except Exception as exc:  # noqa: BLE001 - agreed on below
-            error = CheckpointError(failed(_first_line(exc)))
-    _agree(error, failed)
+    except CheckpointError as exc:
+        return exc
+    return None
 
 
 _LAYOUTS = ("transformers", "model")
