@@ -12,8 +12,8 @@ model would agree with each other.
 
 The quick tests compile with ``aot_eager`` (dynamo and AOTAutograd, the part that must trace
 what the styles read at run time; seconds on two CPU cores); the sequence-parallel reference
-Llama with inductor too (a minute of compiling). ``fullgraph=True`` everywhere, as upstream's compile tests
-use it: a graph break in a style fails the test.
+Llama with inductor too (a minute of compiling). ``fullgraph=True`` everywhere, as
+upstream's compile tests use it: a graph break in a style fails the test.
 """
 
 from __future__ import annotations
