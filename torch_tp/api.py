@@ -14,6 +14,7 @@ from torch_tp import _torch_compat as compat
 from torch_tp.plan import is_style, mark_applied, resolve_plan, validate_plan
 from torch_tp.random import _ensure_tracker
 from torch_tp.shapes import check_shapes
+from torch_tp.style import adapters as _adapters
 from torch_tp.style.base import ParallelStyle, planning
 
 __all__ = ["parallelize_module"]
@@ -121,7 +122,13 @@ def parallelize_module(
     meshes = _entry_meshes(entries, device_mesh)
     # styles that read the model's config find it; a partial-sum region, the modules the
     # plan gives a style
-    styled = frozenset(id(entry.module) for entry in entries)
+    # (and a LoRA layer's adapters, which the style of its base layer hosts)
+    styled = frozenset(id(entry.module) for entry in entries) | frozenset(
+        id(m)
+        for e in entries
+        if e.adapters is not None
+        for m in _adapters.adapter_modules(e.adapters)
+    )
     with planning(module, styled):
         validate_plan(entries, meshes, module, strict=strict)
     _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
@@ -137,12 +144,16 @@ def parallelize_module(
     # (on an N-D mesh, its last dimension: each expert's matrices are split over it)
     _ensure_tracker(device_mesh if device_mesh.ndim == 1 else _last_dim(device_mesh))
 
+    # PEFT may wrap a layer of this plan later (get_peft_model after parallelize_module)
+    _adapters.install()
     result = module
     # every style of this call gets the runtime TORCH_TP_RUNTIME selects now
     with _layouts.applying(), planning(module, styled):
         for entry, mesh in zip(entries, meshes, strict=True):
             entry.style.src_data_rank = src_data_rank
             applied = entry.style._apply(entry.module, mesh)
+            if entry.adapters is not None:  # PEFT's LoRA on it (torch_tp.style.adapters)
+                entry.style._host_adapters(entry.adapters, entry.module, mesh)
             mark_applied(entry)
             if is_style(parallelize_plan):
                 result = applied

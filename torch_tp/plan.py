@@ -30,6 +30,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch_tp import _layouts, _names
 from torch_tp._torch_compat import StridedShard
 from torch_tp.registry import STYLE_REGISTRY
+from torch_tp.style import adapters as _adapters
 from torch_tp.style.base import (
     MODULE_PATH_ATTR,
     STYLE_REPR_LIMIT,
@@ -52,12 +53,16 @@ class PlanEntry:
         path: the module's dotted path from the root (``""`` for the root itself).
         module: the module.
         style: the style to apply.
+        adapters: the PEFT layer wrapping ``module`` (its ``base_layer``), whose LoRA
+            adapters the style hosts; ``None`` for a module PEFT did not wrap. A key naming
+            the wrapper (``q_proj``) gives the base layer as ``module``.
     """
 
     key: str
     path: str
     module: nn.Module
     style: ParallelStyle
+    adapters: nn.Module | None = None
 
 
 def is_style(value: object) -> bool:
@@ -189,6 +194,8 @@ def resolve_plan(
             warnings.warn(message + "; skipping it (strict=False)", stacklevel=3)
             continue
         for path, submodule in matches:
+            # a PEFT wrapper stands for its base layer, whose style hosts its adapters
+            path, submodule, wrapper = _adapters.host_of(path, submodule, module)
             if id(submodule) in owner:
                 first = owner[id(submodule)]
                 raise ValueError(
@@ -196,7 +203,7 @@ def resolve_plan(
                     f"({_style(first.style)}) and {short_repr(key)} ({_style(style)}); a module "
                     "takes one style"
                 )
-            entry = PlanEntry(key, path, submodule, style)
+            entry = PlanEntry(key, path, submodule, style, wrapper)
             owner[id(submodule)] = entry
             entries.append(entry)
     # styles that take their placements from the entries (local_params) get them first
@@ -284,6 +291,8 @@ def _match_parameters(root: nn.Module, key: str) -> list[tuple[str, nn.Module, s
     if not pattern:
         return []
     modules, _ = _match(root, parent)
+    # a PEFT wrapper's parameters are its base layer's (q_proj.weight: q_proj.base_layer.weight)
+    modules = [_adapters.host_of(path, module, root)[:2] for path, module in modules]
     return [
         (path, module, name)
         for path, module in modules
@@ -434,6 +443,8 @@ def validate_plan(
         try:
             if validate is not None:
                 validate(entry.module, mesh)
+            if entry.adapters is not None:
+                _adapters.check(entry.style, entry.adapters, entry.module)
         except (NotImplementedError, ValueError, TypeError) as err:
             raise type(err)(f"cannot apply {where}: {err}") from err
     for _, _, message in unsummed_gradients(entries):

@@ -333,6 +333,10 @@ def _stock_forwards(model: nn.Module, entries: list[PlanEntry]) -> None:
     Conv1D's ``nf``); in both traces, so that their ops pair."""
     with planning(model, frozenset(id(e.module) for e in entries)):
         for entry in entries:
+            if entry.adapters is not None:
+                # PEFT's LoRA layer: its adapter adds a term of its base layer's shape,
+                # computed by the base's style (torch_tp.style.adapters): the base alone here
+                entry.adapters.forward = entry.module.__call__
             contract = getattr(entry.style, "contract", None)
             if contract is None or not _uses_stock_forward(entry.module):
                 continue

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch_tp import _layouts, _regions
 from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
+from torch_tp.style import adapters as _adapters
 from torch_tp.style.base import (
     ParallelStyle,
     _check_flag,
@@ -146,6 +147,8 @@ class _ShardLinearEmbedding(ParallelStyle):
         if _uses_stock_forward(module):
             forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
             module.forward = functools.partial(forward, module, rt)
+            if forward == self._linear:
+                _adapters.remember(module, self, rt)  # if PEFT wraps it later
         elif _own_lookups(self, module):
             # its own forward on local tensors, with the lookups of its weight done by the
             # style; the submodules it calls (a norm after the lookup: transformers' normed
@@ -169,6 +172,24 @@ class _ShardLinearEmbedding(ParallelStyle):
                 self.use_local_output,
             )
         return module
+
+    def _adapter_placements(self, base: nn.Module) -> tuple[dict, dict]:
+        """The placements of a LoRA adapter's ``lora_A`` and ``lora_B`` parameters on
+        ``base`` (see :mod:`torch_tp.style.adapters`)."""
+        raise NotImplementedError
+
+    def _check_adapters(self, wrapper: nn.Module, base: nn.Module) -> None:
+        """Raise unless this style can host ``wrapper``'s LoRA adapters on ``base``."""
+        if isinstance(base, nn.Embedding) or not _uses_stock_forward(base):
+            raise NotImplementedError(
+                f"{type(self).__name__} hosts LoRA adapters on a stock nn.Linear or Conv1D, "
+                f"found {type(base).__qualname__}"
+            )
+
+    def _host_adapters(self, wrapper: nn.Module, base: nn.Module, device_mesh: DeviceMesh):
+        """Lay out ``wrapper``'s LoRA adapters to match ``base`` (to which this style was
+        applied) and compute them with it."""
+        _adapters.host(self, wrapper, base, _layouts.runtime(device_mesh))
 
     def _own_embedding_forward(
         self,
@@ -322,8 +343,16 @@ class ColwiseParallel(_ShardLinearEmbedding):
         out_dim = 0 if isinstance(module, nn.Linear) else 1
         return {"weight": self._shard(out_dim), "bias": self._shard(0)}
 
+    def _adapter_placements(self, base: nn.Module) -> tuple[dict, dict]:
+        # lora_A whole; lora_B's output features (dim 0) split like the base's
+        return {"weight": Replicate()}, {"weight": self._shard(0), "bias": self._shard(0)}
+
     def _linear(
-        self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        input: torch.Tensor,
+        adapters: list[_adapters.Lora] | None = None,
     ) -> torch.Tensor:
         try:
             if isinstance(self.input_layouts[0], Replicate) and in_partial_region(input):
@@ -335,6 +364,8 @@ class ColwiseParallel(_ShardLinearEmbedding):
                 x = rt.enter_replicated(input, self.input_layouts[0])
             weight = rt.local_parameter(module, "weight")
             y = _project(module, x, weight, rt.local_parameter(module, "bias"))
+            if adapters:  # PEFT's LoRA (torch_tp.style.adapters): this rank's columns too
+                y = _adapters.column_terms(adapters, x, y, rt)
             return self._leave(y, rt, _out_features(module))
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
@@ -393,6 +424,12 @@ def _shape_code(shape: torch.Size) -> int:
             code = code << bits | dim
         return code
     return 1 << 60 | hash(tuple(shape)) & ((1 << 60) - 1)
+
+
+_FEATURE_SHARDED_ADAPTER = (
+    "a LoRA adapter's partial sum rides in the base layer's reduction, concatenated on the "
+    "features: the output cannot be sharded on its last dimension (output_layouts={layout})"
+)
 
 
 class RowwiseParallel(_ShardLinearEmbedding):
@@ -484,6 +521,16 @@ class RowwiseParallel(_ShardLinearEmbedding):
         in_dim = 1 if isinstance(module, nn.Linear) else 0
         return {"weight": self._shard(in_dim), "bias": Replicate()}
 
+    def _adapter_placements(self, base: nn.Module) -> tuple[dict, dict]:
+        # lora_A's input features (dim 1) split like the base's; lora_B whole
+        return {"weight": self._shard(1)}, {"weight": Replicate(), "bias": Replicate()}
+
+    def _check_adapters(self, wrapper: nn.Module, base: nn.Module) -> None:
+        super()._check_adapters(wrapper, base)
+        layout = self.output_layouts[0]
+        if isinstance(layout, Shard) and layout.dim == -1:
+            raise NotImplementedError(_FEATURE_SHARDED_ADAPTER.format(layout=layout))
+
     def _desired_input(self, module: nn.Module) -> Placement:
         return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
 
@@ -494,7 +541,11 @@ class RowwiseParallel(_ShardLinearEmbedding):
         return ("bias",) if sharded and biased else ()
 
     def _linear(
-        self, module: nn.Module, rt: _layouts.DTensorRuntime, input: torch.Tensor
+        self,
+        module: nn.Module,
+        rt: _layouts.DTensorRuntime,
+        input: torch.Tensor,
+        adapters: list[_adapters.Lora] | None = None,
     ) -> torch.Tensor:
         layout, x = self.input_layouts[0], input
         last = type(layout) is Shard and layout.dim in (-1, x.ndim - 1)
@@ -503,18 +554,33 @@ class RowwiseParallel(_ShardLinearEmbedding):
                 layout = _layouts.normalize(layout, x.ndim)
                 x = rt.enter_sharded(x, layout, self._shard(x.ndim - 1))
             partial = _project(module, x, rt.local_parameter(module, "weight"), None)
-            y = self._reduce(partial, rt, module)
+            if adapters:
+                # PEFT's LoRA (torch_tp.style.adapters): lora_A's partial sums, reduced with
+                # the base's in its one collective
+                out = self.output_layouts[0]
+                if isinstance(out, Shard) and _layouts.normalize(out, x.ndim).dim == x.ndim - 1:
+                    raise ValueError(
+                        f"{_where(self, module)}: " + _FEATURE_SHARDED_ADAPTER.format(layout=out)
+                    )
+                features = module.in_features if isinstance(module, nn.Linear) else module.nx
+                inner = _adapters.row_inputs(adapters, x, rt, self._shard(x.ndim - 1), features)
+                reduce = functools.partial(self._reduce, rt=rt, module=module)
+                y, inner = _adapters.reduce_with(partial, inner, reduce)
+            else:
+                y = self._reduce(partial, rt, module)
         except _layouts.ShardDimError as err:
             raise _in_module(self, module, err) from None
-        if module.bias is None:
-            return y
-        # added after the reduction, so that it is added once
-        if isinstance(y, DTensor):
-            return y + module.bias
-        # on a sharded output each rank's bias gradient sums over its shard only: partial
-        if isinstance(self.output_layouts[0], Shard):
-            return y + rt.local_parameter(module, "bias", partial=True)
-        return y + rt.local_parameter(module, "bias")
+        sharded = isinstance(self.output_layouts[0], Shard)
+        if module.bias is not None:
+            # added after the reduction, so that it is added once
+            if isinstance(y, DTensor):
+                y = y + module.bias
+            else:
+                # on a sharded output each rank's bias gradient sums over its shard: partial
+                y = y + rt.local_parameter(module, "bias", partial=sharded)
+        if adapters:
+            y = _adapters.row_terms(adapters, inner, y, rt, sharded)
+        return y
 
     def _embedding(
         self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor

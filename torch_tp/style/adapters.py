@@ -1,0 +1,433 @@
+"""PEFT's LoRA adapters on a tensor-parallel layer.
+
+PEFT adapts a layer by wrapping it: ``q_proj`` becomes a ``peft.tuners.lora.Linear`` that
+holds the original layer as ``base_layer`` and, per adapter, a ``lora_A`` and a ``lora_B``
+(two plain ``nn.Linear``), adding ``lora_B(lora_A(dropout(x))) * scaling`` to the base
+layer's output. A plan's key for ``q_proj`` keeps working on the wrapped model: the style
+applies to the base layer and hosts the adapter, laid out to match it.
+
+* Column-parallel base (:class:`~torch_tp.ColwiseParallel`): ``lora_A`` whole, ``lora_B``
+  sharded on its output features like the base weight. No collective: each rank adds its
+  columns of the adapter's output to its columns of the base's. ``lora_A``'s gradient is a
+  partial sum on each rank (each sees its columns' share), summed with the other partial
+  gradients in the one all-reduce at the end of backward.
+* Row-parallel base (:class:`~torch_tp.RowwiseParallel`): ``lora_A`` sharded on its input
+  features like the base weight, ``lora_B`` whole. ``lora_A``'s partial output (``r``
+  features) rides in the base layer's own reduction, concatenated to the base's partial
+  sum: no extra collective, forward or backward.
+
+The packed styles host the same way (``lora_B``, or ``lora_A``, strided like the fused
+weight). With ``lora_dropout`` a row-parallel adapter draws the mask of the whole input,
+exactly as one device does, and keeps its slice: the masks are one device's on either side.
+
+Adapters are found whichever order came first. ``get_peft_model`` before
+:func:`~torch_tp.parallelize_module`: the plan resolves ``q_proj`` to the wrapper and the
+style hosts its adapters when it is applied. After: PEFT registers its wrapper in place of
+the parallelized layer, and a module-registration hook (torch's public
+``register_module_module_registration_hook``) hosts the adapters there, before the first
+forward and before any optimizer sees them; an adapter added later to a hosted layer
+(``add_adapter``, ``load_adapter``) is laid out as PEFT registers it.
+
+A hosted adapter's state-dict entries are its full tensors (gathered over the mesh), which
+is what PEFT saves and loads; so every rank must take the state dict together. Loading
+accepts full tensors (each rank keeps its slice) or DTensors.
+
+Only PEFT's LoRA on ``nn.Linear`` and transformers' ``Conv1D`` is hosted; other tuners,
+LoRA variants (DoRA, ...) and mixed-adapter batches are refused by name. torch_tp never
+imports PEFT: a wrapper can only exist once PEFT has been imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+
+from torch_tp import _layouts
+from torch_tp.style.base import MODULE_PATH_ATTR, _distribute_parameters
+
+__all__: list[str] = []
+
+# set on a PEFT wrapper whose adapters a style hosts: (style, base layer, runtime)
+_HOSTED = "_torch_tp_hosted"
+# set on a hosted wrapper's lora_A / lora_B dicts: (wrapper, "A" or "B")
+_ADAPTER_DICT = "_torch_tp_adapter_dict"
+# set on a layer a style was applied to that can host adapters: (style, runtime)
+_HOST_RUNTIME = "_torch_tp_host_runtime"
+
+
+class Lora(NamedTuple):
+    """One active adapter of a hosted layer, as its forward reads it."""
+
+    A: nn.Linear
+    B: nn.Linear
+    dropout: nn.Module
+    scaling: float
+
+
+# ------------------------------------------------------------------------------------------
+# Recognizing PEFT's layers (without importing PEFT)
+# ------------------------------------------------------------------------------------------
+
+
+def tuner_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one of PEFT's tuner layers (a wrapper around a base layer)."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return tuners is not None and isinstance(module, tuners.BaseTunerLayer)
+
+
+def _lora_linear_class() -> type | None:
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    return None if layer is None else layer.Linear
+
+
+def _tuner_name(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def base_of(module: nn.Module) -> nn.Module:
+    """The layer a PEFT tuner layer wraps (through nested wrappers)."""
+    return module.get_base_layer()
+
+
+def host_of(
+    path: str, module: nn.Module, root: nn.Module
+) -> tuple[str, nn.Module, nn.Module | None]:
+    """``(path, module, wrapper)`` for a module a plan names: a PEFT wrapper becomes its base
+    layer (``path.base_layer``) and the wrapper whose adapters the style hosts; a base layer
+    named directly finds its wrapper; anything else is itself, with no wrapper."""
+    if tuner_layer(module):
+        return f"{path}.base_layer" if path else "base_layer", base_of(module), module
+    parent_path, _, name = path.rpartition(".")
+    if name == "base_layer":
+        parent = root.get_submodule(parent_path)
+        if tuner_layer(parent):
+            return path, module, parent
+    return path, module, None
+
+
+def adapter_modules(wrapper: nn.Module) -> list[nn.Module]:
+    """The modules of ``wrapper`` that are not its base layer (its adapters)."""
+    base = base_of(wrapper)
+    inside = {id(m) for m in base.modules()}
+    return [m for m in wrapper.modules() if m is not wrapper and id(m) not in inside]
+
+
+# ------------------------------------------------------------------------------------------
+# Checking (nothing changes)
+# ------------------------------------------------------------------------------------------
+
+
+def check(style: Any, wrapper: nn.Module, base: nn.Module) -> None:
+    """Raise unless ``style`` can host the adapters of ``wrapper`` on ``base``: PEFT's LoRA on
+    a layer the style computes itself, with no LoRA variant. ``NotImplementedError`` for what
+    is not supported, ``ValueError`` for adapters already distributed."""
+    lora = _lora_linear_class()
+    supported = (
+        "torch_tp hosts PEFT's LoRA (peft.tuners.lora.Linear) on nn.Linear and transformers' "
+        "Conv1D under ColwiseParallel, RowwiseParallel and their packed variants"
+    )
+    if getattr(style, "_host_adapters", None) is None:
+        raise NotImplementedError(
+            f"{type(style).__name__} cannot host the adapters of PEFT's "
+            f"{_tuner_name(wrapper)}: {supported}"
+        )
+    if lora is None or not isinstance(wrapper, lora) or type(wrapper).forward is not lora.forward:
+        raise NotImplementedError(
+            f"the adapter is PEFT's {_tuner_name(wrapper)}; {supported}. Leave this module out "
+            "of the adapter's target_modules, or out of the plan"
+        )
+    if tuner_layer(base):
+        raise NotImplementedError(
+            f"the base layer is itself a PEFT layer ({_tuner_name(base)}): nested tuners are "
+            "not supported"
+        )
+    variants = sorted(getattr(wrapper, "lora_variant", {}) or {})
+    if variants:
+        kinds = sorted({type(v).__name__ for v in wrapper.lora_variant.values()})
+        raise NotImplementedError(
+            f"adapter(s) {variants} use a LoRA variant ({', '.join(kinds)}: use_dora, ...), "
+            "which torch_tp does not host: the variant's own forward reads the whole weight "
+            "(DoRA: its norm over the input features). Plain LoRA and rsLoRA are supported"
+        )
+    for name in wrapper.lora_A:
+        dropout = wrapper.lora_dropout[name]
+        if type(dropout) not in (nn.Dropout, nn.Identity):
+            raise NotImplementedError(
+                f"adapter {name!r}: lora_dropout is a {type(dropout).__name__}; nn.Dropout "
+                "or nn.Identity is supported"
+            )
+        for part in (wrapper.lora_A[name], wrapper.lora_B[name]):
+            if type(part) is not nn.Linear:
+                raise NotImplementedError(
+                    f"adapter {name!r}: {type(part).__name__} in lora_A/lora_B; PEFT's plain "
+                    "nn.Linear factors are supported"
+                )
+            for pname, param in part.named_parameters(recurse=False):
+                if isinstance(param, DTensor):
+                    raise ValueError(
+                        f"adapter {name!r}: {pname!r} is already a DTensor with placements "
+                        f"{param.placements}: the adapter was parallelized before"
+                    )
+    style._check_adapters(wrapper, base)
+
+
+# ------------------------------------------------------------------------------------------
+# Hosting
+# ------------------------------------------------------------------------------------------
+
+
+def remember(base: nn.Module, style: Any, rt: _layouts.DTensorRuntime) -> None:
+    """Record on a styled layer the style and runtime that host its adapters, if PEFT wraps
+    it later."""
+    setattr(base, _HOST_RUNTIME, (style, rt))
+
+
+def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: _layouts.DTensorRuntime) -> None:
+    """Lay out ``wrapper``'s adapters as ``style`` says and run its forward on local tensors
+    (``style`` has been applied to ``base``, and :func:`check` passed)."""
+    placements = style._adapter_placements(base)
+    for name in list(wrapper.lora_A):
+        _distribute_parameters(wrapper.lora_A[name], rt, placements[0], style.src_data_rank)
+        _distribute_parameters(wrapper.lora_B[name], rt, placements[1], style.src_data_rank)
+    if getattr(wrapper, _HOSTED, None) is None:
+        wrapper.register_state_dict_post_hook(_full_adapter_entries)
+        wrapper.register_load_state_dict_pre_hook(_sliced_adapter_entries)
+    setattr(wrapper, _HOSTED, (style, base, rt))
+    setattr(wrapper.lora_A, _ADAPTER_DICT, (wrapper, 0))
+    setattr(wrapper.lora_B, _ADAPTER_DICT, (wrapper, 1))
+    wrapper.forward = functools.partial(_forward, style, wrapper, base, rt)
+
+
+def _where(wrapper: nn.Module, base: nn.Module) -> str:
+    path = getattr(base, MODULE_PATH_ATTR, None)
+    path = path.removesuffix(".base_layer") if path else None
+    return f"the LoRA layer {path!r}" if path else "a LoRA layer"
+
+
+def _forward(
+    style: Any,
+    wrapper: nn.Module,
+    base: nn.Module,
+    rt: _layouts.DTensorRuntime,
+    x: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """PEFT's LoRA forward, with the base layer's style computing base and adapters on local
+    tensors in one pass."""
+    if kwargs.get("adapter_names") is not None:
+        raise NotImplementedError(
+            f"{_where(wrapper, base)}: a batch mixing adapters (adapter_names=) is not "
+            "supported under tensor parallelism; set_adapter() one adapter for the batch"
+        )
+    kwargs.pop("adapter_names", None)
+    if args or kwargs:
+        raise TypeError(
+            f"{_where(wrapper, base)}: the forward takes one input; found {len(args)} more "
+            f"positional and the keyword arguments {sorted(kwargs)}"
+        )
+    if wrapper.disable_adapters:
+        if wrapper.merged:
+            wrapper.unmerge()
+        return base(x)
+    if wrapper.merged:
+        return base(x)
+    active = []
+    for name in wrapper.active_adapters:
+        if name not in wrapper.lora_A:
+            continue
+        if name in wrapper.lora_variant:
+            raise NotImplementedError(
+                f"{_where(wrapper, base)}: adapter {name!r} uses a LoRA variant "
+                f"({type(wrapper.lora_variant[name]).__name__}), which torch_tp does not host"
+            )
+        A, B = wrapper.lora_A[name], wrapper.lora_B[name]
+        if not isinstance(A.weight, DTensor):
+            raise RuntimeError(
+                f"{_where(wrapper, base)}: adapter {name!r} was added without torch_tp laying "
+                "it out (its lora_A is not a DTensor); add adapters through PEFT's API "
+                "(get_peft_model, add_adapter, load_adapter)"
+            )
+        active.append(Lora(A, B, wrapper.lora_dropout[name], wrapper.scaling[name]))
+    if not active:
+        return base(x)
+    return style._linear(base, rt, x, active)
+
+
+# ------------------------------------------------------------------------------------------
+# The adapters' computation, for the styles
+# ------------------------------------------------------------------------------------------
+
+
+def _cast(x: torch.Tensor, A: nn.Linear) -> torch.Tensor:
+    # as PEFT does (cast_input_dtype): the adapter computes in its own dtype
+    dtype = A.weight.dtype
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def column_terms(
+    adapters: list[Lora], x: torch.Tensor, y: torch.Tensor, rt: _layouts.DTensorRuntime
+) -> torch.Tensor:
+    """``y`` (this rank's output columns of a column-parallel base) plus each adapter's
+    columns: ``lora_B_r(lora_A(dropout(x)))`` on the whole input ``x``.
+
+    ``lora_A`` is whole; each rank's gradient for it covers its own columns: a partial sum,
+    summed at the end of backward."""
+    dtype = y.dtype
+    for lora in adapters:
+        A = rt.local_parameter(lora.A, "weight", partial=True)
+        B = rt.local_parameter(lora.B, "weight")
+        bias = rt.local_parameter(lora.B, "bias")
+        y = y + F.linear(F.linear(lora.dropout(_cast(x, lora.A)), A), B, bias) * lora.scaling
+    return y.to(dtype)
+
+
+def row_inputs(
+    adapters: list[Lora],
+    x: torch.Tensor,
+    rt: _layouts.DTensorRuntime,
+    shard: Placement,
+    features: int,
+) -> list[torch.Tensor]:
+    """Each adapter's ``lora_A_r(dropout(x_r))`` on this rank's input features ``x`` (of
+    ``features`` in all, split as ``shard``): partial sums, to be reduced with the base's."""
+    out = []
+    for lora in adapters:
+        xa = _cast(x, lora.A)
+        dropout = lora.dropout
+        if type(dropout) is nn.Dropout and dropout.training and dropout.p > 0:
+            # one device's mask over the whole input, of which this rank keeps its slice:
+            # the same draw from the same generator as one device's, so the same mask
+            whole = torch.ones((*xa.shape[:-1], features), dtype=xa.dtype, device=xa.device)
+            xa = xa * rt.enter_sharded(dropout(whole), Replicate(), shard)
+        else:
+            xa = dropout(xa)
+        out.append(F.linear(xa, rt.local_parameter(lora.A, "weight")))
+    return out
+
+
+def row_terms(
+    adapters: list[Lora],
+    inner: list[torch.Tensor],
+    y: torch.Tensor,
+    rt: _layouts.DTensorRuntime,
+    partial: bool,
+) -> torch.Tensor:
+    """``y`` plus each adapter's ``lora_B(u)``, with ``u`` its reduced ``inner`` value. With
+    ``partial`` the output is a shard of the tokens (sequence parallelism), so each rank's
+    gradient for the whole ``lora_B`` is a partial sum."""
+    dtype = y.dtype
+    for lora, u in zip(adapters, inner, strict=True):
+        if isinstance(u, DTensor):  # use_local_output=False: the reduction gave DTensors
+            B, bias = lora.B.weight, lora.B.bias
+        else:
+            B = rt.local_parameter(lora.B, "weight", partial=partial)
+            bias = rt.local_parameter(lora.B, "bias", partial=partial)
+        y = y + F.linear(u, B, bias) * lora.scaling
+    return y.to(dtype)
+
+
+def reduce_with(
+    partial: torch.Tensor, inner: list[torch.Tensor], reduce
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Reduce ``partial`` and the adapters' ``inner`` partial sums in one collective:
+    concatenated on the features, reduced by ``reduce``, split again."""
+    sizes = [partial.shape[-1], *(u.shape[-1] for u in inner)]
+    reduced = reduce(torch.cat([partial, *inner], dim=-1))
+    y, *us = reduced.split(sizes, dim=-1)
+    return y, us
+
+
+# ------------------------------------------------------------------------------------------
+# State dicts: full adapter tensors, as PEFT saves and loads them
+# ------------------------------------------------------------------------------------------
+
+
+def _adapter_parameters(wrapper: nn.Module, prefix: str):
+    for which in ("lora_A", "lora_B"):
+        for name, part in getattr(wrapper, which).items():
+            for pname, param in part.named_parameters(recurse=False):
+                yield f"{prefix}{which}.{name}.{pname}", param
+
+
+def _full_adapter_entries(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """A state-dict post-hook: a hosted adapter's entries become its full tensors."""
+    for key, _ in _adapter_parameters(module, prefix):
+        value = state_dict.get(key)
+        if isinstance(value, DTensor):
+            state_dict[key] = value.full_tensor()
+
+
+def _sliced_adapter_entries(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    """A load pre-hook: a full tensor for a hosted adapter's DTensor parameter becomes this
+    rank's slice of it (each rank holds the whole value: no communication)."""
+    for key, param in _adapter_parameters(module, prefix):
+        value = state_dict.get(key)
+        if (
+            isinstance(param, DTensor)
+            and isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.shape == param.shape
+        ):
+            state_dict[key] = distribute_tensor(
+                value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None
+            )
+
+
+# ------------------------------------------------------------------------------------------
+# Adapters PEFT adds after the plan was applied
+# ------------------------------------------------------------------------------------------
+
+
+def _on_registration(parent: nn.Module, name: str, submodule: nn.Module) -> None:
+    """torch's module-registration hook: host the adapters of a PEFT wrapper registered in
+    place of a parallelized layer, or lay out an adapter added to a hosted one."""
+    if "peft" not in sys.modules:
+        return None
+    owner = getattr(parent, _ADAPTER_DICT, None)
+    if owner is not None:
+        wrapper, which = owner
+        style, base, rt = getattr(wrapper, _HOSTED)
+        placements = style._adapter_placements(base)[which]
+        if any(isinstance(p, DTensor) for p in submodule.parameters(recurse=False)):
+            return None
+        _distribute_parameters(submodule, rt, placements, style.src_data_rank)
+        return None
+    if not tuner_layer(submodule) or getattr(submodule, _HOSTED, None) is not None:
+        return None
+    base = base_of(submodule)
+    remembered = getattr(base, _HOST_RUNTIME, None)
+    if remembered is None:
+        return None
+    style, rt = remembered
+    try:
+        check(style, submodule, base)
+    except (NotImplementedError, ValueError) as err:
+        raise type(err)(
+            f"{_where(submodule, base)} wraps a layer parallelized with "
+            f"{type(style).__name__}: {err}"
+        ) from err
+    host(style, submodule, base, rt)
+    return None
+
+
+_INSTALLED: list[Any] = []
+
+
+def install() -> None:
+    """Register :func:`_on_registration` with torch, once per process."""
+    if not _INSTALLED:
+        from torch.nn.modules.module import register_module_module_registration_hook
+
+        _INSTALLED.append(register_module_module_registration_hook(_on_registration))
