@@ -47,7 +47,13 @@ setup(
             "transformers==5.23.0",
             # benchmarks/bench_moe.py compares with transformers' own TP/EP, which needs it
             "accelerate==1.15.0",
+            # the tests of PEFT's LoRA under TP, docs/adapters.md, examples/lora_finetune.py
+            # and benchmarks/bench_lora.py (the "peft" extra below)
+            "peft==0.21.2",
         ],
+        # PEFT's LoRA adapters on a torch_tp model (docs/adapters.md); `import torch_tp` never
+        # imports peft. Its own "torch>=1.13" is met by the torch installed first
+        "peft": ["peft==0.21.2"],
         # an alias kept for old install lines: safetensors is a plain requirement now
         "checkpoint": ["safetensors>=0.4"],
         "docs": [

@@ -594,3 +594,48 @@ def test_context_bad_arguments_are_refused_before_spawning(
     assert "matches no variant" in capsys.readouterr().err
     assert bench_context.main(["--world-size", "1"]) == 2
     assert "at least 2 ranks" in capsys.readouterr().err
+
+
+# --- benchmarks/bench_lora.py -----------------------------------------------------------------
+
+import bench_lora  # noqa: E402
+
+
+@pytest.mark.slow  # five models per rank, two timed rounds each
+def test_lora_script_quick_mode() -> None:
+    """Every row runs at a tiny size (transformers' own TP, where PEFT's adapters do not run
+    on it, says why): the LoRA step under torch_tp gives one device's losses with exactly the
+    collectives of the same model without adapters (a row-parallel adapter's partial sum
+    rides in its base's all-reduce), and each rank holds less of the adapter than one device."""
+    pytest.importorskip("peft")
+    args = bench_lora.parse(["--quick"])
+    rows = {row.variant: row for row in bench_lora.bench(args)}
+    assert list(rows) == list(bench_lora.VARIANTS)
+    single, lora, full = rows["one device"], rows["torch_tp"], rows["torch_tp full FT"]
+    for row in (single, lora, full):
+        assert not row.error, (row.variant, row.error)
+        assert len(row.times_ms) == args.steps, row
+        assert len(row.losses) == args.warmup + 1 + args.steps, row  # + the counted step
+    assert single.collectives == "none"
+    # 2 layers: 7 forward, 5 backward, with adapters or without; the logits gathered once
+    assert lora.collectives == full.collectives == "_allgather_base_ 1, allreduce_ 11"
+    torch.testing.assert_close(lora.losses, single.losses, rtol=1e-5, atol=1e-5)
+    # float32 adapter bytes per layer (hidden 32, kv 16, MLP 64, r 8), r * (in + out) on one
+    # device: q 64, k 48, v 48, o 64, gate 96, up 96, down 96; at TP=2 the column-parallel
+    # ones hold half of lora_B (q 48, k 40, v 40, gate 64, up 64), the row-parallel ones
+    # half of lora_A (o 48, down 64)
+    assert single.trained_bytes == 2 * 8 * 512 * 4
+    assert lora.trained_bytes == 2 * 8 * 368 * 4
+    hf = rows["transformers"]
+    text = bench_lora.table(list(rows.values()), args, markdown=True)
+    assert text.count("\n| ") == 1 + len(rows)  # the header and a row each
+    if hf.error:
+        assert f"| transformers | - | does not run: {hf.error} |" in text
+    else:
+        assert len(hf.losses) == args.warmup + 1 + args.steps, hf
+
+
+def test_lora_bad_variant_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench_lora.parse(["--only", "torch_tp,nosuch"])
+    assert "unknown variants ['nosuch']" in capsys.readouterr().err

@@ -176,6 +176,23 @@ def test_nothing_in_torch_tp_imports_upstream_tensor_parallel():
     assert not offenders, f"torch_tp must not import {upstream}: {offenders}"
 
 
+@pytest.mark.parametrize("package", ["peft", "transformers"])
+def test_import_torch_tp_does_not_import_optional_packages(package):
+    """The extras stay optional (setup.py's ``peft``; transformers only for
+    ``torch_tp.plans.hf``): a fresh interpreter importing torch_tp, and the modules that host
+    PEFT's adapters and plan transformers models, has not imported them."""
+    import subprocess
+
+    modules = ("torch_tp", "torch_tp.style.adapters", "torch_tp.plans.hf")
+    code = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] == {package!r}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", f"importing torch_tp imported {proc.stdout.strip()}"
+
+
 # --------------------------------------------------------------------------- runnable examples
 
 

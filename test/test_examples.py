@@ -112,7 +112,8 @@ def test_examples_run_under_torchrun(tmp_path):
 
 
 def test_examples_have_a_docstring_with_the_command():
-    for script in ("tp_1d.py", "fsdp2_tp.py", "checkpoint_round_trip.py", "pipeline_3d.py"):
+    scripts = ("tp_1d.py", "fsdp2_tp.py", "checkpoint_round_trip.py", "pipeline_3d.py")
+    for script in (*scripts, "lora_finetune.py"):
         text = (EXAMPLES / script).read_text(encoding="utf-8")
         assert "torchrun --nproc-per-node" in text and f"examples/{script}" in text, script
 
@@ -168,3 +169,59 @@ def test_pipeline_3d_example_trains_like_one_device(tmp_path):
     load(tmp_path / "dcp", loaded, step=2, rng=False)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_lora_example_trains_like_one_device(tmp_path):
+    """examples/lora_finetune.py under torchrun, 2 ranks, in both orders (parallelize then
+    get_peft_model, and --peft-first): the losses it prints (dropout on) are those of the
+    same PEFT model trained on one device, and the adapter it saves is PEFT's files, which
+    the script itself loads on one device and checks against the parallel model's logits."""
+    import importlib.util
+
+    pytest.importorskip("peft")
+    import torch
+    from peft import get_peft_model
+
+    script = EXAMPLES / "lora_finetune.py"
+    sizes = ["--steps", "3", "--dim", "32", "--batch", "2", "--seq", "8"]
+    runs = [
+        [str(script), *sizes, "--out", str(tmp_path / "tp-first")],
+        [str(script), *sizes, "--peft-first", "--out", str(tmp_path / "peft-first")],
+    ]
+    proc = _torchrun(tmp_path, runs, 2)
+    output = proc.stdout
+    assert proc.returncode == 0, (output + proc.stderr)[-5000:]
+    assert not _warnings(proc.stderr), "\n".join(["the example warned:", *_warnings(proc.stderr)])
+    assert output.count("loaded on one device, it gives the same logits") == 2, output[-5000:]
+    for order in ("tp-first", "peft-first"):
+        files = sorted(p.name for p in (tmp_path / order).iterdir())
+        assert files == ["README.md", "adapter_config.json", "adapter_model.safetensors"], files
+    printed = [
+        float(line.split("loss ")[1].split(",")[0])
+        for line in output.splitlines()
+        if line.startswith("step ")
+    ]
+    assert len(printed) == 6, output[-5000:]
+
+    # the same job on one device, with the script's own model and adapter configuration
+    spec = importlib.util.spec_from_file_location("lora_finetune", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse(sizes)
+    model = get_peft_model(example.base_model(args, "cpu"), example.lora_config())
+    torch.manual_seed(1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    model.train()
+    losses = []
+    for _ in range(args.steps):
+        tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    # printed with 6 decimals
+    torch.testing.assert_close(printed, losses + losses, rtol=0, atol=2e-6)

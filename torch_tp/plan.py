@@ -441,10 +441,11 @@ def validate_plan(
             untying.append(_refuse_untying(entry, where, untied, strict))
         validate = getattr(entry.style, "_validate", None)  # optional for duck-typed styles
         try:
-            if validate is not None:
-                validate(entry.module, mesh)
+            # the adapters first: PEFT's layer (a Conv2d's LoRA) is the more exact reason
             if entry.adapters is not None:
                 _adapters.check(entry.style, entry.adapters, entry.module)
+            if validate is not None:
+                validate(entry.module, mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
             raise type(err)(f"cannot apply {where}: {err}") from err
     for _, _, message in unsummed_gradients(entries):

@@ -51,6 +51,14 @@ shards the packed dim too (a packed column-parallel weight or bias: both dim 0) 
 placements do not say what each rank holds, so every function here refuses it with
 ``NotImplementedError`` rather than read or write wrong values.
 
+PEFT's LoRA adapters hosted by a style (:mod:`torch_tp.style.adapters`) give their full
+tensors in ``model.state_dict()`` (what PEFT saves) and their DTensor parameters in
+``state_dict(keep_vars=True)``. Every function here reads the latter for its checks and
+targets: a load copies into each rank's slices, :func:`full_state_dict` and
+:func:`save_pretrained` gather them one at a time as any other DTensor, and no check
+gathers before the ranks agree. DCP saves them through ``model.state_dict()``: each rank
+holds the whole (small) adapter for the save, written once, loadable on any layout.
+
 Expert parallelism (:class:`~torch_tp.ExpertParallel`) places every stacked expert parameter
 as ``Shard(0)``, whole experts per rank: one block of the whole tensor, like any other
 shard. A safetensors load reads only this rank's experts (or, for tensor-parallel experts,

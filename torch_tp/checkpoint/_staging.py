@@ -616,6 +616,21 @@ def _drop_group() -> None:
         del group
 
 
+def _model_tensors(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with the model's own tensors: ``state_dict(keep_vars=True)``,
+    each tensor detached as ``state_dict()`` detaches it (so it shares the model's memory).
+
+    The two differ where a module's state-dict post-hook replaces its entries for other
+    readers: a PEFT adapter that torch_tp hosts gives its full tensors in ``state_dict()``
+    (gathered, what PEFT saves) and its DTensor parameters here. A load must copy into the
+    parameters (a gathered copy would take the values and drop them), a save gathers them
+    one at a time as any other DTensor, and a check reads them without communicating."""
+    return {
+        name: value.detach() if isinstance(value, Tensor) else value
+        for name, value in model.state_dict(keep_vars=True).items()
+    }
+
+
 def _single_device_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 

@@ -50,6 +50,7 @@ from torch_tp.checkpoint._staging import (
     _load_failed,
     _lossy,
     _meta_error,
+    _model_tensors,
     _packed_mesh_dim,
     _packed_placement,
     _raise,
@@ -148,8 +149,9 @@ def save(
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, found {step!r}")
         _raise(_meta_error(model, "save"))
-        _refuse_nested_packed(model.state_dict())
-        _refuse_misplaced_chunks(model.state_dict())
+        own = _model_tensors(model)  # no gather before the agreement (hosted adapters)
+        _refuse_nested_packed(own)
+        _refuse_misplaced_chunks(own)
     except (ValueError, NotImplementedError) as exc:
         error = exc
     failed = lambda cause: _save_failed(what, root, cause)  # noqa: E731
@@ -317,8 +319,9 @@ def load(
     error, path = None, None
     try:
         _raise(_meta_error(model, "load"))
-        _refuse_nested_packed(model.state_dict())
-        _refuse_misplaced_chunks(model.state_dict())
+        own = _model_tensors(model)  # no gather before the agreement (hosted adapters)
+        _refuse_nested_packed(own)
+        _refuse_misplaced_chunks(own)
         if not root.is_dir():
             raise FileNotFoundError(
                 f"no checkpoint directory {str(root)!r} (to start from scratch where there is "

@@ -31,6 +31,7 @@ from torch_tp.checkpoint._staging import (
     _load_failed,
     _local_pieces,
     _meta_error,
+    _model_tensors,
     _raise,
     _rank,
     _refuse_nested_packed,
@@ -84,7 +85,7 @@ def full_state_dict(
     """
     keep = not rank0_only or _rank() == 0
     out: dict[str, Tensor] = {}
-    state = model.state_dict()
+    state = _model_tensors(model)  # hosted adapters' DTensors too: gathered one at a time
     _refuse_nested_packed(state)
     # agreed before any gather (it must be called on every rank): one rank's model on the
     # meta device fails every rank alike
@@ -191,7 +192,8 @@ def load_full_state_dict(
         >>> torch_tp.materialize(model)
         >>> torch_tp.checkpoint.load_full_state_dict(model, "llama.safetensors")
     """
-    targets = {_single_device_name(k): v for k, v in model.state_dict().items()}
+    # the model's own tensors, hosted adapters' DTensors included: what the load copies into
+    targets = {_single_device_name(k): v for k, v in _model_tensors(model).items()}
     _refuse_nested_packed(targets)  # on every rank, before any communication
     if broadcast_from_rank0:
         result, staged, buffers = _stage_broadcast(model, targets, state_dict, strict)

@@ -50,6 +50,7 @@ from torch_tp.checkpoint._staging import (
     _first_line,
     _load_failed,
     _meta_error,
+    _model_tensors,
     _Piece,
     _raise,
     _rank,
@@ -606,7 +607,7 @@ def _save_pretrained(
     final = Path(directory)
     writer = _rank() == 0
     what = f"saving {str(final)!r}"
-    state = model.state_dict()
+    state = _model_tensors(model)  # gathered below one group at a time, adapters too
 
     def failed(cause: str) -> str:
         return _save_failed(what, final, cause)

@@ -57,6 +57,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from torch_tp.plan import names_something
 from torch_tp.plans._context import with_context_parallel
+from torch_tp.plans._peft import prefixed, without_tuner_layers, wrapped_model
 from torch_tp.plans._sequence import with_sequence_parallel
 from torch_tp.style import (
     AttentionHeads,
@@ -233,6 +234,13 @@ def plan_for(
     ``act_fn.alpha_p``) gets its module replicated with its gradient summed
     (``replicated_with_grad_allreduce``), any other one is refused.
 
+    A model PEFT has wrapped is planned as the model it wraps: for a ``PeftModel``
+    (``get_peft_model(model)``) the plan is ``plan_for(model)``'s with every key prefixed by
+    the path of the transformers model inside it (``base_model.model.``), to be applied to
+    the ``PeftModel`` itself; in a model holding PEFT's tuner layers (``q_proj`` wrapping its
+    layer as ``q_proj.base_layer``) the keys name the tuner layers, whose styles apply to the
+    base layers and host the adapters (see :mod:`torch_tp.style.adapters`).
+
     Every plan it returns is shape-checked first (:func:`torch_tp.shapes.check_shapes`,
     on meta copies of the model at two ranks, on token ids): a plan under which a rank's
     forward raises, or computes a shape other than one device's with the planned dimension
@@ -240,7 +248,8 @@ def plan_for(
 
     Args:
         model: a transformers model: one of the families in :data:`PLANS`, or one whose
-            ``_tp_plan`` is set (its config class declares ``base_model_tp_plan``).
+            ``_tp_plan`` is set (its config class declares ``base_model_tp_plan``); or a
+            PEFT ``PeftModel`` wrapping one.
 
     Keyword Args:
         sequence_parallel (bool, optional): shard the activations between blocks on the
@@ -281,6 +290,14 @@ def plan_for(
         >>> model = Qwen2ForCausalLM(Qwen2Config())
         >>> parallelize_module(model, tp_mesh, plan_for(model))
     """
+    wrapped = wrapped_model(model)
+    if wrapped is not None:  # a PeftModel: the plan of the model it wraps, under its path
+        path, inner = wrapped
+        plan = plan_for(inner, sequence_parallel=sequence_parallel, cp_degree=cp_degree)
+        return prefixed(plan, path)
+    # PEFT's tuner layers (q_proj wrapping its nn.Linear as q_proj.base_layer) seen as the
+    # layers they wrap: the plan names q_proj, which the styles resolve to the base layer
+    model = without_tuner_layers(model)
     supported = ", ".join(sorted(PLANS))
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None:

@@ -6,6 +6,9 @@ model built on the meta device.
 * :mod:`torch_tp.report.trace`: how the collectives are predicted, by running the
   unparallelized model once on meta tensors and following each tensor's layout by the
   styles' contracts;
+* :mod:`torch_tp.report.adapters`: PEFT's LoRA layers a style hosts, traced as their base
+  layer's style computes them (the adapters' parameters per rank, their partial sums in a
+  row-parallel base's reduction, their partial gradients);
 * :mod:`torch_tp.report.render`: the result (:class:`PlanReport`) and its printed table;
 * :mod:`torch_tp.report.pipeline`: :func:`pipeline_report`, per pipeline stage.
 """

@@ -61,6 +61,7 @@ from torch_tp.plan import (
     tied_parameters,
     unsummed_gradients,
 )
+from torch_tp.report.adapters import adapter_layouts
 from torch_tp.report.render import (
     _SEVERITIES,
     ParameterGroup,
@@ -82,6 +83,7 @@ from torch_tp.report.trace import (
     style_dims,
 )
 from torch_tp.shapes import MeshOfSize, ShapeCheckError, check_shapes
+from torch_tp.style import adapters as _adapters
 from torch_tp.style.base import ParallelStyle, planning, short_repr
 
 __all__ = ["plan_report"]
@@ -244,7 +246,13 @@ def plan_report(
         for message in unmatched
         if message.startswith(f"parallelize_plan key {short_repr(key)} matches no submodule")
     ]
-    styled = frozenset(id(e.module) for e in entries)
+    # as parallelize_module: the modules of the plan, and the adapters their styles host
+    styled = frozenset(id(e.module) for e in entries) | frozenset(
+        id(m)
+        for e in entries
+        if e.adapters is not None
+        for m in _adapters.adapter_modules(e.adapters)
+    )
     with planning(model, styled):  # styles that read the model's config find it
         invalid, refused = _validate(model, entries, n, mesh_shape)
     problems += refused
@@ -507,14 +515,18 @@ def _validate(
             invalid.add(id(entry.module))
             problems.append(Problem("error", entry.key, tied))
         validate = getattr(entry.style, "_validate", None)
-        if validate is None or id(entry.module) in invalid:
+        if id(entry.module) in invalid:
             continue
+        if validate is None:
+            validate = _accept
         try:
             if mesh_ndim(entry) == 1:
                 dims = style_dims(entry, mesh_shape) if mesh_shape is not None else ["tp"]
                 mesh: Any = MeshOfSize(mesh_shape[dims[0]] if mesh_shape is not None else n)
             else:
                 mesh = _MeshOfShape({d: mesh_shape[d] for d in style_dims(entry, mesh_shape)})
+            if entry.adapters is not None:  # PEFT's layer on it, as validate_plan checks it
+                _adapters.check(entry.style, entry.adapters, entry.module)
             validate(entry.module, mesh)
         except (NotImplementedError, ValueError, TypeError) as err:
             invalid.add(id(entry.module))
@@ -529,6 +541,10 @@ def _validate(
         except Exception:  # noqa: BLE001 - a user style that needs a real mesh
             pass
     return invalid, problems
+
+
+def _accept(module: nn.Module, mesh: Any) -> None:
+    """The check of a style that has none."""
 
 
 def _unsummed_gradients(entries: list[PlanEntry], trace: _Trace) -> list[Problem]:
@@ -585,17 +601,28 @@ def _parameter_groups(
     mesh_shape: Mapping[str, int] | None = None,
 ):
     entry_of = {id(e.module): e for e in entries}
+    # a hosted PEFT layer's factors (lora_A, lora_B), laid out by its base layer's style
+    adapter_of = {
+        id(part): (entry, placements)
+        for entry in entries
+        for part, placements in adapter_layouts(entry).items()
+    }
     groups: Counter[tuple] = Counter()
     seen: set[int] = set()
     for path, module in model.named_modules():
         entry = entry_of.get(id(module))
         placements = _placements(entry) if entry is not None else {}
+        adapter = adapter_of.get(id(module))
+        if adapter is not None:
+            entry, placements = adapter
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
             placement = placements.get(name)
-            if entry is not None:
+            if adapter is not None:  # model.layers.*.self_attn.q_proj.lora_A.default.weight
+                full = _generalize(f"{path}.{name}")
+            elif entry is not None:
                 full = f"{entry.key}.{name}" if entry.key else name
             else:
                 full = _generalize(f"{path}.{name}" if path else name)
@@ -610,11 +637,12 @@ def _parameter_groups(
                 shape,
                 _largest_shard(shape, placement, sizes),
                 param.element_size(),
+                adapter is not None,
             )
             groups[key] += 1
     return [
-        ParameterGroup(name, count, placement, shape, local, itemsize)
-        for (name, placement, shape, local, itemsize), count in groups.items()
+        ParameterGroup(name, count, placement, shape, local, itemsize, adapter)
+        for (name, placement, shape, local, itemsize, adapter), count in groups.items()
     ]
 
 
@@ -668,6 +696,8 @@ def _unsharded(model: nn.Module, entries: list[PlanEntry]) -> list[Problem]:
         for e in entries
         if any(isinstance(p, (Shard, StridedShard)) for p in _placements(e).values())
     }
+    # a hosted PEFT layer's factors: laid out with their base layer (lora_A whole by design)
+    sharded |= {id(part) for e in entries for part in adapter_layouts(e)}
     groups: dict[str, list[int]] = {}
     shapes: dict[str, str] = {}
     seen: set[int] = set()

@@ -34,6 +34,8 @@ class ParameterGroup:
         global_shape: the shape of one parameter.
         local_shape: the shape of its largest shard (``torch.chunk`` convention).
         itemsize: bytes per element.
+        adapter: a factor of PEFT's LoRA (``lora_A``, ``lora_B``) on a planned layer, laid
+            out by that layer's style (:mod:`torch_tp.style.adapters`).
     """
 
     name: str
@@ -42,6 +44,7 @@ class ParameterGroup:
     global_shape: tuple[int, ...]
     local_shape: tuple[int, ...]
     itemsize: int
+    adapter: bool = False
 
     @property
     def global_bytes(self) -> int:
@@ -159,6 +162,12 @@ class PlanReport:
         return sum(group.global_bytes for group in self.parameters)
 
     @property
+    def adapter_parameters(self) -> list[ParameterGroup]:
+        """The groups of PEFT's LoRA factors that the plan's styles host (the trainable
+        parameters of a LoRA fine-tuning)."""
+        return [group for group in self.parameters if group.adapter]
+
+    @property
     def errors(self) -> list[Problem]:
         """The problems of severity ``"error"``."""
         return [p for p in self.problems if p.severity == "error"]
@@ -221,6 +230,23 @@ class PlanReport:
                 _size(self.unsharded_bytes),
             ]
         )
+        adapters = self.adapter_parameters
+        if adapters:  # the trainable part of a LoRA fine-tuning: what its optimizer holds
+            rank, whole = (
+                sum(g.local_bytes for g in adapters),
+                sum(g.global_bytes for g in adapters),
+            )
+            rows.append(
+                [
+                    "of which LoRA adapters (hosted)",
+                    str(sum(g.count for g in adapters)),
+                    "",
+                    "",
+                    "",
+                    _size(rank),
+                    _size(whole),
+                ]
+            )
         lines += _table(
             ["parameter", "count", "placement", "global", "per rank", "bytes/rank", "unsharded"],
             rows,

@@ -36,6 +36,12 @@ from torch_tp.plan import (
     replicated_unsummed,
     summing_style,
 )
+from torch_tp.report.adapters import (
+    adapter_layouts,
+    adapter_partials,
+    hosted_forward,
+    with_adapters,
+)
 from torch_tp.report.render import (
     BACKWARD,
     FORWARD,
@@ -229,6 +235,9 @@ class _Trace:
         self.attention: list[PlanEntry] = []
         self.attention_saved = 0
         self.attention_calls = 0
+        # the LoRA factors (lora_A, lora_B) a hosted PEFT layer computes with in the call of
+        # its base layer running now (torch_tp.style.adapters): id(base) -> factors
+        self.adapters: dict[int, list[tuple[nn.Module, nn.Module]]] = {}
 
     def watch_unplanned(self, model: nn.Module) -> None:
         """Watch the parameters no entry's style places: one that computes on a sharded
@@ -242,6 +251,9 @@ class _Trace:
             for name in placed or ():
                 param = entry.module.get_parameter(name)
                 planned.add(id(param))
+            # a hosted PEFT layer's adapters: laid out and computed by the base's style
+            for module in adapter_layouts(entry):
+                planned.update(id(p) for p in module.parameters(recurse=False))
         self.unplanned = {
             id(p): name
             for name, p in model.named_parameters()
@@ -493,6 +505,8 @@ class _Trace:
                 continue
             if isinstance(param, nn.Parameter) and param.requires_grad:
                 self.partial_params[id(param)] = param
+        for param in adapter_partials(entry, contract, self.adapters.get(id(module), [])):
+            self.partial_params[id(param)] = param
         boundary = contract.inputs(style, module)
         if boundary is None:
             return
@@ -519,7 +533,12 @@ class _Trace:
         if boundary is None:
             boundary = Boundary()
         outputs = output if isinstance(output, tuple) else (output,)
-        for value, state in self.boundary(entry, boundary, outputs, {}, "output"):
+        # a hosted PEFT layer's output carries its adapters' gradient, and a row-parallel
+        # one's reduction their partial sums too: the base's output crosses, widened
+        crossing = with_adapters(boundary, outputs, self.adapters.get(id(module), []))
+        real = {id(c): o for c, o in zip(crossing, outputs, strict=True)}
+        for value, state in self.boundary(entry, boundary, crossing, {}, "output"):
+            value = real.get(id(value), value)
             self.set_state(value, state)
             if computed and isinstance(state, _Local) and state.layout == Shard(-1):
                 # a column-parallel output: a view of it as (..., heads, head_dim) is checked
@@ -839,6 +858,15 @@ def _run(
             # a forward that reads its inputs' values (routing): its output's shapes instead
             module.forward = functools.partial(_meta_forward, contract, entry.style, module)
             handles.append(_Restore(module))
+        if entry is not None and entry.adapters is not None:
+            # a PEFT layer on it: its base layer's style computes the adapters (a refused
+            # entry: the base alone, as PEFT's adapters would meet a plan that does not apply)
+            wrapper = entry.adapters
+            hosted = id(module) in trace.entry_of
+            wrapper.forward = (
+                functools.partial(hosted_forward, trace, entry) if hosted else module.__call__
+            )
+            handles.append(_Restore(wrapper))
 
         def pre(module, args, kwargs, path=path):
             trace.scope.append(path)

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from torch_tp import _layouts
 from torch_tp.style.base import MODULE_PATH_ATTR, _distribute_parameters
@@ -86,6 +86,13 @@ def _lora_linear_class() -> type | None:
     return None if layer is None else layer.Linear
 
 
+def _param_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is PEFT's LoRA on a parameter (``ParamWrapper``,
+    ``target_parameters=``), hosted by :mod:`torch_tp.style.expert_adapters`."""
+    cls = getattr(sys.modules.get("peft.tuners.lora.layer"), "ParamWrapper", None)
+    return cls is not None and isinstance(module, cls)
+
+
 def _tuner_name(module: nn.Module) -> str:
     cls = type(module)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -103,7 +110,11 @@ def host_of(
     layer (``path.base_layer``) and the wrapper whose adapters the style hosts; a base layer
     named directly finds its wrapper; anything else is itself, with no wrapper."""
     if tuner_layer(module):
-        return f"{path}.base_layer" if path else "base_layer", base_of(module), module
+        # nested wrappers (LoRA on several parameters of one module): the innermost's base
+        inner, base_path = module, path
+        while tuner_layer(inner):
+            inner, base_path = inner.base_layer, f"{base_path}.base_layer".lstrip(".")
+        return base_path, inner, module
     parent_path, _, name = path.rpartition(".")
     if name == "base_layer":
         parent = root.get_submodule(parent_path)
@@ -127,53 +138,82 @@ def adapter_modules(wrapper: nn.Module) -> list[nn.Module]:
 def check(style: Any, wrapper: nn.Module, base: nn.Module) -> None:
     """Raise unless ``style`` can host the adapters of ``wrapper`` on ``base``: PEFT's LoRA on
     a layer the style computes itself, with no LoRA variant. ``NotImplementedError`` for what
-    is not supported, ``ValueError`` for adapters already distributed."""
+    is not supported, ``ValueError`` for adapters already distributed.
+
+    The messages name the tuner (PEFT's layer class) and what is supported; the caller
+    prefixes the module's path and the style."""
     lora = _lora_linear_class()
+    tuner = _tuner_name(wrapper)
     supported = (
         "torch_tp hosts PEFT's LoRA (peft.tuners.lora.Linear) on nn.Linear and transformers' "
         "Conv1D under ColwiseParallel, RowwiseParallel and their packed variants"
     )
+    leave_out = "leave this module out of the adapter config's target_modules, or out of the plan"
+    if _param_wrapper(wrapper):  # LoRA on a parameter (target_parameters=): its own checks
+        if not getattr(style, "_hosts_parameter_adapters", False):
+            raise NotImplementedError(
+                f"PEFT wraps this module in {tuner} (LoRA on its parameter "
+                f"{wrapper.parameter_name!r}, target_parameters=), which {type(style).__name__} "
+                "cannot host: torch_tp hosts LoRA on the stacked expert weights under "
+                "TensorParallelExperts; leave the parameter out of the adapter config's "
+                "target_parameters, or use TensorParallelExperts for this module"
+            )
+        style._check_adapters(wrapper, base)
+        return
     if getattr(style, "_host_adapters", None) is None:
         raise NotImplementedError(
-            f"{type(style).__name__} cannot host the adapters of PEFT's "
-            f"{_tuner_name(wrapper)}: {supported}"
+            f"PEFT wraps this layer in {tuner}, whose adapters {type(style).__name__} cannot "
+            f"host: {supported}; {leave_out}"
         )
     if lora is None or not isinstance(wrapper, lora) or type(wrapper).forward is not lora.forward:
+        # what the adapter is, in the user's terms: another tuner, or LoRA on another layer
+        if tuner.startswith("peft.tuners.lora."):
+            kind = (
+                f"LoRA on {type(base).__qualname__} ({tuner}), whose factors are not two "
+                "nn.Linear on the layer's input and output features"
+            )
+            if isinstance(base, nn.Embedding):
+                kind += (
+                    ": its lora_embedding_A is looked up by token id like the embedding's "
+                    "weight, which this style splits over the vocabulary"
+                )
+        else:
+            kind = f"the tuner {tuner}, not LoRA"
         raise NotImplementedError(
-            f"the adapter is PEFT's {_tuner_name(wrapper)}; {supported}. Leave this module out "
-            "of the adapter's target_modules, or out of the plan"
+            f"PEFT wraps this layer in {kind}; {supported}. To train it, {leave_out}"
         )
     if tuner_layer(base):
         raise NotImplementedError(
-            f"the base layer is itself a PEFT layer ({_tuner_name(base)}): nested tuners are "
-            "not supported"
+            f"the base layer of {tuner} is itself a PEFT layer ({_tuner_name(base)}): nested "
+            f"tuners are not supported; {supported}"
         )
     variants = sorted(getattr(wrapper, "lora_variant", {}) or {})
     if variants:
         kinds = sorted({type(v).__name__ for v in wrapper.lora_variant.values()})
         raise NotImplementedError(
-            f"adapter(s) {variants} use a LoRA variant ({', '.join(kinds)}: use_dora, ...), "
-            "which torch_tp does not host: the variant's own forward reads the whole weight "
-            "(DoRA: its norm over the input features). Plain LoRA and rsLoRA are supported"
+            f"{tuner}: adapter(s) {variants} use a LoRA variant ({', '.join(kinds)}: "
+            "use_dora=True, ...), which torch_tp does not host: the variant's own forward "
+            "reads the whole weight (DoRA: its norm over the input features). Plain LoRA "
+            "and rsLoRA (use_rslora=True) are supported"
         )
     for name in wrapper.lora_A:
         dropout = wrapper.lora_dropout[name]
         if type(dropout) not in (nn.Dropout, nn.Identity):
             raise NotImplementedError(
-                f"adapter {name!r}: lora_dropout is a {type(dropout).__name__}; nn.Dropout "
-                "or nn.Identity is supported"
+                f"{tuner}: adapter {name!r}: lora_dropout is a {type(dropout).__name__}; "
+                "nn.Dropout or nn.Identity is supported"
             )
         for part in (wrapper.lora_A[name], wrapper.lora_B[name]):
             if type(part) is not nn.Linear:
                 raise NotImplementedError(
-                    f"adapter {name!r}: {type(part).__name__} in lora_A/lora_B; PEFT's plain "
-                    "nn.Linear factors are supported"
+                    f"{tuner}: adapter {name!r}: {type(part).__name__} in lora_A/lora_B; "
+                    "PEFT's plain nn.Linear factors are supported"
                 )
             for pname, param in part.named_parameters(recurse=False):
                 if isinstance(param, DTensor):
                     raise ValueError(
-                        f"adapter {name!r}: {pname!r} is already a DTensor with placements "
-                        f"{param.placements}: the adapter was parallelized before"
+                        f"{tuner}: adapter {name!r}: {pname!r} is already a DTensor with "
+                        f"placements {param.placements}: the adapter was parallelized before"
                     )
     style._check_adapters(wrapper, base)
 
@@ -193,9 +233,17 @@ def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: _layouts.DTensorRu
     """Lay out ``wrapper``'s adapters as ``style`` says and run its forward on local tensors
     (``style`` has been applied to ``base``, and :func:`check` passed)."""
     placements = style._adapter_placements(base)
+    local = _sized_to_shard(wrapper, base)
     for name in list(wrapper.lora_A):
-        _distribute_parameters(wrapper.lora_A[name], rt, placements[0], style.src_data_rank)
-        _distribute_parameters(wrapper.lora_B[name], rt, placements[1], style.src_data_rank)
+        A, B = wrapper.lora_A[name], wrapper.lora_B[name]
+        layouts = list(placements)
+        if local:
+            layouts[0] = _adopt_shards(A, rt, placements[0], (base.in_features, A.out_features))
+            layouts[1] = _adopt_shards(B, rt, placements[1], (B.in_features, base.out_features))
+        _distribute_parameters(A, rt, layouts[0], style.src_data_rank)
+        _distribute_parameters(B, rt, layouts[1], style.src_data_rank)
+    if local:  # the adapters PEFT adds to this layer later are sized as one device's
+        wrapper.in_features, wrapper.out_features = base.in_features, base.out_features
     if getattr(wrapper, _HOSTED, None) is None:
         wrapper.register_state_dict_post_hook(_full_adapter_entries)
         wrapper.register_load_state_dict_pre_hook(_sliced_adapter_entries)
@@ -203,6 +251,43 @@ def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: _layouts.DTensorRu
     setattr(wrapper.lora_A, _ADAPTER_DICT, (wrapper, 0))
     setattr(wrapper.lora_B, _ADAPTER_DICT, (wrapper, 1))
     wrapper.forward = functools.partial(_forward, style, wrapper, base, rt)
+
+
+def _sized_to_shard(wrapper: nn.Module, base: nn.Module) -> bool:
+    """Whether PEFT sized ``wrapper``'s factors to this rank's shard of ``base``: PEFT reads
+    an ``nn.Linear``'s features from its local weight when the weight is a DTensor on a mesh
+    with a dimension not named ``"fsdp"`` (a mesh named ``("dp", "tp")``: transformers' own
+    tensor parallelism, where the layer computes on its shard)."""
+    return isinstance(base, nn.Linear) and (wrapper.in_features, wrapper.out_features) != (
+        base.in_features,
+        base.out_features,
+    )
+
+
+def _adopt_shards(
+    part: nn.Linear,
+    rt: _layouts.DTensorRuntime,
+    layout: dict[str, Placement],
+    features: tuple[int, int],
+) -> dict[str, Placement]:
+    """Make each parameter of the factor ``part`` that ``layout`` shards (sized to this
+    rank's shard) this rank's shard of a DTensor of one device's size, ``features`` (in, out)
+    of the factor: its own values, no communication, as PEFT lays out the factors it sized
+    so under transformers' tensor parallelism. Returns the placements left to distribute."""
+    rest = {}
+    for pname, placement in layout.items():
+        param = getattr(part, pname)
+        if param is None or not isinstance(placement, Shard):
+            rest[pname] = placement
+            continue
+        shape = torch.Size((features[1], features[0]) if pname == "weight" else (features[1],))
+        dtensor = DTensor.from_local(
+            param.detach(), rt.mesh, (placement,), run_check=False, shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),
+        )  # fmt: skip
+        part.register_parameter(pname, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+    part.in_features, part.out_features = features
+    return rest
 
 
 def _where(wrapper: nn.Module, base: nn.Module) -> str:
@@ -325,12 +410,19 @@ def row_terms(
     gradient for the whole ``lora_B`` is a partial sum."""
     dtype = y.dtype
     for lora, u in zip(adapters, inner, strict=True):
-        if isinstance(u, DTensor):  # use_local_output=False: the reduction gave DTensors
-            B, bias = lora.B.weight, lora.B.bias
+        B = rt.local_parameter(lora.B, "weight", partial=partial)
+        bias = rt.local_parameter(lora.B, "bias", partial=partial)
+        if isinstance(u, DTensor):
+            # use_local_output=False: the reduction gave DTensors. The term is computed on
+            # the local values all the same: a DTensor lora_B would leave its gradient a
+            # partial sum for a tensor hook to sum, and PEFT's module.to() after hosting
+            # drops tensor hooks (local_parameter needs none)
+            term = F.linear(u.to_local(), B, bias) * lora.scaling
+            y = y + DTensor.from_local(
+                term, u.device_mesh, u.placements, shape=y.shape, stride=y.stride()
+            )
         else:
-            B = rt.local_parameter(lora.B, "weight", partial=partial)
-            bias = rt.local_parameter(lora.B, "bias", partial=partial)
-        y = y + F.linear(u, B, bias) * lora.scaling
+            y = y + F.linear(u, B, bias) * lora.scaling
     return y.to(dtype)
 
 
@@ -360,10 +452,17 @@ def _adapter_parameters(wrapper: nn.Module, prefix: str):
 def _full_adapter_entries(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    """A state-dict post-hook: a hosted adapter's entries become its full tensors."""
-    for key, _ in _adapter_parameters(module, prefix):
+    """A state-dict post-hook: a hosted adapter's entries become its full tensors, which is
+    what PEFT saves (``get_peft_model_state_dict`` reads ``state_dict()``), so every rank
+    must take the state dict together (an all-gather per sharded factor).
+
+    ``state_dict(keep_vars=True)`` asks for the model's own tensors, to load into them
+    (torch_tp.checkpoint) or to mark them (transformers): there an entry is the parameter
+    itself, a DTensor like every other parallelized parameter, and is left so (a gathered
+    copy would take a load's values and drop them)."""
+    for key, param in _adapter_parameters(module, prefix):
         value = state_dict.get(key)
-        if isinstance(value, DTensor):
+        if isinstance(value, DTensor) and value is not param:
             state_dict[key] = value.full_tensor()
 
 
@@ -371,7 +470,9 @@ def _sliced_adapter_entries(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
     """A load pre-hook: a full tensor for a hosted adapter's DTensor parameter becomes this
-    rank's slice of it (each rank holds the whole value: no communication)."""
+    rank's slice of it (each rank holds the whole value: no communication). A DTensor, or a
+    tensor of another shape, is left to ``load_state_dict`` (which copies the one and
+    refuses the other by name)."""
     for key, param in _adapter_parameters(module, prefix):
         value = state_dict.get(key)
         if (
@@ -390,16 +491,76 @@ def _sliced_adapter_entries(
 # ------------------------------------------------------------------------------------------
 
 
+# set on the lora_A dict of a PEFT layer being built around a parallelized layer:
+# (the layer,) (its LoRA variants are known when its first factor is registered)
+_BUILDING = "_torch_tp_building"
+
+
+def _check_wrapping(style: Any, wrapper: nn.Module, base: nn.Module) -> None:
+    """:func:`check` for a PEFT layer wrapping a layer ``style`` was applied to, its errors
+    naming the layer and the style."""
+    try:
+        check(style, wrapper, base)
+    except (NotImplementedError, ValueError) as err:
+        raise type(err)(
+            f"{_where(wrapper, base)} wraps a layer parallelized with {type(style).__name__}: {err}"
+        ) from err
+
+
+def _refuse_unhostable(parent: nn.Module, name: str, submodule: nn.Module) -> None:
+    """Refuse a PEFT layer being built around a layer torch_tp parallelized that cannot host
+    it, by name and before PEFT's own set-up meets the layer's DTensors (DoRA's weight norm,
+    ``modules_to_save``'s deep copy): a tuner wrapping a layer whose style hosts no adapters
+    (an embedding), PEFT's copy of a planned layer (``modules_to_save``), and a LoRA layer
+    :func:`check` refuses (a variant), as its first factor is registered."""
+    # vars(), not getattr: PEFT's wrappers answer unknown names from their inner module,
+    # which recurses while they are being built
+    building = vars(parent).get(_BUILDING)
+    if building is not None:  # a factor of a LoRA layer being built: its variants are known
+        (builder,) = building
+        if getattr(builder, _HOSTED, None) is None:
+            base = base_of(builder)
+            _check_wrapping(getattr(base, _HOST_RUNTIME)[0], builder, base)
+        return
+    path = getattr(submodule, MODULE_PATH_ATTR, None)
+    copies = getattr(sys.modules.get("peft.utils.other"), "AuxiliaryTrainingWrapper", None)
+    if path is not None and copies is not None and isinstance(parent, copies):
+        raise NotImplementedError(
+            f"PEFT's {type(parent).__qualname__} (modules_to_save, trainable_token_indices) "
+            f"wraps {path!r}, a layer torch_tp parallelized: a trainable copy of a "
+            "parallelized layer is not supported; leave it out of modules_to_save, or out of "
+            "the plan"
+        )
+    if not tuner_layer(parent) or getattr(parent, _HOSTED, None) is not None:
+        return
+    hosts = getattr(submodule, _HOST_RUNTIME, None) is not None
+    if name == "base_layer" and path is not None and not hosts:
+        raise NotImplementedError(
+            f"PEFT wraps {path!r}, a layer torch_tp parallelized with a style that hosts no "
+            f"adapters, in {_tuner_name(parent)}: torch_tp hosts PEFT's LoRA "
+            "(peft.tuners.lora.Linear) on nn.Linear and transformers' Conv1D under "
+            "ColwiseParallel, RowwiseParallel and their packed variants; leave this module out "
+            "of the adapter config's target_modules, or out of the plan"
+        )
+    base = vars(parent).get("_modules", {}).get("base_layer")
+    if name == "lora_A" and getattr(base, _HOST_RUNTIME, None) is not None:
+        setattr(submodule, _BUILDING, (parent,))  # a tuple: not registered as a submodule
+
+
 def _on_registration(parent: nn.Module, name: str, submodule: nn.Module) -> None:
     """torch's module-registration hook: host the adapters of a PEFT wrapper registered in
     place of a parallelized layer, or lay out an adapter added to a hosted one."""
     if "peft" not in sys.modules:
         return None
-    owner = getattr(parent, _ADAPTER_DICT, None)
+    _refuse_unhostable(parent, name, submodule)
+    owner = vars(parent).get(_ADAPTER_DICT)  # not getattr: see _refuse_unhostable
     if owner is not None:
         wrapper, which = owner
         style, base, rt = getattr(wrapper, _HOSTED)
-        placements = style._adapter_placements(base)[which]
+        if _param_wrapper(wrapper):  # placed like the one parameter it adapts
+            placements = style._adapter_placements(base, wrapper)[which]
+        else:
+            placements = style._adapter_placements(base)[which]
         if any(isinstance(p, DTensor) for p in submodule.parameters(recurse=False)):
             return None
         _distribute_parameters(submodule, rt, placements, style.src_data_rank)
@@ -411,14 +572,11 @@ def _on_registration(parent: nn.Module, name: str, submodule: nn.Module) -> None
     if remembered is None:
         return None
     style, rt = remembered
-    try:
-        check(style, submodule, base)
-    except (NotImplementedError, ValueError) as err:
-        raise type(err)(
-            f"{_where(submodule, base)} wraps a layer parallelized with "
-            f"{type(style).__name__}: {err}"
-        ) from err
-    host(style, submodule, base, rt)
+    _check_wrapping(style, submodule, base)
+    if _param_wrapper(submodule):
+        style._host_adapters(submodule, base, rt.mesh)
+    else:
+        host(style, submodule, base, rt)
     return None
 
 

@@ -6,6 +6,7 @@ and :class:`IdentityExpertParallel`, with the checks of the routing they share.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from torch_tp import _layouts, _regions
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
+from torch_tp.style import adapters as _adapters
+from torch_tp.style import expert_adapters as _expert_adapters
 from torch_tp.style.base import (
     ParallelStyle,
     _check_not_distributed,
@@ -188,11 +191,33 @@ class TensorParallelExperts(ParallelStyle):
             )
         _check_not_distributed(module)
 
+    # PEFT's LoRA on the stacked weights (target_parameters=): see style/expert_adapters.py
+    _hosts_parameter_adapters = True
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported module must not be half-applied
-        return _distribute_and_wrap(
+        module = _distribute_and_wrap(
             self, module, device_mesh, self.contract.parameters(self, module)
         )
+        # the runtime bound into the forward (module, rt, own_forward) hosts LoRA on the
+        # weights, now or when PEFT wraps the experts later
+        _adapters.remember(module, self, module.forward.args[1])
+        return module
+
+    def _check_adapters(self, wrapper: nn.Module, base: nn.Module) -> None:
+        """Raise unless this style can host ``wrapper``'s LoRA on ``base``'s weights."""
+        _expert_adapters.check(self, wrapper, base)
+
+    def _adapter_placements(self, base: nn.Module, wrapper: nn.Module) -> tuple[dict, dict]:
+        """The placements of ``lora_A`` and ``lora_B`` of ``wrapper`` (LoRA on one of
+        ``base``'s stacked weights): laid out like that weight."""
+        return _expert_adapters.placements_of(self, wrapper, base)
+
+    def _host_adapters(self, wrapper: nn.Module, base: nn.Module, device_mesh: DeviceMesh):
+        """Lay out ``wrapper``'s LoRA (on ``base``'s weights) to match them and add each
+        delta to its weight's local slice in the experts' forward."""
+        _, rt = getattr(base, _adapters._HOST_RUNTIME)
+        _expert_adapters.host(self, wrapper, base, rt)
 
     def _forward(
         self,
@@ -201,6 +226,7 @@ class TensorParallelExperts(ParallelStyle):
         own_forward,
         hidden_states: torch.Tensor,
         *routing: torch.Tensor,
+        adapters: list | None = None,
     ) -> torch.Tensor:
         if len(routing) not in (0, 2):
             raise TypeError(
@@ -223,6 +249,10 @@ class TensorParallelExperts(ParallelStyle):
             routing = (top_k_index, top_k_weights)
         else:  # tokens routed and weighted already (Llama 4)
             (hidden_states,) = rt.enter_replicated_many((hidden_states,))
+        if adapters:  # PEFT's LoRA on the weights: each local slice plus its delta's
+            own_forward = functools.partial(
+                _expert_adapters.adapted_forward, own_forward, rt, adapters
+            )
         partial = _run_on_local_parameters(module, rt, False, own_forward, hidden_states, *routing)
         if partial_output:
             return partial

@@ -530,6 +530,13 @@ class RowwiseParallel(_ShardLinearEmbedding):
         layout = self.output_layouts[0]
         if isinstance(layout, Shard) and layout.dim == -1:
             raise NotImplementedError(_FEATURE_SHARDED_ADAPTER.format(layout=layout))
+        biased = [name for name, B in wrapper.lora_B.items() if B.bias is not None]
+        if isinstance(layout, Partial) and biased:
+            raise NotImplementedError(
+                f"adapter(s) {biased} have a bias (lora_bias=True), which a partial output "
+                "(output_layouts=Partial()) would get once per rank: leave lora_bias off for "
+                "this layer"
+            )
 
     def _desired_input(self, module: nn.Module) -> Placement:
         return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
@@ -579,7 +586,11 @@ class RowwiseParallel(_ShardLinearEmbedding):
                 # on a sharded output each rank's bias gradient sums over its shard: partial
                 y = y + rt.local_parameter(module, "bias", partial=sharded)
         if adapters:
-            y = _adapters.row_terms(adapters, inner, y, rt, sharded)
+            # each rank's lora_B gradient is a partial sum on a sharded output (its tokens)
+            # and on a partial one (its share of lora_A's output: the MLP's down projection
+            # under sequence parallelism, reduced after the MLP)
+            partial_out = sharded or isinstance(self.output_layouts[0], Partial)
+            y = _adapters.row_terms(adapters, inner, y, rt, partial_out)
         return y
 
     def _embedding(

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from torch_tp.plans._context import with_context_parallel
+from torch_tp.plans._peft import prefixed, without_tuner_layers, wrapped_model
 from torch_tp.plans.auto.blocks import (
     _block_kinds,
     _BlockPlan,
@@ -185,6 +186,13 @@ def auto(
     transformers causal LM with a tensor-parallel plan, ``test/test_foreign_models.py`` for
     models written as nanoGPT, Meta's Llama, timm and others write them).
 
+    A model PEFT has wrapped is planned as the model it wraps: PEFT's tuner layers
+    (``q_proj`` wrapping its layer as ``q_proj.base_layer``, beside the adapter's factors) are
+    read as the layers they wrap, and the keys name them (their styles apply to the base
+    layers and host the adapters, see :mod:`torch_tp.style.adapters`); for a ``PeftModel``
+    the keys are prefixed by the path of the model inside it (``base_model.model.``), to be
+    applied to the ``PeftModel`` itself.
+
     Args:
         model: the model to plan for (on any device, including meta).
 
@@ -230,6 +238,14 @@ def auto(
         not isinstance(tp_degree, int) or isinstance(tp_degree, bool) or tp_degree < 1
     ):
         raise ValueError(f"tp_degree must be a positive int, found {tp_degree!r}")
+    wrapped = wrapped_model(model)
+    if wrapped is not None:  # a PeftModel: the plan of the model it wraps, under its path
+        path, inner = wrapped
+        kwargs = {"example_inputs": example_inputs, "example_kwargs": example_kwargs}
+        return prefixed(auto(inner, tp_degree=tp_degree, cp_degree=cp_degree, **kwargs), path)
+    # PEFT's tuner layers seen as the layers they wrap (their adapters are no Linear layers
+    # of the block): the keys name the tuner layers, which the styles resolve to their bases
+    model = without_tuner_layers(model)
     degree = tp_degree or 2
     whole: dict[str, str] = {}  # groups the shape check sends back, computed whole -> why
     while True:
