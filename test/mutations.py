@@ -355,6 +355,35 @@ MUTATIONS: tuple[Mutation, ...] = (
         "plain ColwiseParallel/RowwiseParallel MLP fails",
     ),
     Mutation(
+        name="lora_dropout_mask_drawn_on_the_shard",
+        file="torch_tp/style/adapters.py",
+        old="""            xa = xa * rt.enter_sharded(dropout(whole), Replicate(), shard)""",
+        new="""            xa = dropout(xa)""",
+        tests=("test/test_peft.py::test_adapter_options[dropout-peft_first]",),
+        description="a row-parallel LoRA adapter draws its dropout mask on its slice of the "
+        "input instead of one device's mask over the whole input: other masks, other losses",
+    ),
+    Mutation(
+        name="lora_a_gradient_not_summed",
+        file="torch_tp/style/adapters.py",
+        old="""        A = rt.local_parameter(lora.A, "weight", partial=True)""",
+        new="""        A = rt.local_parameter(lora.A, "weight")""",
+        tests=("test/test_peft.py::test_subsets_of_the_projections[column_only-peft_first]",),
+        description="a column-parallel base's whole lora_A keeps each rank's share of its "
+        "gradient (its columns'), never summed over the ranks",
+    ),
+    Mutation(
+        name="lora_b_gradient_not_summed_on_a_partial_output",
+        file="torch_tp/style/linear.py",
+        old="""            partial_out = sharded or isinstance(self.output_layouts[0], Partial)""",
+        new="""            partial_out = sharded""",
+        tests=(
+            "test/test_peft_compose.py::test_sequence_parallel_lora_matches_single_device[peft_first-0.0]",
+        ),
+        description="under sequence parallelism the MLP's down projection leaves its output a "
+        "partial sum, and with it each rank's lora_B gradient: left unsummed",
+    ),
+    Mutation(
         name="embedding_ids_shape_not_agreed",
         file="torch_tp/style/linear.py",
         old="        code = 2 * _shape_code(ids.shape)",

@@ -1,14 +1,15 @@
 """PEFT's LoRA on the stacked expert weights (``target_parameters=``) under torch_tp.
 
 A tiny transformers Mixtral in float64 (the experts' eager loop: torch's ``grouped_mm`` has
-no float64 kernel), LoRA on ``q_proj``/``v_proj`` and on the experts' ``gate_up_proj`` and
-``down_proj`` (PEFT's nested ``ParamWrapper``), planned by ``plan_for`` (the experts
-``TensorParallelExperts``: every expert sharded on its hidden dimension), at TP=2 in both
-orders, against the same PEFT model on one device: logits, loss, every adapter gradient (the
-base frozen, without gradients) and every parameter after two AdamW steps. The experts'
-adapters add no collective. :class:`~torch_tp.ExpertParallel` refuses them by name, with the
-model unchanged.
-"""
+no float64 kernel; the router's softmax in float64, see :func:`_router_in_float64`), LoRA on
+``q_proj``/``v_proj`` and on the experts' ``gate_up_proj`` and ``down_proj`` (PEFT's nested
+``ParamWrapper``), planned by ``plan_for`` (the experts ``TensorParallelExperts``: every
+expert sharded on its hidden dimension), at TP=2 and TP=4, in both orders and with the
+``PeftModel``'s own plan, against the same PEFT model on one device: logits, loss (the
+load-balancing loss in it), every adapter gradient (the base frozen, without gradients),
+every parameter after two AdamW steps, the state dict's full adapter tensors; and
+``merge_and_unload()``. The experts' adapters add no collective.
+:class:`~torch_tp.ExpertParallel` refuses them by name, with the model unchanged."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import adamw, check_step, full_tensor, tp_mesh
+from helpers import FAST_RUNTIME, adamw, check_step, full_tensor, tp_mesh
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,12 +36,12 @@ _EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 _IDS_SEED, _ADAPTER_SEED, VOCAB = 3, 1, 64
 
 
-def _mixtral() -> nn.Module:
+def _mixtral(kv_heads: int = 2) -> nn.Module:
     """A tiny Mixtral (4 experts, top 2, the load-balancing loss in the loss), the same on
-    every rank."""
+    every rank; ``kv_heads=4`` gives each of 4 ranks a whole key/value head."""
     config = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_attention_heads=4, num_key_value_heads=kv_heads, num_local_experts=4,
         num_experts_per_tok=2, max_position_embeddings=32, tie_word_embeddings=False,
         output_router_logits=True, router_aux_loss_coef=0.1, initializer_range=0.2,
         attn_implementation="eager", experts_implementation="eager",
@@ -81,16 +82,17 @@ def _peft_model(base: nn.Module, config: object) -> nn.Module:
     return peft.get_peft_model(base, config)
 
 
-def _parallel(route: str, reference: nn.Module, config: object) -> nn.Module:
+def _parallel(route: str, reference: nn.Module, config: object, kv_heads: int) -> nn.Module:
     """The PEFT model of ``reference`` parallelized by ``route``, with its values."""
     mesh = tp_mesh()
-    if route == "peft_first":
-        model = _peft_model(_mixtral(), config)
+    if route in ("peft_first", "plan_for_peft"):
+        model = _peft_model(_mixtral(kv_heads), config)
         model.load_state_dict(reference.state_dict())
-        inner = model.base_model.model
+        # the inner model's plan, or the PeftModel's own (its keys under base_model.model)
+        inner = model.base_model.model if route == "peft_first" else model
         torch_tp.parallelize_module(inner, mesh, plan_for(inner))
         return model
-    base = _mixtral()
+    base = _mixtral(kv_heads)
     torch_tp.parallelize_module(base, mesh, plan_for(base))
     model = _peft_model(base, config)
     adapters = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
@@ -105,10 +107,10 @@ def _step(model: nn.Module, ids: torch.Tensor) -> object:
     return out
 
 
-def _parity(route: str) -> None:
+def _parity(route: str, kv_heads: int = 2) -> None:
     config = _config()
-    reference = _peft_model(_mixtral(), config)
-    model = _parallel(route, reference, config)
+    reference = _peft_model(_mixtral(kv_heads), config)
+    model = _parallel(route, reference, config, kv_heads)
     lora = [n for n, p in model.named_parameters() if "lora_" in n]
     assert any("experts" in n for n in lora)
     hosted = [n for n in lora if isinstance(model.get_parameter(n), DTensor)]
@@ -140,9 +142,41 @@ def _parity(route: str) -> None:
             torch.testing.assert_close(state[key], value, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def _merged(route: str) -> None:
+    """``merge_and_unload()`` under TP: the single-device merged weights, still laid out as
+    planned, and the same logits."""
+    config = _config()
+    reference = _peft_model(_mixtral(), config)
+    model = _parallel(route, reference, config, 2)
+    merged, expected = model.merge_and_unload(), reference.merge_and_unload()
+    experts = merged.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "MixtralExperts"
+    assert experts.gate_up_proj.placements == (StridedShard(1, split_factor=2),)
+    assert experts.down_proj.placements == (Shard(2),)
+    for name, param in expected.named_parameters():
+        torch.testing.assert_close(
+            full_tensor(merged.get_parameter(name).detach()), param.detach(), msg=name
+        )
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(_IDS_SEED))
+    with torch.no_grad():
+        actual, wanted = merged(input_ids=ids).logits, expected(input_ids=ids).logits
+    torch.testing.assert_close(full_tensor(actual), wanted)
+
+
 @pytest.mark.parametrize("route", ["peft_first", "plan_first"])
+def test_merge_and_unload_of_expert_lora(route: str) -> None:
+    run_distributed(_merged, 2, route)
+
+
+@pytest.mark.parametrize("route", ["peft_first", "plan_first", "plan_for_peft"])
 def test_expert_lora_matches_one_device(route: str) -> None:
     run_distributed(_parity, 2, route)
+
+
+@pytest.mark.four_ranks
+@pytest.mark.parametrize("route", ["peft_first", "plan_first"])
+def test_expert_lora_matches_one_device_at_four_ranks(route: str) -> None:
+    run_distributed(_parity, 4, route, kv_heads=4)
 
 
 class _Collectives(TorchDispatchMode):
@@ -155,7 +189,8 @@ class _Collectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in name:
+        collective = any(k in name for k in ("reduce", "gather", "scatter", "all_to_all"))
+        if func.namespace in ("c10d", "_c10d_functional") and collective:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -180,7 +215,11 @@ def test_expert_adapters_add_no_collective() -> None:
     )
     assert plain_fwd and plain_bwd  # the experts' and attention's reductions are counted
     assert lora_fwd == plain_fwd, (lora_fwd, plain_fwd)
-    assert lora_bwd == plain_bwd, (lora_bwd, plain_bwd)
+    if FAST_RUNTIME:
+        # the whole factors' partial gradients join the one end-of-backward all-reduce
+        assert lora_bwd == plain_bwd, (lora_bwd, plain_bwd)
+    else:  # plain DTensor: one all-reduce per whole factor (2 per layer, 2 layers)
+        assert lora_bwd == {**plain_bwd, "all_reduce": plain_bwd["all_reduce"] + 4}, lora_bwd
 
 
 def _expert_parallel_refuses(route: str) -> None:
@@ -211,3 +250,24 @@ def _expert_parallel_refuses(route: str) -> None:
 @pytest.mark.parametrize("route", ["peft_first", "plan_first"])
 def test_expert_parallel_refuses_lora_on_expert_weights(route: str) -> None:
     run_distributed(_expert_parallel_refuses, 2, route)
+
+
+def _linear_weight_refused() -> None:
+    """LoRA on a Linear's weight as a parameter (``target_parameters=["...q_proj.weight"]``)
+    is PEFT's ParamWrapper too: the linear styles do not host it, and say so by name."""
+    config = peft.LoraConfig(
+        r=2, target_modules=[], target_parameters=["self_attn.q_proj.weight"],
+        init_lora_weights=False,
+    )  # fmt: skip
+    model = _peft_model(_mixtral(), config)
+    inner = model.base_model.model
+    with pytest.raises(NotImplementedError) as info:
+        torch_tp.parallelize_module(inner, tp_mesh(), plan_for(inner))
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    message = str(info.value)
+    assert "ParamWrapper" in message and "ColwiseParallel" in message, message
+    assert "model.layers.0.self_attn.q_proj" in message, message
+
+
+def test_linear_styles_refuse_lora_on_a_weight_parameter() -> None:
+    run_distributed(_linear_weight_refused, 2)

@@ -7,8 +7,8 @@ as the run computes them (their base layer's style computes the adapters:
 ``torch_tp.style.adapters``), not through PEFT's own forward, which would mix DTensors and
 plain tensors. The report must predict every collective of one training step at TP=2 (per
 pass and kind: calls and bytes) as measured on the parallelized model, in both orders
-(``get_peft_model`` first, or ``parallelize_module`` first; under sequence parallelism the
-first only, see the test), and each rank's parameter bytes and LoRA factors' local shapes:
+(``get_peft_model`` first, or ``parallelize_module`` first), and each rank's parameter
+bytes and LoRA factors' local shapes:
 a row-parallel adapter's ``r`` features ride in its base's reduction (more bytes, no more
 calls), the column-parallel ``lora_A`` gradients (partial sums; under sequence parallelism
 the row-parallel ``lora_B``'s too) join the one all-reduce of replicated parameters at the
@@ -165,9 +165,7 @@ def _predicted(family: str, sequence_parallel: bool):
 )
 def test_report_predicts_the_lora_step(family, sequence_parallel):
     totals, per_rank, shapes, report = _predicted(family, sequence_parallel)
-    # (parallelize_module first under sequence parallelism leaves o_proj's lora_B gradient
-    # a partial sum, unsummed: a bug of the run, not of the report, left to its own test)
-    for order in (1, 2) if not sequence_parallel else (1,):
+    for order in (1, 2):
         measured = run_distributed(_measured, 2, family, order, sequence_parallel)
         assert measured[0] == measured[1], measured  # the ranks issue the same collectives
         assert (totals, per_rank, shapes) == measured[0], order

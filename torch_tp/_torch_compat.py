@@ -32,6 +32,8 @@ torch_tp name                               torch's (2.13.0 and 2.15.0)
 ``IncompatibleKeys``                        ``torch.nn.modules.module._IncompatibleKeys``
 ``direct_parameters``,                      ``nn.Module._parameters``
 ``swap_direct_parameters``
+``direct_children``,                        ``nn.Module._modules``
+``copy_with_children``
 ``non_persistent_buffers``                  ``nn.Module._non_persistent_buffers_set``
 ``COMPILED_MODULE_NAME``                    ``OptimizedModule._orig_mod`` (``torch.compile``)
 ``log_api_usage_once``                      ``torch._C._log_api_usage_once``
@@ -53,6 +55,7 @@ torch_tp name                               torch's (2.13.0 and 2.15.0)
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import re
 import warnings
@@ -76,6 +79,8 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "current_graph_task_id",
     "current_mesh",
+    "copy_with_children",
+    "direct_children",
     "direct_parameters",
     "dtensor_from_spec",
     "dtensor_spec",
@@ -296,6 +301,20 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
     """The names of ``module``'s own buffers registered with ``persistent=False`` (outside its
     ``state_dict``; torch keeps the set privately)."""
     return set(module._non_persistent_buffers_set)
+
+
+def direct_children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module``'s own child slots by name (``None`` included), as registered."""
+    return module._modules
+
+
+def copy_with_children(module: nn.Module, children: dict[str, nn.Module | None]) -> nn.Module:
+    """A shallow copy of ``module`` whose child slots are ``children``, in a dict of its own:
+    ``module``'s are left as they are (``copy.copy`` alone would share them, and any public
+    way of setting a child writes into that shared dict)."""
+    clone = copy.copy(module)
+    vars(clone)["_modules"] = dict(children)
+    return clone
 
 
 def swap_direct_parameters(

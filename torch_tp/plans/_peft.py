@@ -12,10 +12,11 @@ can only exist once PEFT has been imported.
 
 from __future__ import annotations
 
-import copy
 import sys
 
 from torch import nn
+
+from torch_tp import _torch_compat as compat
 
 __all__: list[str] = []
 
@@ -59,10 +60,9 @@ def without_tuner_layers(model: nn.Module) -> nn.Module:
             return view(module.get_base_layer())
         if not any(_tuner_layer(m) for m in module.modules()):
             return module
-        clone = copy.copy(module)
-        clone._modules = {
-            name: None if child is None else view(child) for name, child in module._modules.items()
-        }
-        return clone
+        children = compat.direct_children(module)
+        return compat.copy_with_children(
+            module, {name: None if c is None else view(c) for name, c in children.items()}
+        )
 
     return view(model)

@@ -71,7 +71,8 @@ def adapter_partials(
     backward with the other replicated parameters' (``adapters.column_terms`` and
     ``row_terms``): a whole ``lora_A`` feeding a ``lora_B`` sharded on the output (each
     rank's gradient is its columns' share), and a whole ``lora_B`` on an output sharded on
-    the tokens (each rank's is its tokens' share)."""
+    the tokens (each rank's is its tokens' share) or left a partial sum (each rank's is its
+    share of ``lora_A``'s output: the MLP's down projection under sequence parallelism)."""
     if not active:
         return []
     layouts = adapter_layouts(entry)
@@ -82,7 +83,7 @@ def adapter_partials(
     for A, B in active:
         if isinstance(layouts[B].get("weight"), (Shard, StridedShard)):
             found.append(A.weight)
-        elif isinstance(final, Shard):
+        elif isinstance(final, (Shard, Partial)):
             found += [p for p in (B.weight, B.bias) if p is not None]
     return [p for p in found if isinstance(p, nn.Parameter) and p.requires_grad]
 

@@ -30,11 +30,17 @@ forward and before any optimizer sees them; an adapter added later to a hosted l
 
 A hosted adapter's state-dict entries are its full tensors (gathered over the mesh), which
 is what PEFT saves and loads; so every rank must take the state dict together. Loading
-accepts full tensors (each rank keeps its slice) or DTensors.
+accepts full tensors (each rank keeps its slice) or DTensors. ``state_dict(keep_vars=True)``
+gives the adapters' DTensor parameters themselves, which :mod:`torch_tp.checkpoint` loads
+into.
 
-Only PEFT's LoRA on ``nn.Linear`` and transformers' ``Conv1D`` is hosted; other tuners,
-LoRA variants (DoRA, ...) and mixed-adapter batches are refused by name. torch_tp never
-imports PEFT: a wrapper can only exist once PEFT has been imported.
+LoRA on the stacked expert weights of a mixture-of-experts layer (PEFT's
+``target_parameters=``, a ``ParamWrapper``) is hosted by
+:class:`~torch_tp.TensorParallelExperts`: :mod:`torch_tp.style.expert_adapters`.
+
+Only PEFT's LoRA on ``nn.Linear``, transformers' ``Conv1D`` and stacked experts is hosted;
+other tuners, LoRA variants (DoRA, ...) and mixed-adapter batches are refused by name.
+torch_tp never imports PEFT: a wrapper can only exist once PEFT has been imported.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from torch_tp import _layouts
+from torch_tp import _torch_compat as compat
 from torch_tp.style.base import MODULE_PATH_ATTR, _distribute_parameters
 
 __all__: list[str] = []
@@ -134,6 +141,12 @@ def adapter_modules(wrapper: nn.Module) -> list[nn.Module]:
 # Checking (nothing changes)
 # ------------------------------------------------------------------------------------------
 
+_SUPPORTED = (
+    "torch_tp hosts PEFT's LoRA (peft.tuners.lora.Linear) on nn.Linear and transformers' "
+    "Conv1D under ColwiseParallel, RowwiseParallel and their packed variants, and LoRA on "
+    "stacked expert weights (target_parameters=) under TensorParallelExperts"
+)
+
 
 def check(style: Any, wrapper: nn.Module, base: nn.Module) -> None:
     """Raise unless ``style`` can host the adapters of ``wrapper`` on ``base``: PEFT's LoRA on
@@ -144,10 +157,7 @@ def check(style: Any, wrapper: nn.Module, base: nn.Module) -> None:
     prefixes the module's path and the style."""
     lora = _lora_linear_class()
     tuner = _tuner_name(wrapper)
-    supported = (
-        "torch_tp hosts PEFT's LoRA (peft.tuners.lora.Linear) on nn.Linear and transformers' "
-        "Conv1D under ColwiseParallel, RowwiseParallel and their packed variants"
-    )
+    supported = _SUPPORTED
     leave_out = "leave this module out of the adapter config's target_modules, or out of the plan"
     if _param_wrapper(wrapper):  # LoRA on a parameter (target_parameters=): its own checks
         if not getattr(style, "_hosts_parameter_adapters", False):
@@ -537,12 +547,10 @@ def _refuse_unhostable(parent: nn.Module, name: str, submodule: nn.Module) -> No
     if name == "base_layer" and path is not None and not hosts:
         raise NotImplementedError(
             f"PEFT wraps {path!r}, a layer torch_tp parallelized with a style that hosts no "
-            f"adapters, in {_tuner_name(parent)}: torch_tp hosts PEFT's LoRA "
-            "(peft.tuners.lora.Linear) on nn.Linear and transformers' Conv1D under "
-            "ColwiseParallel, RowwiseParallel and their packed variants; leave this module out "
-            "of the adapter config's target_modules, or out of the plan"
+            f"adapters, in {_tuner_name(parent)}: {_SUPPORTED}; leave this module out of "
+            "the adapter config's target_modules (target_parameters), or out of the plan"
         )
-    base = vars(parent).get("_modules", {}).get("base_layer")
+    base = compat.direct_children(parent).get("base_layer")
     if name == "lora_A" and getattr(base, _HOST_RUNTIME, None) is not None:
         setattr(submodule, _BUILDING, (parent,))  # a tuple: not registered as a submodule
 

@@ -24,7 +24,9 @@ delta's rows or columns), summed with the other partial gradients at the end of 
 
 Entries in the state dict are the full factors, as for :mod:`torch_tp.style.adapters`. Other
 styles of experts (:class:`~torch_tp.ExpertParallel`, ``ExpertTensorParallel``) refuse such
-adapters by name. ``merge_and_unload`` is not supported under tensor parallelism here.
+adapters by name. PEFT's own ``merge_and_unload`` works as it is: its delta of the DTensor
+factors is a DTensor laid out like the weight, added in place (the merged experts keep the
+plan's layout and their style's forward).
 """
 
 from __future__ import annotations
