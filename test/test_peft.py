@@ -37,7 +37,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST_RUNTIME, full_tensor, tp_mesh
+from helpers import FAST_RUNTIME, check_step, full_tensor, tp_mesh
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -184,37 +184,19 @@ def check_lora_training(
     """Train ``model`` (a parallelized PEFT model) and ``reference`` (the same on one
     device) ``steps`` AdamW steps on ``ids`` as a causal LM, in train mode (the same seed
     before each forward of both: the same dropout masks, where the input is replicated):
-    logits, loss and every gradient equal (the frozen base receiving none on both), then
-    every parameter."""
-    names = [n for n, _ in reference.named_parameters()]
-    assert [n for n, _ in model.named_parameters()] == names
+    logits and loss equal, then every gradient (the frozen base's: None on both) and every
+    parameter after each step."""
     reference.train()
     model.train()
-    trained = [p for p in reference.parameters() if p.requires_grad]
-    ref_optim = torch.optim.AdamW(trained, lr=1e-2, eps=1e-6)
+    ref_optim = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=1e-2, eps=1e-6
+    )
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
     for step in range(steps):
         expected, actual = _step(reference, ids, 100 + step), _step(model, ids, 100 + step)
         torch.testing.assert_close(full_tensor(actual.logits), expected.logits)
         torch.testing.assert_close(full_tensor(actual.loss), expected.loss)
-        for name in names:
-            param, ref_param = model.get_parameter(name), reference.get_parameter(name)
-            if ref_param.requires_grad:
-                torch.testing.assert_close(
-                    full_tensor(param.grad), ref_param.grad, msg=lambda m, n=name: f"{n}: {m}"
-                )
-            else:  # the base is frozen: no gradient computed for it, on either
-                assert param.grad is None and ref_param.grad is None, name
-        optim.step()
-        ref_optim.step()
-        optim.zero_grad()
-        ref_optim.zero_grad()
-    for name in names:
-        torch.testing.assert_close(
-            full_tensor(model.get_parameter(name).detach()),
-            reference.get_parameter(name).detach(),
-            msg=lambda m, n=name: f"{n}: {m}",
-        )
+        check_step(model, reference, optim, ref_optim, grad_tol={}, param_tol={})
 
 
 # --------------------------------------------------------------------------- parity tests

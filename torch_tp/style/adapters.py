@@ -239,6 +239,11 @@ def remember(base: nn.Module, style: Any, rt: _layouts.DTensorRuntime) -> None:
     setattr(base, _HOST_RUNTIME, (style, rt))
 
 
+def remembered(base: nn.Module) -> tuple[Any, _layouts.DTensorRuntime] | None:
+    """``(style, runtime)`` recorded on ``base`` by :func:`remember`, or ``None``."""
+    return getattr(base, _HOST_RUNTIME, None)
+
+
 def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: _layouts.DTensorRuntime) -> None:
     """Lay out ``wrapper``'s adapters as ``style`` says and run its forward on local tensors
     (``style`` has been applied to ``base``, and :func:`check` passed)."""
@@ -254,13 +259,28 @@ def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: _layouts.DTensorRu
         _distribute_parameters(B, rt, layouts[1], style.src_data_rank)
     if local:  # the adapters PEFT adds to this layer later are sized as one device's
         wrapper.in_features, wrapper.out_features = base.in_features, base.out_features
-    if getattr(wrapper, _HOSTED, None) is None:
+    mark_hosted(wrapper, style, base, rt)
+    wrapper.forward = functools.partial(_forward, style, wrapper, base, rt)
+
+
+def hosting(wrapper: nn.Module) -> tuple | None:
+    """``(style, base, runtime)`` hosting ``wrapper``'s adapters, or ``None``."""
+    return vars(wrapper).get(_HOSTED)
+
+
+def mark_hosted(
+    wrapper: nn.Module, style: Any, base: nn.Module, rt: _layouts.DTensorRuntime
+) -> None:
+    """Record that ``style`` hosts ``wrapper``'s adapters (on ``base``): its state dict gives
+    and takes full adapter tensors, and an adapter PEFT adds to it later is laid out as it
+    is registered (:func:`_on_registration`)."""
+    if hosting(wrapper) is None:
         wrapper.register_state_dict_post_hook(_full_adapter_entries)
         wrapper.register_load_state_dict_pre_hook(_sliced_adapter_entries)
-    setattr(wrapper, _HOSTED, (style, base, rt))
-    setattr(wrapper.lora_A, _ADAPTER_DICT, (wrapper, 0))
-    setattr(wrapper.lora_B, _ADAPTER_DICT, (wrapper, 1))
-    wrapper.forward = functools.partial(_forward, style, wrapper, base, rt)
+    # vars(), not setattr: PEFT's layers answer unknown names from their inner module
+    vars(wrapper)[_HOSTED] = (style, base, rt)
+    vars(wrapper.lora_A)[_ADAPTER_DICT] = (wrapper, 0)
+    vars(wrapper.lora_B)[_ADAPTER_DICT] = (wrapper, 1)
 
 
 def _sized_to_shard(wrapper: nn.Module, base: nn.Module) -> bool:
@@ -528,9 +548,9 @@ def _refuse_unhostable(parent: nn.Module, name: str, submodule: nn.Module) -> No
     building = vars(parent).get(_BUILDING)
     if building is not None:  # a factor of a LoRA layer being built: its variants are known
         (builder,) = building
-        if getattr(builder, _HOSTED, None) is None:
+        if hosting(builder) is None:
             base = base_of(builder)
-            _check_wrapping(getattr(base, _HOST_RUNTIME)[0], builder, base)
+            _check_wrapping(remembered(base)[0], builder, base)
         return
     path = getattr(submodule, MODULE_PATH_ATTR, None)
     copies = getattr(sys.modules.get("peft.utils.other"), "AuxiliaryTrainingWrapper", None)
@@ -541,9 +561,9 @@ def _refuse_unhostable(parent: nn.Module, name: str, submodule: nn.Module) -> No
             "parallelized layer is not supported; leave it out of modules_to_save, or out of "
             "the plan"
         )
-    if not tuner_layer(parent) or getattr(parent, _HOSTED, None) is not None:
+    if not tuner_layer(parent) or hosting(parent) is not None:
         return
-    hosts = getattr(submodule, _HOST_RUNTIME, None) is not None
+    hosts = remembered(submodule) is not None
     if name == "base_layer" and path is not None and not hosts:
         raise NotImplementedError(
             f"PEFT wraps {path!r}, a layer torch_tp parallelized with a style that hosts no "
@@ -551,7 +571,7 @@ def _refuse_unhostable(parent: nn.Module, name: str, submodule: nn.Module) -> No
             "the adapter config's target_modules (target_parameters), or out of the plan"
         )
     base = compat.direct_children(parent).get("base_layer")
-    if name == "lora_A" and getattr(base, _HOST_RUNTIME, None) is not None:
+    if name == "lora_A" and remembered(base) is not None:
         setattr(submodule, _BUILDING, (parent,))  # a tuple: not registered as a submodule
 
 
@@ -564,7 +584,7 @@ def _on_registration(parent: nn.Module, name: str, submodule: nn.Module) -> None
     owner = vars(parent).get(_ADAPTER_DICT)  # not getattr: see _refuse_unhostable
     if owner is not None:
         wrapper, which = owner
-        style, base, rt = getattr(wrapper, _HOSTED)
+        style, base, rt = hosting(wrapper)
         if _param_wrapper(wrapper):  # placed like the one parameter it adapts
             placements = style._adapter_placements(base, wrapper)[which]
         else:
@@ -573,18 +593,15 @@ def _on_registration(parent: nn.Module, name: str, submodule: nn.Module) -> None
             return None
         _distribute_parameters(submodule, rt, placements, style.src_data_rank)
         return None
-    if not tuner_layer(submodule) or getattr(submodule, _HOSTED, None) is not None:
+    if not tuner_layer(submodule) or hosting(submodule) is not None:
         return None
     base = base_of(submodule)
-    remembered = getattr(base, _HOST_RUNTIME, None)
-    if remembered is None:
+    found = remembered(base)
+    if found is None:
         return None
-    style, rt = remembered
+    style, rt = found
     _check_wrapping(style, submodule, base)
-    if _param_wrapper(submodule):
-        style._host_adapters(submodule, base, rt.mesh)
-    else:
-        host(style, submodule, base, rt)
+    style._host_adapters(submodule, base, rt.mesh)
     return None
 
 

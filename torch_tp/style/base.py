@@ -400,6 +400,10 @@ def _out_features(module: nn.Module) -> int:
     return module.out_features if isinstance(module, nn.Linear) else module.nf
 
 
+def _in_features(module: nn.Module) -> int:
+    return module.in_features if isinstance(module, nn.Linear) else module.nx
+
+
 def _project(
     module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:

@@ -98,7 +98,7 @@ def check(style: Any, wrapper: nn.Module, base: nn.Module) -> None:
     cls = getattr(layer, "ParamWrapper", None)
     placements = style._parameter_placements(base)
     for w in chain(wrapper):
-        if vars(w).get(_adapters._HOSTED) is not None:
+        if _adapters.hosting(w) is not None:
             continue  # hosted already (parallelize_module, then get_peft_model: the inner)
         tuner = _adapters._tuner_name(w)
         if cls is None or not isinstance(w, cls) or type(w).forward is not cls.forward:
@@ -149,17 +149,13 @@ def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: _layouts.DTensorRu
     ``base``'s weights, and compute them in the experts' forward (``style`` applied to
     ``base``; :func:`check` passed)."""
     for w in chain(wrapper):
-        if vars(w).get(_adapters._HOSTED) is not None:
+        if _adapters.hosting(w) is not None:
             continue
         A_places, B_places = placements_of(style, w, base)
         for name in list(w.lora_A):
             _distribute_parameters(w.lora_A[name], rt, A_places, style.src_data_rank)
             _distribute_parameters(w.lora_B[name], rt, B_places, style.src_data_rank)
-        w.register_state_dict_post_hook(_adapters._full_adapter_entries)
-        w.register_load_state_dict_pre_hook(_adapters._sliced_adapter_entries)
-        w.__dict__[_adapters._HOSTED] = (style, base, rt)
-        w.lora_A.__dict__[_adapters._ADAPTER_DICT] = (w, 0)
-        w.lora_B.__dict__[_adapters._ADAPTER_DICT] = (w, 1)
+        _adapters.mark_hosted(w, style, base, rt)
         # the factor every rank holds whole: its gradient is a partial sum
         whole = "A" if isinstance(A_places["weight"], Replicate) else "B"
         w.forward = functools.partial(_forward, w, base, whole)

@@ -199,9 +199,8 @@ class TensorParallelExperts(ParallelStyle):
         module = _distribute_and_wrap(
             self, module, device_mesh, self.contract.parameters(self, module)
         )
-        # the runtime bound into the forward (module, rt, own_forward) hosts LoRA on the
-        # weights, now or when PEFT wraps the experts later
-        _adapters.remember(module, self, module.forward.args[1])
+        # hosts PEFT's LoRA on the weights, now or when PEFT wraps the experts later
+        _adapters.remember(module, self, _layouts.runtime(device_mesh))
         return module
 
     def _check_adapters(self, wrapper: nn.Module, base: nn.Module) -> None:
@@ -216,7 +215,7 @@ class TensorParallelExperts(ParallelStyle):
     def _host_adapters(self, wrapper: nn.Module, base: nn.Module, device_mesh: DeviceMesh):
         """Lay out ``wrapper``'s LoRA (on ``base``'s weights) to match them and add each
         delta to its weight's local slice in the experts' forward."""
-        _, rt = getattr(base, _adapters._HOST_RUNTIME)
+        _, rt = _adapters.remembered(base)
         _expert_adapters.host(self, wrapper, base, rt)
 
     def _forward(

@@ -33,6 +33,7 @@ from torch_tp.style.base import (
     _check_whole_not_distributed,
     _conv1d_base,
     _distribute_parameters,
+    _in_features,
     _in_module,
     _out_features,
     _project,
@@ -189,7 +190,8 @@ class _ShardLinearEmbedding(ParallelStyle):
     def _host_adapters(self, wrapper: nn.Module, base: nn.Module, device_mesh: DeviceMesh):
         """Lay out ``wrapper``'s LoRA adapters to match ``base`` (to which this style was
         applied) and compute them with it."""
-        _adapters.host(self, wrapper, base, _layouts.runtime(device_mesh))
+        # the runtime bound into base's forward when this style was applied to it
+        _adapters.host(self, wrapper, base, _adapters.remembered(base)[1])
 
     def _own_embedding_forward(
         self,
@@ -569,8 +571,9 @@ class RowwiseParallel(_ShardLinearEmbedding):
                     raise ValueError(
                         f"{_where(self, module)}: " + _FEATURE_SHARDED_ADAPTER.format(layout=out)
                     )
-                features = module.in_features if isinstance(module, nn.Linear) else module.nx
-                inner = _adapters.row_inputs(adapters, x, rt, self._shard(x.ndim - 1), features)
+                inner = _adapters.row_inputs(
+                    adapters, x, rt, self._shard(x.ndim - 1), _in_features(module)
+                )
                 reduce = functools.partial(self._reduce, rt=rt, module=module)
                 y, inner = _adapters.reduce_with(partial, inner, reduce)
             else:
@@ -889,5 +892,4 @@ class PackedRowwiseParallel(_Packed, RowwiseParallel):
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         self._check_module(module)
         super()._validate(module, device_mesh)
-        in_features = module.in_features if isinstance(module, nn.Linear) else module.nx
-        self._validate_parts(in_features, "the input features", device_mesh)
+        self._validate_parts(_in_features(module), "the input features", device_mesh)
