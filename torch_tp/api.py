@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_tp import _layouts
 from torch_tp import _torch_compat as compat
-from torch_tp.plan import is_style, mark_applied, resolve_plan, validate_plan
+from torch_tp.plan import is_style, mark_applied, resolve_plan, styled_modules, validate_plan
 from torch_tp.random import _ensure_tracker
 from torch_tp.shapes import check_shapes
 from torch_tp.style import adapters as _adapters
@@ -121,14 +121,8 @@ def parallelize_module(
     entries = resolve_plan(module, parallelize_plan, strict=strict)
     meshes = _entry_meshes(entries, device_mesh)
     # styles that read the model's config find it; a partial-sum region, the modules the
-    # plan gives a style
-    # (and a LoRA layer's adapters, which the style of its base layer hosts)
-    styled = frozenset(id(entry.module) for entry in entries) | frozenset(
-        id(m)
-        for e in entries
-        if e.adapters is not None
-        for m in _adapters.adapter_modules(e.adapters)
-    )
+    # plan gives a style (and the adapters of PEFT's layers, which their base's style hosts)
+    styled = styled_modules(entries)
     with planning(module, styled):
         validate_plan(entries, meshes, module, strict=strict)
     _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes

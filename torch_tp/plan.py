@@ -799,6 +799,17 @@ def parameter_owners(root: nn.Module) -> dict[int, list[str]]:
     return owners
 
 
+def styled_modules(entries: list[PlanEntry]) -> frozenset[int]:
+    """The ids of the modules a plan gives a style: each entry's module, and the adapters of
+    the PEFT layer wrapping it, which its style hosts (:mod:`torch_tp.style.adapters`)."""
+    return frozenset(id(entry.module) for entry in entries) | frozenset(
+        id(m)
+        for entry in entries
+        if entry.adapters is not None
+        for m in _adapters.adapter_modules(entry.adapters)
+    )
+
+
 def mark_applied(entry: PlanEntry) -> None:
     """Record on the module that ``entry.style`` was applied to it, and by which path."""
     setattr(entry.module, _APPLIED_STYLE, entry.style)

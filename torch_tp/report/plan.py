@@ -58,6 +58,7 @@ from torch_tp.plan import (
     planned_placements,
     refuse_multi_dimensional,
     resolve_plan,
+    styled_modules,
     tied_parameters,
     unsummed_gradients,
 )
@@ -247,12 +248,7 @@ def plan_report(
         if message.startswith(f"parallelize_plan key {short_repr(key)} matches no submodule")
     ]
     # as parallelize_module: the modules of the plan, and the adapters their styles host
-    styled = frozenset(id(e.module) for e in entries) | frozenset(
-        id(m)
-        for e in entries
-        if e.adapters is not None
-        for m in _adapters.adapter_modules(e.adapters)
-    )
+    styled = styled_modules(entries)
     with planning(model, styled):  # styles that read the model's config find it
         invalid, refused = _validate(model, entries, n, mesh_shape)
     problems += refused
