@@ -54,6 +54,9 @@ setup(
         # PEFT's LoRA adapters on a torch_tp model (docs/adapters.md); `import torch_tp` never
         # imports peft. Its own "torch>=1.13" is met by the torch installed first
         "peft": ["peft==0.21.2"],
+        # transformers models: plan_for, auto() on them, load_pretrained/save_pretrained
+        # (docs/transformers.md); `import torch_tp` never imports transformers
+        "hf": ["transformers==5.23.0", "accelerate==1.15.0"],
         # an alias kept for old install lines: safetensors is a plain requirement now
         "checkpoint": ["safetensors>=0.4"],
         "docs": [

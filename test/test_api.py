@@ -201,13 +201,23 @@ def _mesh_errors() -> None:
     # the tp dimension of a 2-D mesh is fine
     model = parallelize_module(nn.Linear(4, 4), mesh2d["tp"], ColwiseParallel())
     assert model.weight.device_mesh == mesh2d["tp"]
-    with pytest.raises(RuntimeError, match="No device mesh"):
+    with pytest.raises(RuntimeError, match=r"no `with mesh:` block.*torchrun --nproc-per-node"):
         parallelize_module(nn.Linear(4, 4), None, ColwiseParallel())
 
 
 @pytest.mark.four_ranks
 def test_mesh_must_be_one_dimensional():
     run_distributed(_mesh_errors, 4)
+
+
+def test_no_process_group_says_how_to_start():
+    # this process is no rank of anything: torch's own error would be "No device mesh is
+    # currently active!", which does not say that the ranks were never started
+    assert not torch.distributed.is_initialized()
+    model = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match=r"no process group.*torchrun --nproc-per-node N"):
+        parallelize_module(model, None, ColwiseParallel())
+    assert not isinstance(model.weight, DTensor)
 
 
 def test_style_argument_errors_as_upstream():

@@ -47,6 +47,7 @@ LAYERS = {
         "_ring",
         "_torch_compat",
         "_buffers",  # non-persistent buffers computed again: meta and checkpoint share it
+        "_state_dict",  # full tensors into DTensor parameters through load_state_dict
     ),
     "features": ("loss", "clip", "meta", "checkpoint", "pipeline"),
     "tools": ("report", "cli", "__main__"),

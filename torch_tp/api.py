@@ -6,10 +6,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_tp import _layouts
+from torch_tp import _layouts, _state_dict
 from torch_tp import _torch_compat as compat
 from torch_tp.plan import is_style, mark_applied, resolve_plan, styled_modules, validate_plan
 from torch_tp.random import _ensure_tracker
@@ -151,6 +152,9 @@ def parallelize_module(
             mark_applied(entry)
             if is_style(parallelize_plan):
                 result = applied
+    # model.load_state_dict(torch.load(...)) takes the single-device state dict
+    for sub in module.modules():
+        _state_dict.accept_full_tensors(sub)
     return result
 
 
@@ -164,9 +168,29 @@ def _check_shapes(module: nn.Module, plan: Any, degree: int, example_inputs: Any
         )
 
 
+_HOW_TO_START = (
+    "start one process per rank with `torchrun --nproc-per-node N your_script.py` (or, in "
+    "a test, run a function on every rank with torch_tp.testing.run_distributed), then "
+    "build the mesh in each: mesh = init_device_mesh(device_type, (N,)) and pass it, or "
+    "call parallelize_module inside `with mesh:`"
+)
+
+
 def _resolve_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
     if device_mesh is None:
-        device_mesh = compat.current_mesh()  # RuntimeError when there is none
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "parallelize_module needs a DeviceMesh: none was passed, and no process "
+                f"group is running (this process was not started as one of several ranks): "
+                f"{_HOW_TO_START}"
+            )
+        try:
+            device_mesh = compat.current_mesh()
+        except RuntimeError as err:  # torch: "No device mesh is currently active!"
+            raise RuntimeError(
+                "parallelize_module needs a DeviceMesh: none was passed and no `with mesh:` "
+                f"block is active; {_HOW_TO_START}"
+            ) from err
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a DeviceMesh, found {type(device_mesh)}")
     return device_mesh

@@ -341,14 +341,14 @@ def _stock_forwards(model: nn.Module, entries: list[PlanEntry]) -> None:
             if contract is None or not _uses_stock_forward(entry.module):
                 continue
             if contract.local_forward(entry.style, entry.module) and contract.meta_output is None:
-                entry.module.forward = _local_computation(entry.module)
+                entry.module.forward = _local_computation(entry.style, entry.module)
 
 
-def _local_computation(module: nn.Module) -> Callable:
+def _local_computation(style: Any, module: nn.Module) -> Callable:
     def forward(input: torch.Tensor) -> torch.Tensor:
         if isinstance(module, nn.Embedding):
             return torch.nn.functional.embedding(input, module.weight)
-        return _project(module, input, module.weight, module.bias)
+        return _project(style, module, input, module.weight, module.bias)
 
     return forward
 

@@ -52,9 +52,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from torch_tp import _layouts
+from torch_tp import _layouts, _state_dict
 from torch_tp import _torch_compat as compat
 from torch_tp.style.base import MODULE_PATH_ATTR, _distribute_parameters
 
@@ -500,20 +500,9 @@ def _sliced_adapter_entries(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
     """A load pre-hook: a full tensor for a hosted adapter's DTensor parameter becomes this
-    rank's slice of it (each rank holds the whole value: no communication). A DTensor, or a
-    tensor of another shape, is left to ``load_state_dict`` (which copies the one and
-    refuses the other by name)."""
-    for key, param in _adapter_parameters(module, prefix):
-        value = state_dict.get(key)
-        if (
-            isinstance(param, DTensor)
-            and isinstance(value, torch.Tensor)
-            and not isinstance(value, DTensor)
-            and value.shape == param.shape
-        ):
-            state_dict[key] = distribute_tensor(
-                value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None
-            )
+    rank's slice of it (:func:`torch_tp._state_dict.lay_out_entries`: each rank holds the
+    whole value, no communication)."""
+    _state_dict.lay_out_entries(state_dict, prefix, _adapter_parameters(module, prefix=""))
 
 
 # ------------------------------------------------------------------------------------------

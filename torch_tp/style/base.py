@@ -405,15 +405,53 @@ def _in_features(module: nn.Module) -> int:
 
 
 def _project(
-    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    style: ParallelStyle,
+    module: nn.Module,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``module``'s own computation (Linear or Conv1D) with local ``weight`` and ``bias``."""
-    if isinstance(module, nn.Linear):
-        return F.linear(x, weight, bias)
-    # Conv1D, as transformers computes it: addmm on the flattened tokens
-    flat = x.reshape(-1, x.shape[-1])
-    y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
-    return y.view(*x.shape[:-1], weight.shape[-1])
+    """``module``'s own computation (Linear or Conv1D) with local ``weight`` and ``bias``.
+
+    An input whose features do not match the local weight's is how a plan whose layouts do
+    not chain first shows (two row-parallel layers in a row, a column-parallel layer after
+    another): aten's ``mat1 and mat2 shapes cannot be multiplied`` becomes an error naming
+    the module, its style, both sizes and the layout to change (same type, chained)."""
+    try:
+        if isinstance(module, nn.Linear):
+            return F.linear(x, weight, bias)
+        # Conv1D, as transformers computes it: addmm on the flattened tokens
+        flat = x.reshape(-1, x.shape[-1])
+        y = flat @ weight if bias is None else torch.addmm(bias, flat, weight)
+        return y.view(*x.shape[:-1], weight.shape[-1])
+    except RuntimeError as err:
+        takes = weight.shape[-1] if isinstance(module, nn.Linear) else weight.shape[0]
+        if x.ndim == 0 or x.shape[-1] == takes:
+            raise
+        raise RuntimeError(_features_mismatch(style, module, x.shape[-1], takes)) from err
+
+
+def _features_mismatch(style: ParallelStyle, module: nn.Module, found: int, takes: int) -> str:
+    whole = _in_features(module)
+    base = (
+        f"{_where(style, module)}: this rank's input has {found} features in its last "
+        f"dimension, but its part of the weight takes {takes} (of {whole})"
+    )
+    if takes < whole and found == whole:
+        return (
+            f"{base}. The input arrives whole, while this style takes it sharded on the "
+            "last dimension, as a column-parallel layer before it leaves it: make the layer "
+            "that feeds it ColwiseParallel (the column-then-row pair), or say that its input "
+            "is whole with input_layouts=Replicate() (each rank then keeps its slice)"
+        )
+    if takes == whole and found < whole:
+        return (
+            f"{base}. The input arrives sharded on the last dimension (a column-parallel "
+            "layer before it leaves its output so), while this style takes it whole: make "
+            "this layer RowwiseParallel (the column-then-row pair), or say that its input is "
+            "sharded with input_layouts=Shard(-1) (it is then gathered first)"
+        )
+    return f"{base}: the layouts of the plan around this module do not chain"
 
 
 def _uses_stock_forward(module: nn.Module) -> bool:

@@ -365,7 +365,7 @@ class ColwiseParallel(_ShardLinearEmbedding):
             else:
                 x = rt.enter_replicated(input, self.input_layouts[0])
             weight = rt.local_parameter(module, "weight")
-            y = _project(module, x, weight, rt.local_parameter(module, "bias"))
+            y = _project(self, module, x, weight, rt.local_parameter(module, "bias"))
             if adapters:  # PEFT's LoRA (torch_tp.style.adapters): this rank's columns too
                 y = _adapters.column_terms(adapters, x, y, rt)
             return self._leave(y, rt, _out_features(module))
@@ -562,7 +562,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
             if isinstance(x, DTensor) or not last:  # else the local shard it computes with
                 layout = _layouts.normalize(layout, x.ndim)
                 x = rt.enter_sharded(x, layout, self._shard(x.ndim - 1))
-            partial = _project(module, x, rt.local_parameter(module, "weight"), None)
+            partial = _project(self, module, x, rt.local_parameter(module, "weight"), None)
             if adapters:
                 # PEFT's LoRA (torch_tp.style.adapters): lora_A's partial sums, reduced with
                 # the base's in its one collective
