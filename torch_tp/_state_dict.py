@@ -6,9 +6,9 @@ DTensor is refused ("got mixed torch.Tensor and DTensor"). A PyTorch user's firs
 after ``torch.load`` is to hand the model its single-device state dict, so every module that
 holds a tensor of its own gets a load pre-hook (:func:`accept_full_tensors`) that turns such
 a full tensor into this rank's part of it, laid out as the parameter is: each rank holds the
-whole value, so no communication. A DTensor laid out otherwise on the same mesh is
-redistributed. Anything else (a tensor of another shape, a DTensor on another mesh) is left
-to ``load_state_dict``, which names the key and the shapes as it always does.
+whole value, so no communication. A DTensor needs nothing (DTensor's ``copy_`` redistributes
+one laid out otherwise), and a tensor of another shape is left to ``load_state_dict``, which
+names the key and both shapes as it always does.
 
 ``model.state_dict()`` keeps returning the DTensors, as upstream does;
 :func:`torch_tp.checkpoint.full_state_dict` gathers them.
@@ -30,23 +30,21 @@ _ACCEPTS = "_torch_tp_accepts_full_tensors"
 
 
 def laid_out_like(value: Any, target: torch.Tensor) -> Any:
-    """``value`` laid out as the DTensor ``target`` is, where that is only slicing (a full
-    tensor of ``target``'s shape) or a redistribution on ``target``'s mesh; otherwise
-    ``value`` itself."""
-    if not isinstance(target, DTensor) or not isinstance(value, torch.Tensor):
+    """``value``, a full tensor of the DTensor ``target``'s shape, as this rank's part of it
+    laid out as ``target`` is (each rank slices its own copy); anything else unchanged."""
+    if (
+        not isinstance(target, DTensor)
+        or not isinstance(value, torch.Tensor)
+        or isinstance(value, DTensor)
+        or value.shape != target.shape
+    ):
         return value
-    if value.shape != target.shape:
-        return value
-    if not isinstance(value, DTensor):
-        return distribute_tensor(
-            value.to(device=target.device, dtype=target.dtype),
-            target.device_mesh,
-            target.placements,
-            src_data_rank=None,
-        )
-    if value.device_mesh == target.device_mesh and value.placements != target.placements:
-        return value.redistribute(target.device_mesh, target.placements)
-    return value
+    return distribute_tensor(
+        value.to(device=target.device, dtype=target.dtype),
+        target.device_mesh,
+        target.placements,
+        src_data_rank=None,
+    )
 
 
 def lay_out_entries(
@@ -72,8 +70,8 @@ def _lay_out_direct_entries(
 
 
 def accept_full_tensors(module: nn.Module) -> None:
-    """Let ``module.load_state_dict`` (or its parent's) take full tensors, and DTensors laid
-    out otherwise, for the DTensor parameters and buffers ``module`` holds itself. Whether a
+    """Let ``module.load_state_dict`` (or its parent's) take full tensors for the DTensor
+    parameters and buffers ``module`` holds itself. Whether a
     tensor is a DTensor is read at load time, so parameters FSDP2 shards later are
     covered too. Registered once per module."""
     if vars(module).get(_ACCEPTS) or not any(True for _ in _direct_tensors(module)):
