@@ -384,6 +384,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "partial sum, and with it each rank's lora_B gradient: left unsummed",
     ),
     Mutation(
+        name="load_hook_only_where_dtensors_were",
+        file="torch_tp/_state_dict.py",
+        old="""    if vars(module).get(_ACCEPTS) or not any(True for _ in _direct_tensors(module)):""",
+        new="""    if vars(module).get(_ACCEPTS) or not any(
+        isinstance(t, DTensor) for _, t in _direct_tensors(module)
+    ):""",
+        tests=("test/test_load_state_dict.py::test_fsdp2_tp_full_state_dict_loads",),
+        description="load_state_dict takes full tensors only in the modules that held "
+        "DTensors when the plan was applied: the norms FSDP2 shards afterwards refuse them",
+    ),
+    Mutation(
         name="embedding_ids_shape_not_agreed",
         file="torch_tp/style/linear.py",
         old="        code = 2 * _shape_code(ids.shape)",
