@@ -13,9 +13,17 @@ with ``AutoModelForCausalLM.from_config`` (``AutoModel`` for a family without a 
 head) on the meta device. Plans: ``llama`` (:func:`torch_tp.plans.llama.llama_plan`, the
 default for the built-in models, shaped by ``--sequence-parallel`` and ``--loss-parallel``),
 ``auto`` (:func:`torch_tp.plans.auto`, inferred from the model's structure), ``hf``
-(:func:`torch_tp.plans.hf.plan_for`, the default for a transformers model), ``module:attribute``
+(:func:`torch_tp.plans.hf.plan_for`, the default for a transformers model, shaped by
+``--sequence-parallel`` as ``plan_for(model, sequence_parallel=True)`` and by
+``--loss-parallel``: ``lm_head``'s logits left sharded on the vocabulary), ``module:attribute``
 (a plan dict, or a function returning one), or a JSON file written by
-:func:`torch_tp.plan.to_dict` (a transformers ``tp_plan`` dict works too).
+:func:`torch_tp.plan.to_dict` (a transformers ``tp_plan`` dict works too). The two flags are
+refused with any other plan, which they would not change.
+
+The report's Problems also list the warnings planning raised (``auto()``'s
+:class:`~torch_tp.plans.auto.ReplicatedModulesWarning`) and a ``--seq-len`` above the
+model's positions (a transformers config's ``max_position_embeddings``, the ``max_seq_len``
+of :class:`torch_tp.models.Llama`, Llama 3 8B's 8192).
 
 Example::
 
@@ -35,6 +43,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,6 +96,12 @@ BUILT_IN_MODELS: dict[str, Callable[[int], nn.Module]] = {
     "llama3-8b": _llama3_8b,
 }
 
+# the positions a built-in model stands for, which it is built beyond to trace a longer
+# --seq-len (llama-tiny, a toy, stands for none: it is built as long as asked)
+_BUILT_IN_POSITIONS: dict[str, tuple[int, str]] = {
+    "llama3-8b": (8192, "Llama 3 8B's max_seq_len"),
+}
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the ``plan`` options to ``parser`` and make :func:`main` its handler."""
@@ -120,13 +135,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="for --plan llama: shard norms and the residual stream on the sequence",
+        help="for --plan llama and --plan hf: shard norms and the residual stream on the sequence",
     )
     parser.add_argument(
         "--loss-parallel",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="for --plan llama: leave the logits sharded on the vocabulary",
+        help="for --plan llama and --plan hf: leave the logits sharded on the vocabulary",
     )
     parser.add_argument(
         "--device-type",
@@ -215,7 +230,18 @@ def _plan(args: argparse.Namespace, model: nn.Module) -> Any:
     elif spec is None and _transformers_config(args.model) is not None:
         spec = "hf"
     if spec is None:
-        raise ValueError("--plan is required for a model given as module:factory")
+        raise ValueError(
+            "--plan is required for a model given as module:factory: pass --plan auto to "
+            "infer one from the model's structure, or name one (llama, hf, module:attribute, "
+            "a JSON file)"
+        )
+    if spec not in ("llama", "hf"):
+        for flag in ("sequence_parallel", "loss_parallel"):
+            if getattr(args, flag):
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} shapes --plan llama and --plan hf only, and "
+                    f"would not change --plan {spec}: drop the flag, or write the plan with it"
+                )
     if spec == "llama":
         from torch_tp.plans.llama import llama_plan
 
@@ -229,11 +255,93 @@ def _plan(args: argparse.Namespace, model: nn.Module) -> Any:
     if spec == "hf":
         from torch_tp.plans.hf import plan_for
 
-        return plan_for(model)
+        plan = plan_for(model, sequence_parallel=args.sequence_parallel)
+        return _vocabulary_parallel_logits(model, plan) if args.loss_parallel else plan
     if spec.endswith(".json") or Path(spec).is_file():
         return from_dict(_read_json(Path(spec)))
     plan = _load(spec)
     return plan() if callable(plan) else plan
+
+
+def _vocabulary_parallel_logits(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` (a transformers model's) with ``lm_head`` returning its logits as a DTensor
+    sharded on the vocabulary (``Shard(-1)``), for a vocabulary-parallel loss
+    (:func:`torch_tp.loss_parallel`), as ``llama_plan(loss_parallel=True)`` has its output.
+
+    Raises:
+        ValueError: the plan has no column-parallel ``lm_head`` (a base model, or a plan
+            laying it out otherwise): the message names what it found.
+    """
+    from torch.distributed.tensor import Shard
+
+    from torch_tp.registry import STYLE_REGISTRY
+    from torch_tp.style import ColwiseParallel
+
+    keys = [key for key in plan if key.rpartition(".")[2] == "lm_head"]
+    if not keys:
+        raise ValueError(
+            f"--loss-parallel: the plan of {type(model).__qualname__} has no lm_head entry "
+            "(a base model returns no logits): expected a column-parallel lm_head"
+        )
+    out = dict(plan)
+    for key in keys:
+        value = plan[key]
+        style = STYLE_REGISTRY.style(value) if isinstance(value, str) else value
+        if type(style) is not ColwiseParallel:
+            raise ValueError(
+                f"--loss-parallel: expected a column-parallel {key!r} in the plan of "
+                f"{type(model).__qualname__}, found {value!r}"
+            )
+        arguments = style.contract.arguments(style)
+        out[key] = ColwiseParallel(
+            **{**arguments, "output_layouts": Shard(-1), "use_local_output": False}
+        )
+    return out
+
+
+def _positions_exceeded(args: argparse.Namespace, model: nn.Module) -> str | None:
+    """Why ``--seq-len`` is more than the model's positions, or ``None`` if it is not (or
+    the model says nothing of its positions)."""
+    found = _BUILT_IN_POSITIONS.get(args.model)
+    if found is None and args.model not in BUILT_IN_MODELS:
+        config = getattr(model, "config", None)
+        for name in ("max_position_embeddings", "max_seq_len"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found = value, f"config.{name}"
+                break
+    if found is None or args.seq_len <= found[0]:
+        return None
+    positions, source = found
+    built = " (built with more to trace it)" if args.model in BUILT_IN_MODELS else ""
+    return (
+        f"{args.seq_len} tokens per sequence is more than the {positions} positions of the "
+        f"model ({source}){built}: the report is for sequences it was not made for; pass "
+        f"--seq-len {positions} or less"
+    )
+
+
+def _listed_warnings(caught: list[warnings.WarningMessage]) -> list[Any]:
+    """The warnings planning raised, as problems of the report (once each); warnings that
+    are not ``UserWarning`` (deprecations) are issued again, as they would have been."""
+    from torch_tp.report import Problem
+
+    problems: dict[tuple[str, str], Any] = {}
+    for w in caught:
+        if issubclass(w.category, UserWarning):
+            key = (w.category.__name__, str(w.message))
+            problems.setdefault(key, Problem("warning", *key))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return list(problems.values())
+
+
+def _with_problems(report: Any, problems: list[Any]) -> None:
+    """Add ``problems`` to ``report``'s, keeping them ordered errors, warnings, notes."""
+    if not problems:
+        return
+    order = {"error": 0, "warning": 1, "note": 2}
+    report.problems = sorted([*report.problems, *problems], key=lambda p: order[p.severity])
 
 
 def _read_json(path: Path) -> Any:
@@ -266,22 +374,27 @@ def main(args: argparse.Namespace) -> int:
     device print one error line on stderr, with no traceback. A reader that closes the pipe
     early (``| head``) ends the command quietly, with the report's exit status.
     """
-    from torch_tp.report import plan_report
+    from torch_tp.report import Problem, plan_report
 
+    too_long = None
     try:
         model = _build_model(args.model, args.seq_len)
-        plan = _plan(args, model)
-        inputs = _load(args.inputs) if args.inputs else None
-        report = plan_report(
-            model,
-            plan,
-            args.tp,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            dtype=_DTYPES[args.dtype] if args.dtype else None,
-            example_inputs=inputs,
-            device_type=args.device_type,
-        )
+        too_long = _positions_exceeded(args, model)
+        # warnings planning raises (auto()'s ReplicatedModulesWarning) go into the report
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = _plan(args, model)
+            inputs = _load(args.inputs) if args.inputs else None
+            report = plan_report(
+                model,
+                plan,
+                args.tp,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
+                dtype=_DTYPES[args.dtype] if args.dtype else None,
+                example_inputs=inputs,
+                device_type=args.device_type,
+            )
     except (
         ImportError,
         AttributeError,
@@ -293,7 +406,13 @@ def main(args: argparse.Namespace) -> int:
         RuntimeError,  # the forward failed on the meta device (the report says why)
     ) as err:
         _print_error(err)
+        if too_long is not None:
+            print(f"note: --seq-len: {too_long}", file=sys.stderr)
         return 2
+    problems = _listed_warnings(caught)
+    if too_long is not None:
+        problems.insert(0, Problem("warning", "--seq-len", too_long))
+    _with_problems(report, problems)
     status = 1 if report.errors else 0
     try:
         print(report, flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -302,8 +303,8 @@ class PlanReport:
         lines += ["", "Problems"]
         if not self.problems:
             lines.append("  none found")
-        for p in self.problems:
-            lines.append(f"  {p.severity:<8} {p.where or '(root)'}: {p.message}")
+        for severity, where, message in _collapsed(self.problems):
+            lines.append(f"  {severity:<8} {where or '(root)'}: {message}")
         return "\n".join(lines)
 
     def _split(self) -> str:
@@ -316,6 +317,49 @@ class PlanReport:
             return f"TP degree {self.tp_degree}"
         shape = " x ".join(f"{dim} {size}" for dim, size in self.mesh_shape.items())
         return f"mesh {shape} ({math.prod(self.mesh_shape.values())} ranks)"
+
+
+# a layer number in a module path: ``model.layers.3.self_attn`` (a whole path segment of digits)
+_LAYER_NUMBER = re.compile(r"(?<=[A-Za-z_]\.)\d+\b")
+_SLOT = "\0"  # where a collapsed layer number goes in a template
+
+
+def _collapsed(problems: list[Problem]) -> list[tuple[str, str, str]]:
+    """The problems as ``(severity, where, message)`` lines, those that differ only in the
+    layer number of the module paths they name (one problem per repeated layer) collapsed
+    into one, at the first one's place: the numbers as ``{0..31}`` (or ``{0,2,5}``) and the
+    layers counted, ``(32 layers)``."""
+    layers: dict[tuple[str, str, str], list[int]] = {}
+    order: list[tuple[str, str, str]] = []
+    for p in problems:
+        numbers = set(_LAYER_NUMBER.findall(f"{p.where}\n{p.message}"))
+        if len(numbers) != 1:  # no layer, or several: a line of its own
+            order.append((p.severity, p.where, p.message))
+            layers[order[-1]] = []
+            continue
+        template = (
+            p.severity,
+            _LAYER_NUMBER.sub(_SLOT, p.where),
+            _LAYER_NUMBER.sub(_SLOT, p.message),
+        )
+        if template not in layers:
+            order.append(template)
+            layers[template] = []
+        layers[template].append(int(numbers.pop()))
+    lines = []
+    for severity, where, message in order:
+        found = sorted(set(layers[(severity, where, message)]))
+        if len(found) <= 1:
+            span = str(found[0]) if found else _SLOT
+        elif found == list(range(found[0], found[-1] + 1)):
+            span = f"{{{found[0]}..{found[-1]}}}"
+        else:
+            span = "{" + ",".join(str(n) for n in found) + "}"
+        where, message = where.replace(_SLOT, span), message.replace(_SLOT, span)
+        if len(found) > 1:
+            message = f"{message} ({len(found)} layers)"
+        lines.append((severity, where, message))
+    return lines
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
