@@ -386,7 +386,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="load_hook_only_where_dtensors_were",
         file="torch_tp/_state_dict.py",
-        old="""    if vars(module).get(_ACCEPTS) or not any(True for _ in _direct_tensors(module)):""",
+        old="    if vars(module).get(_ACCEPTS) or not any(True for _ in _direct_tensors(module)):",
         new="""    if vars(module).get(_ACCEPTS) or not any(
         isinstance(t, DTensor) for _, t in _direct_tensors(module)
     ):""",
