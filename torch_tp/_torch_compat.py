@@ -23,6 +23,7 @@ torch_tp name                               torch's (2.13.0 and 2.15.0)
                                             ``DTensor(...)``)
 ``shard_split_tensor``                      ``Shard._split_tensor`` (``_StridedShard``'s too)
 ``current_mesh``                            ``torch.distributed.device_mesh._mesh_resources``
+``process_groups``                          ``torch.distributed.distributed_c10d._world``
 ``current_graph_task_id``                   ``torch._C._current_graph_task_id``
 ``queue_callback``                          ``Variable._execution_engine.queue_callback``;
                                             public from 2.15 (``torch.autograd.graph``), used
@@ -221,6 +222,14 @@ def current_mesh() -> Any:
     torch has no public getter for it."""
     mesh_resources = _first(("torch.distributed.device_mesh", "_mesh_resources"))
     return mesh_resources.get_current_mesh()
+
+
+def process_groups() -> list[Any]:
+    """Every process group this process has and has not destroyed (the default one among
+    them); torch has no public list of them. The test harness destroys the groups a task
+    made when it ends: each gloo group keeps threads that wake up while it is idle."""
+    world = _first(("torch.distributed.distributed_c10d", "_world"))
+    return list(world.pg_map)
 
 
 # ------------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from torch_tp import _torch_compat as compat
+
 __all__ = ["RankError", "RankTimeout", "device_type", "run_distributed", "shutdown"]
 
 T = TypeVar("T")
@@ -67,8 +69,17 @@ _FORKSERVER_PRELOAD = [
     "torch.distributed.checkpoint",
 ]
 
-# Tags of the messages a worker sends to the parent.
+# Tags of the messages a worker sends to the parent: (tag, task id, rank, pickled result or
+# exception, traceback), except that an _OK message ends with the number of process groups
+# the rank holds instead.
 _READY, _INIT_FAILED, _OK, _FAILED = "ready", "init_failed", "ok", "failed"
+# A pool whose ranks hold more process groups than this after a call is closed, and the next
+# call starts a new one (well under a second). Tests make groups (each 2-D mesh one per
+# dimension, checkpoints one to coordinate) that nothing destroys: DTensor's caches keep the
+# meshes that name them, so a worker cannot destroy them itself. Each gloo group keeps three
+# threads that wake up every few milliseconds, idle or not: a pool of four ranks that has
+# run a few hundred tests spends a core on them (measured: 100 groups, 10% of a core per rank).
+_MAX_GROUPS = 32
 
 
 class RankError(RuntimeError):
@@ -193,7 +204,7 @@ def _run_task(rank: int, task_id: int, parent_path: list[str], payload: bytes) -
         torch.set_default_dtype(default_dtype)
         torch.set_grad_enabled(grad_enabled)
     try:
-        return (_OK, task_id, rank, pickle.dumps(result), None)
+        return (_OK, task_id, rank, pickle.dumps(result), len(compat.process_groups()))
     except Exception as exc:
         text = (
             f"the return value of rank {rank} could not be pickled "
@@ -268,6 +279,7 @@ class _Pool:
         if _START_METHOD == "forkserver":
             ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # read when the server starts
         self.world_size = world_size
+        self.groups = 1  # the most process groups a rank holds (see _MAX_GROUPS)
         self.tmpdir = tempfile.mkdtemp(prefix=f"torch_tp_pool{world_size}_")
         self.results: multiprocessing.Queue = ctx.Queue()
         self.tasks: list[multiprocessing.Queue] = [ctx.Queue() for _ in range(world_size)]
@@ -627,6 +639,9 @@ def run_distributed(
             raise
         if not pool_ok:
             _drop_pool(world_size)
+        elif pool.groups > _MAX_GROUPS:
+            _POOLS.pop(world_size)
+            pool.close()
         if error is not None:
             raise error
         return results
@@ -656,12 +671,13 @@ def _collect(
                 died.add(rank)
                 fail(rank, None, f"the worker process of rank {rank} exited with code {code}\n")
             continue
-        tag, msg_task, rank, data, text = msg
+        tag, msg_task, rank, data, last = msg
         if msg_task != task_id:
             continue  # cannot happen with a fresh or clean pool; be safe anyway
         if tag != _OK:
-            fail(rank, data, text)
+            fail(rank, data, last)  # last: the traceback
             continue
+        pool.groups = max(pool.groups, last)  # last: the rank's number of process groups
         try:
             results[rank] = pickle.loads(data)
         except Exception:
