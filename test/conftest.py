@@ -15,6 +15,11 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
+# The first forward of every parallelized model is shape-checked (torch_tp._forward_check);
+# where the trace itself fails on a model the suite builds, fail the test rather than warn
+# and run unchecked, as a user's run does. (The workers get this environment too.)
+os.environ.setdefault("TORCH_TP_FORWARD_CHECK", "strict")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _shutdown_worker_pools() -> Iterator[None]:

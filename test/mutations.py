@@ -406,6 +406,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         description="the vocabulary-parallel embedding's agreed check leaves out the ids' "
         "shape: ranks given (2, 8) and (4, 4) ids sum rows of different tokens, no error",
     ),
+    Mutation(
+        name="forward_check_not_disabled_by_a_later_call",
+        file="torch_tp/_forward_check.py",
+        old="        if root is None or root is module or _contains(root, module) or "
+        "_contains(module, root):",
+        new="        if root is None:",
+        tests=(
+            "test/test_forward_check.py::test_a_plan_applied_over_several_calls_is_not_refused",
+        ),
+        description="a plan applied over several parallelize_module calls keeps the first "
+        "call's first-forward check, which sees half the plan and refuses a right model",
+    ),
+    Mutation(
+        name="forward_check_first_signature_only",
+        file="torch_tp/_forward_check.py",
+        old="        if key is None or key in self.seen:",
+        new="        if key is None or self.seen:",
+        tests=(
+            "test/test_forward_check.py::test_the_check_runs_once_per_input_signature_and_then_goes",
+        ),
+        description="the first-forward check runs for the first input signature only: a "
+        "later shape the plan gets wrong runs unchecked",
+    ),
 )
 
 

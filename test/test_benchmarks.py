@@ -35,6 +35,7 @@ from torch_tp.testing import run_distributed
 # import this module too, so they get the same path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_forward_check  # noqa: E402
 import bench_hf_checkpoint  # noqa: E402
 import bench_meta_init  # noqa: E402
 import bench_moe  # noqa: E402
@@ -639,3 +640,15 @@ def test_lora_bad_variant_is_refused(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         bench_lora.parse(["--only", "torch_tp,nosuch"])
     assert "unknown variants ['nosuch']" in capsys.readouterr().err
+
+
+def test_forward_check_script_quick_mode() -> None:
+    """The reference Llama at a tiny size, the check on and off: one row of three timed
+    phases, each a positive number of seconds on and off, and their step ratio."""
+    args = bench_forward_check.parse(["--quick", "--models", "llama"])
+    (row,) = bench_forward_check.bench(args)
+    assert row[:2] == ["llama", "1"], row
+    for cell in row[2:5]:
+        on, off = (float(x) for x in cell.split(" / "))
+        assert on > 0 and off > 0, row
+    assert float(row[5]) > 0, row

@@ -1,4 +1,6 @@
-"""Errors from the first forward of a plan whose layouts do not chain.
+"""Errors from the forward of a plan whose layouts do not chain, the first-forward check off.
+
+(With it on, the default, such a plan is refused before it runs: test_forward_check.py.)
 
 A hand-written plan that ``parallelize_module`` accepts can still be wrong about what flows
 between its modules: two row-parallel layers in a row (an MLP with its styles swapped), or a
@@ -36,7 +38,9 @@ class _MLP(nn.Module):
 def _first_forward_error(plan: dict) -> RuntimeError:
     mesh = init_device_mesh(device_type(), (2,))
     torch.manual_seed(0)
-    model = torch_tp.parallelize_module(_MLP(), mesh, plan)
+    # the first-forward check refuses such plans before they run (test_forward_check.py);
+    # this is what the forward itself says where the check is off
+    model = torch_tp.parallelize_module(_MLP(), mesh, plan, check_forward=False)
     with pytest.raises(RuntimeError) as info:
         model(torch.randn(2, 8, 32))
     return info.value

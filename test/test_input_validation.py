@@ -116,7 +116,9 @@ def _shard_out_of_range(case: str) -> tuple[str, str]:
     inner, style = cases[case]
     torch.manual_seed(0)
     model = _Block(inner)
-    parallelize_module(model, tp_mesh(), {"inner": style})
+    # the forward's own error: the first-forward check, which refuses the output layouts
+    # among these before they run (test_forward_check.py), is off
+    parallelize_module(model, tp_mesh(), {"inner": style}, check_forward=False)
     width = 4 if case == "rowwise_output" else 8  # a local shard of the rowwise input
     try:
         model(torch.randn(2, 4, width))

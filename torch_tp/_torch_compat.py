@@ -24,6 +24,8 @@ torch_tp name                               torch's (2.13.0 and 2.15.0)
 ``shard_split_tensor``                      ``Shard._split_tensor`` (``_StridedShard``'s too)
 ``current_mesh``                            ``torch.distributed.device_mesh._mesh_resources``
 ``process_groups``                          ``torch.distributed.distributed_c10d._world``
+``without_global_module_hooks``             ``torch.nn.modules.module._global_*`` (the hooks
+                                            of ``register_module_forward_hook`` and kin)
 ``current_graph_task_id``                   ``torch._C._current_graph_task_id``
 ``queue_callback``                          ``Variable._execution_engine.queue_callback``;
                                             public from 2.15 (``torch.autograd.graph``), used
@@ -222,6 +224,31 @@ def current_mesh() -> Any:
     torch has no public getter for it."""
     mesh_resources = _first(("torch.distributed.device_mesh", "_mesh_resources"))
     return mesh_resources.get_current_mesh()
+
+
+@contextlib.contextmanager
+def without_global_module_hooks() -> Any:
+    """Run a block with no global module hook (``register_module_forward_pre_hook`` and
+    kin), all of them back after it: the first-forward shape check traces meta copies of a
+    model, which a tool that watches every module's calls (``ModTracker``, under
+    ``CommDebugMode`` and the flop counter) must not take for modules of the model. torch
+    has no public way to suspend them."""
+    from torch.nn.modules import module as module_module
+
+    hooks = [
+        value
+        for name, value in vars(module_module).items()
+        if name.startswith("_global_") and isinstance(value, dict)
+    ]
+    saved = [dict(h) for h in hooks]
+    for h in hooks:
+        h.clear()
+    try:
+        yield
+    finally:
+        for h, kept in zip(hooks, saved, strict=True):
+            h.clear()
+            h.update(kept)
 
 
 def process_groups() -> list[Any]:

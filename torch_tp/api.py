@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch_tp import _layouts, _state_dict
 from torch_tp import _torch_compat as compat
+from torch_tp._forward_check import disable_overlapping_checks, forward_check
 from torch_tp.plan import is_style, mark_applied, resolve_plan, styled_modules, validate_plan
 from torch_tp.random import _ensure_tracker
 from torch_tp.shapes import check_shapes
@@ -29,6 +30,7 @@ def parallelize_module(
     src_data_rank: int | None = 0,
     strict: bool = True,
     example_inputs: Any = None,
+    check_forward: bool = True,
 ) -> nn.Module:
     """Apply tensor parallelism to ``module`` and its submodules according to a plan.
 
@@ -73,7 +75,23 @@ def parallelize_module(
             as one device and as one rank of the plan): a rank's shape other than one
             device's with the planned dimension divided, or a rank's forward that raises, is
             refused. For a new model or a hand-written plan; finish with
-            :func:`torch_tp.testing.check_parity`. Default: ``None`` (no shape check).
+            :func:`torch_tp.testing.check_parity`. Default: ``None`` (no shape check before
+            the plan is applied; the first forward is checked, see ``check_forward``).
+        check_forward (bool, optional): shape-check the first call of the returned module
+            with each new input signature (the first eight among its first hundred calls):
+            before that forward runs, and so before any collective, the call's own input
+            shapes are traced as by ``example_inputs``, through a meta copy of the module
+            taken before the plan was applied. A plan under which a rank would compute
+            another shape than one device (a ``view`` with the whole model's head count,
+            layouts that do not chain) raises ``ValueError`` on every rank, naming each
+            module, its style, the source line, both shapes and the likely fix. It costs one
+            trace per signature (``benchmarks/bench_forward_check.py`` prints the table) and
+            nothing per step after it. Inputs the trace cannot take (an object such as a
+            key-value cache), a forward the meta device cannot run (shapes that depend on
+            values), plans with styles on a mesh of their own (N-D, context parallelism) or
+            with PEFT adapters, and a model parallelized in parts by several calls are not
+            checked. ``TORCH_TP_FORWARD_CHECK=0`` turns it off for the process.
+            Default: ``True``.
 
     The environment variable ``TORCH_TP_RUNTIME``, read once per call, selects how the
     parallelized modules change layouts at run time: ``fast`` (the default: Megatron-style
@@ -135,6 +153,13 @@ def parallelize_module(
                 "torch_tp.testing.check_parity"
             )
         _check_shapes(module, parallelize_plan, device_mesh.size(), example_inputs)
+    # a meta copy of the model as it is now, traced at the first forward (None: not checked)
+    disable_overlapping_checks(module)
+    check = (
+        forward_check(module, parallelize_plan, entries, device_mesh.size())
+        if check_forward and device_mesh.ndim == 1
+        else None
+    )
     # dropout in a fork() region works out of the box; this never reseeds the default stream
     # (on an N-D mesh, its last dimension: each expert's matrices are split over it)
     _ensure_tracker(device_mesh if device_mesh.ndim == 1 else _last_dim(device_mesh))
@@ -152,6 +177,8 @@ def parallelize_module(
             mark_applied(entry)
             if is_style(parallelize_plan):
                 result = applied
+    if check is not None:
+        check.install(result if isinstance(result, nn.Module) else module)
     # model.load_state_dict(torch.load(...)) takes the single-device state dict
     for sub in module.modules():
         _state_dict.accept_full_tensors(sub)

@@ -57,6 +57,7 @@ from torch_tp.plan import (
     resolve_plan,
 )
 from torch_tp.style.base import (
+    LayoutsDoNotChain,
     ParallelStyle,
     _project,
     _uses_stock_forward,
@@ -162,7 +163,7 @@ def check_shapes(
     if problems is None:
         # the forward failed as one device: traced again to report it
         _traced(module, plan, degree, args, kwargs, {}, raise_single=True)
-    return problems or []
+    return [_with_fix(problem, module, degree) for problem in problems or []]
 
 
 def _traced(
@@ -894,7 +895,12 @@ def _failure(single: _Tracer, rank: _Tracer, err: BaseException, n: int) -> Shap
     failure = rank.failure
     assert failure is not None  # noqa: S101 - run() sets it with the error
     source = _traceback_source(err)
-    error = f"{type(err).__name__}: {_short(err)}"
+    # a style's own account of layouts that do not chain holds the fix: kept whole
+    error = (
+        f"RuntimeError: {err}"
+        if isinstance(err, LayoutsDoNotChain)
+        else (f"{type(err).__name__}: {_short(err)}")
+    )
     if failure.op is not None:
         one = _counterpart(single, rank, (failure.op, failure.module))
         expected = one.outputs[0] if one is not None and one.outputs else None
@@ -924,3 +930,71 @@ def _failure(single: _Tracer, rank: _Tracer, err: BaseException, n: int) -> Shap
         )
     message = f"the forward raises on a rank of {n} ({error}){context}"
     return ShapeProblem(failure.module, source, None, expected, found, message)
+
+
+# ------------------------------------------------------------------------------------------
+# The fix a problem suggests
+# ------------------------------------------------------------------------------------------
+
+_RESHAPES = frozenset({"view", "reshape", "unflatten", "_unsafe_view", "expand"})
+
+
+def _with_fix(problem: ShapeProblem, model: nn.Module, n: int) -> ShapeProblem:
+    """``problem`` with the likely fix added to its message, where one can be read: a view
+    whose sizes come from an attribute that counts heads of the whole model."""
+    if problem.op not in _RESHAPES or problem.expected is None or problem.found is None:
+        return problem
+    try:
+        module = model.get_submodule(problem.module)
+    except AttributeError:
+        return problem
+    common = 0
+    for one, ours in zip(problem.expected, problem.found, strict=False):
+        if one != ours:
+            break
+        common += 1
+    sizes = set(problem.expected[common:])
+    counts = [
+        name
+        for name, value in _int_attributes(module)
+        if value in sizes
+        and value % n == 0
+        and "head" in name.lower()
+        and not any(word in name.lower() for word in ("dim", "size"))
+    ]
+    if not counts:
+        return problem
+    name = counts[0]
+    if "." in name:  # read from the config, which every module shares: not to be divided
+        fix = (
+            f"the head count is read from {name}, the whole model's: pass -1 in its place "
+            f"({problem.op}(..., -1, head_dim)) so that each rank's own heads fill it"
+        )
+    else:
+        fix = (
+            f"the head count is read from {name} ({getattr(module, name)}), the whole "
+            f"model's: pass -1 in its place ({problem.op}(..., -1, head_dim)), or plan "
+            f"{problem.module!r} with AttentionHeads({name!r}, divide=({name!r},)) so that "
+            f"each rank's {name} is its own {getattr(module, name) // n}"
+        )
+    message = f"{problem.message}. Likely fix: {fix}"
+    return ShapeProblem(
+        problem.module, problem.source, problem.op, problem.expected, problem.found, message
+    )
+
+
+def _int_attributes(module: nn.Module) -> list[tuple[str, int]]:
+    """The module's public int attributes, then its config's (``"config.name"``)."""
+    found = [
+        (name, value)
+        for name, value in vars(module).items()
+        if isinstance(value, int) and not isinstance(value, bool) and not name.startswith("_")
+    ]
+    config = getattr(module, "config", None)
+    if config is not None and not isinstance(config, torch.Tensor):
+        found += [
+            (f"config.{name}", value)
+            for name, value in vars(config).items()
+            if isinstance(value, int) and not isinstance(value, bool) and not name.startswith("_")
+        ]
+    return found

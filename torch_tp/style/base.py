@@ -428,7 +428,12 @@ def _project(
         takes = weight.shape[-1] if isinstance(module, nn.Linear) else weight.shape[0]
         if x.ndim == 0 or x.shape[-1] == takes:
             raise
-        raise RuntimeError(_features_mismatch(style, module, x.shape[-1], takes)) from err
+        raise LayoutsDoNotChain(_features_mismatch(style, module, x.shape[-1], takes)) from err
+
+
+class LayoutsDoNotChain(RuntimeError):
+    """A planned layer's input does not have the features its local weight takes: the plan's
+    layouts do not chain (a ``RuntimeError``, as aten's error it replaces, which it chains)."""
 
 
 def _features_mismatch(style: ParallelStyle, module: nn.Module, found: int, takes: int) -> str:

@@ -78,8 +78,9 @@ _READY, _INIT_FAILED, _OK, _FAILED = "ready", "init_failed", "ok", "failed"
 # dimension, checkpoints one to coordinate) that nothing destroys: DTensor's caches keep the
 # meshes that name them, so a worker cannot destroy them itself. Each gloo group keeps three
 # threads that wake up every few milliseconds, idle or not: a pool of four ranks that has
-# run a few hundred tests spends a core on them (measured: 100 groups, 10% of a core per rank).
-_MAX_GROUPS = 32
+# run a few hundred tests spends a core on them (measured: 100 groups, 10% of a core per
+# rank; 19 groups, 2%), and replacing a pool costs under half a second.
+_MAX_GROUPS = 8
 
 
 class RankError(RuntimeError):
