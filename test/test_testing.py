@@ -241,6 +241,25 @@ def test_hang_times_out_and_the_pool_is_replaced() -> None:
     assert set(new_pids).isdisjoint(pids)
 
 
+def _make_groups(n: int) -> int:
+    for _ in range(n):
+        dist.new_group(backend="gloo")
+    return os.getpid()
+
+
+def test_a_pool_holding_many_process_groups_is_replaced_after_the_call() -> None:
+    # each gloo group's threads cost CPU while idle; the harness starts a fresh pool once the
+    # ranks hold more than a few (a call's own groups last as long as the call)
+    run_distributed(_make_groups, 2, 10)  # whatever ran before: a fresh pool next
+    pids = run_distributed(_pid, 2)
+    assert run_distributed(_make_groups, 2, 2) == pids
+    assert run_distributed(_pid, 2) == pids  # few groups: the same pool
+    assert run_distributed(_make_groups, 2, 10) == pids  # the call itself runs in it
+    new_pids = run_distributed(_pid, 2)
+    assert set(new_pids).isdisjoint(pids)
+    assert not any(_alive(pid) for pid in pids)
+
+
 @pytest.mark.slow  # the quick run stays under 2 minutes
 def test_dead_worker_fails_the_call_and_the_pool_is_replaced() -> None:
     pids = run_distributed(_pid, 2)

@@ -138,9 +138,11 @@ def forward_check(
     module: nn.Module, plan: Any, entries: list[PlanEntry], degree: int
 ) -> FirstForwardCheck | None:
     """The first-forward check of a plan about to be applied to ``module`` (a meta copy of it
-    taken now), or ``None`` where it cannot be checked: turned off by ``TORCH_TP_FORWARD_CHECK=0``,
-    styles on a mesh of their own (N-D, context parallelism), PEFT adapters to host, a model
-    that holds DTensors already (parallelized in parts by several calls) or cannot be copied.
+    taken now), or ``None`` where it cannot be checked: turned off by
+    ``TORCH_TP_FORWARD_CHECK=0``, styles on a mesh of their own (N-D, context parallelism),
+    PEFT adapters to host, a style that takes activations split over the sequence, a Linear
+    or Embedding subclass with a forward of its own, a model that holds DTensors already
+    (parallelized in parts by several calls) or that cannot be copied.
 
     Call :func:`disable_overlapping_checks` first."""
     if os.environ.get(_ENV, "1") in ("0", "off", "false"):

@@ -88,9 +88,11 @@ def parallelize_module(
             trace per signature (``benchmarks/bench_forward_check.py`` prints the table) and
             nothing per step after it. Inputs the trace cannot take (an object such as a
             key-value cache), a forward the meta device cannot run (shapes that depend on
-            values), plans with styles on a mesh of their own (N-D, context parallelism) or
-            with PEFT adapters, and a model parallelized in parts by several calls are not
-            checked. ``TORCH_TP_FORWARD_CHECK=0`` turns it off for the process.
+            values), plans with styles on a mesh of their own (N-D, context parallelism),
+            with PEFT adapters, with styles that take activations split over the sequence
+            (sequence parallelism) or on Linear/Embedding subclasses with forwards of their
+            own, and a model parallelized in parts by several calls are not checked.
+            ``TORCH_TP_FORWARD_CHECK=0`` turns it off for the process.
             Default: ``True``.
 
     The environment variable ``TORCH_TP_RUNTIME``, read once per call, selects how the
