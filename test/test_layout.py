@@ -41,6 +41,7 @@ LAYERS = {
         "registry",
         "random",
         "shapes",
+        "_forward_check",
         "_repeats",
         "_layouts",
         "_regions",
