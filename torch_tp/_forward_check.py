@@ -107,12 +107,7 @@ class FirstForwardCheck:
             raise ValueError(self._message(module, problems))
 
     def _message(self, module: nn.Module, problems: list[shapes.ShapeProblem]) -> str:
-        lines = []
-        for p in problems:
-            where = repr(p.module) if p.module else "the root module"
-            at = f" at {p.source}" if p.source else ""
-            lines.append(f"  {where} ({self._styled(p.module)}){at}: {p.message}")
-        listed = "\n".join(lines)
+        listed = "\n".join(f"  {p._described(self._styled(p.module))}" for p in problems)
         return (
             f"torch_tp's check of the first forward of {type(module).__name__} with these "
             f"inputs: under its plan, each of {self.degree} ranks would compute shapes one "
@@ -209,15 +204,13 @@ def _signature(value: Any) -> tuple | None:
         return ("t", tuple(value.shape), value.dtype)
     if isinstance(value, _PLAIN):
         return ("v", type(value), value)
-    if isinstance(value, (tuple, list)):
-        parts = [_signature(v) for v in value]
-    elif isinstance(value, dict):
-        parts = [(k, _signature(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]
-        if any(p is None for _, p in parts):
-            return None
-        return ("d", tuple(parts))
+    if isinstance(value, dict):
+        keys = tuple(sorted(value, key=str))
+        parts = [_signature(value[k]) for k in keys]
+    elif isinstance(value, (tuple, list)):
+        keys, parts = (), [_signature(v) for v in value]
     else:
         return None
     if any(p is None for p in parts):
         return None
-    return (type(value).__name__, tuple(parts))
+    return (type(value).__name__, keys, tuple(parts))

@@ -253,8 +253,8 @@ def without_global_module_hooks() -> Any:
 
 def process_groups() -> list[Any]:
     """Every process group this process has and has not destroyed (the default one among
-    them); torch has no public list of them. The test harness destroys the groups a task
-    made when it ends: each gloo group keeps threads that wake up while it is idle."""
+    them); torch has no public list of them. The test harness counts them to replace a pool
+    of ranks that holds many: each gloo group keeps threads that wake up while it is idle."""
     world = _first(("torch.distributed.distributed_c10d", "_world"))
     return list(world.pg_map)
 

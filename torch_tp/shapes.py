@@ -94,9 +94,14 @@ class ShapeProblem:
     message: str
 
     def __str__(self) -> str:
+        return self._described()
+
+    def _described(self, style: str | None = None) -> str:
+        """The problem in words; ``style``, when given, in parentheses after the module."""
         where = repr(self.module) if self.module else "the root module"
+        styled = f" ({style})" if style is not None else ""
         at = f" at {self.source}" if self.source else ""
-        return f"{where}{at}: {self.message}"
+        return f"{where}{styled}{at}: {self.message}"
 
 
 class ShapeCheckError(RuntimeError):
