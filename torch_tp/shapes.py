@@ -953,11 +953,8 @@ def _with_fix(problem: ShapeProblem, model: nn.Module, n: int) -> ShapeProblem:
         module = model.get_submodule(problem.module)
     except AttributeError:
         return problem
-    common = 0
-    for one, ours in zip(problem.expected, problem.found, strict=False):
-        if one != ours:
-            break
-        common += 1
+    pairs = zip(problem.expected, problem.found, strict=False)
+    common = next((i for i, (one, ours) in enumerate(pairs) if one != ours), len(problem.found))
     sizes = set(problem.expected[common:])
     counts = [
         name
@@ -990,16 +987,10 @@ def _with_fix(problem: ShapeProblem, model: nn.Module, n: int) -> ShapeProblem:
 
 def _int_attributes(module: nn.Module) -> list[tuple[str, int]]:
     """The module's public int attributes, then its config's (``"config.name"``)."""
-    found = [
-        (name, value)
-        for name, value in vars(module).items()
+    owners = [("", module), ("config.", getattr(module, "config", None))]
+    return [
+        (prefix + name, value)
+        for prefix, owner in owners
+        for name, value in getattr(owner, "__dict__", {}).items()
         if isinstance(value, int) and not isinstance(value, bool) and not name.startswith("_")
     ]
-    config = getattr(module, "config", None)
-    if config is not None and not isinstance(config, torch.Tensor):
-        found += [
-            (f"config.{name}", value)
-            for name, value in vars(config).items()
-            if isinstance(value, int) and not isinstance(value, bool) and not name.startswith("_")
-        ]
-    return found
