@@ -42,6 +42,7 @@ LAYERS = {
         "random",
         "shapes",
         "_forward_check",
+        "_forward_errors",
         "_repeats",
         "_layouts",
         "_regions",

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_tp import _layouts, _state_dict
+from torch_tp import _forward_errors, _layouts, _state_dict
 from torch_tp import _torch_compat as compat
 from torch_tp._forward_check import disable_overlapping_checks, forward_check
 from torch_tp.plan import is_style, mark_applied, resolve_plan, styled_modules, validate_plan
@@ -179,8 +179,11 @@ def parallelize_module(
             mark_applied(entry)
             if is_style(parallelize_plan):
                 result = applied
+    returned = result if isinstance(result, nn.Module) else module
+    # an exception escaping the forward names the module, its style and the layouts
+    _forward_errors.install(returned, entries, device_mesh.size(device_mesh.ndim - 1))
     if check is not None:
-        check.install(result if isinstance(result, nn.Module) else module)
+        check.install(returned)
     # model.load_state_dict(torch.load(...)) takes the single-device state dict
     for sub in module.modules():
         _state_dict.accept_full_tensors(sub)
