@@ -429,6 +429,36 @@ MUTATIONS: tuple[Mutation, ...] = (
         description="the first-forward check runs for the first input signature only: a "
         "later shape the plan gets wrong runs unchecked",
     ),
+    Mutation(
+        name="forward_errors_hide_the_signature",
+        file="torch_tp/_forward_errors.py",
+        old="    wrapper.__wrapped__ = forward  # type: ignore[attr-defined]\n",
+        new="",
+        tests=("test/test_forward_errors.py::test_the_forward_keeps_its_signature",),
+        description="the forward wrapper that adds the plan's context to errors hides the "
+        "module's own signature (Trainer then drops every dataset column)",
+    ),
+    Mutation(
+        name="forward_errors_context_on_own_errors",
+        file="torch_tp/_forward_errors.py",
+        old="    return code.co_filename.startswith(_ROOTS[1]) and code.co_code",
+        new="    return False and code.co_code",
+        tests=("test/test_forward_errors.py::test_swapped_mlp_styles_name_the_module_and_the_fix",),
+        description="torch_tp's own errors get a second context after them, whose source "
+        "line differs between ranks that took different branches",
+    ),
+    Mutation(
+        name="forward_errors_farthest_first",
+        file="torch_tp/_forward_errors.py",
+        old='        return sorted(found, key=lambda item: item[0].count("."))',
+        new="        return found",
+        tests=(
+            "test/test_forward_errors.py::"
+            "test_a_sharded_lm_head_before_transformers_loss_names_the_head",
+        ),
+        description="an error's context lists the planned modules in the model's order, a "
+        "language model's 22 projections before the head the loss reads",
+    ),
 )
 
 

@@ -310,9 +310,17 @@ def _signature_kept() -> None:
     # transformers' Trainer keeps the dataset columns forward's signature names, and generate
     # checks its keywords against it: the wrapper must not hide it
     mesh = init_device_mesh(device_type(), (2,))
-    model = torch_tp.parallelize_module(_MLP(), mesh, {"c_fc": ColwiseParallel()})
+    plan = {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
+    model = torch_tp.parallelize_module(_MLP(), mesh, plan)
     assert model.forward is not _MLP.forward
     assert inspect.signature(model.forward) == inspect.signature(_MLP().forward)
+    # a deep copy wraps its own forward: it runs, and its errors name its own modules
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 8, 32)
+    assert_close(twin(x), model(x))
+    with pytest.raises(RuntimeError, match="raised in the forward of 'c_fc'") as info:
+        twin(x.double())
+    assert "Its style: ColwiseParallel" in str(info.value)
 
 
 def test_swapped_mlp_styles_name_the_module_and_the_fix():

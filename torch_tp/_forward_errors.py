@@ -44,7 +44,7 @@ _RAISE = dis.opmap["RAISE_VARARGS"]
 # the most planned modules listed for one site (a block's forward holds a dozen)
 _LISTED = 8
 # the frames of these packages are not the user's code
-_ROOTS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+_ROOTS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, __file__))
 
 
 @dataclass
@@ -181,7 +181,7 @@ def _site(root: nn.Module, tb: TracebackType | None) -> _Site | None:
                 site = _Site(paths[id(value)], value, None)
                 break
         filename = frame.f_code.co_filename
-        if not filename.startswith(_ROOTS) and filename != __file__:
+        if not filename.startswith(_ROOTS):
             line = linecache.getline(filename, tb.tb_lineno).strip()
             source = f"{os.path.basename(filename)}:{tb.tb_lineno}" + (
                 f": `{line}`" if line else ""
@@ -307,7 +307,7 @@ def _reshape(message: str, site: _Site, planned: Planned, ctx: ForwardContext) -
                 return f"the head count is read from {read}, the whole model's: {fix}heads fill it"
             return (
                 f"the head count is read from {read}, the whole model's, while each rank has "
-                f"{value // n} heads: {fix}heads fill it, or plan {site.path!r} with "
+                f"{value // n} heads: {fix}heads fill it, or plan {_key(site.path)} with "
                 f"AttentionHeads({name!r}, divide=({name!r},))"
             )
     if -1 in sizes:
@@ -346,9 +346,9 @@ def _broadcast(message: str, site: _Site, planned: Planned, ctx: ForwardContext)
     if own:
         name, shape = own[0]
         text += (
-            f", such as {name!r} {list(shape)}, a tensor of {site.path or 'the root'!r} "
-            "sized by the whole model. Split it with the heads: plan "
-            f"{site.path!r} with LocalParamsParallel({{{name!r}: Shard({shape.index(whole)})}})"
+            f", such as {name!r} {list(shape)}, sized by the whole model. Split it with the "
+            f"heads: plan {_key(site.path)} with "
+            f"LocalParamsParallel({{{name!r}: Shard({shape.index(whole)})}})"
             if isinstance(getattr(site.module, name, None), nn.Parameter)
             else f", such as the buffer {name!r} {list(shape)}: compute it from this rank's "
             "own heads"
@@ -395,6 +395,11 @@ def _features(module: nn.Module) -> int:
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
         return 0
     return weight.shape[1] if _conv1d_base(module) is not None else weight.shape[0]
+
+
+def _key(path: str) -> str:
+    """The plan key of the module at ``path``, as a message names it."""
+    return repr(path) if path else "'' (the module itself)"
 
 
 def _hand_on(paths: list[str]) -> str:
