@@ -448,6 +448,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "line differs between ranks that took different branches",
     ),
     Mutation(
+        name="forward_errors_one_code_object",
+        file="torch_tp/_forward_errors.py",
+        old="    own = types.FunctionType(_forward.__code__.replace(), ",
+        new="    own = _forward or types.FunctionType(_forward.__code__.replace(), ",
+        tests=(
+            "test/test_forward_errors.py::"
+            "test_each_parallelized_model_compiles_with_a_cache_of_its_own",
+        ),
+        description="every parallelized model's forward wrapper shares one code object: "
+        "torch.compile's 8 cache entries per code object run out at the ninth model",
+    ),
+    Mutation(
         name="forward_errors_farthest_first",
         file="torch_tp/_forward_errors.py",
         old='        return sorted(found, key=lambda item: item[0].count("."))',

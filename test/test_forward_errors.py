@@ -331,6 +331,25 @@ def test_column_after_column_names_the_module_and_the_fix():
     run_distributed(_two_column_parallel_layers, 2)
 
 
+def _many_compiled_models() -> None:
+    # torch.compile caches per code object, 8 entries at most, and the wrapper is the first
+    # frame it compiles of each model: one more model than that, each compiled with
+    # fullgraph=True, must not hit the limit (a shared code object would)
+    mesh = init_device_mesh(device_type(), (2,))
+    plan = {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
+    x = torch.randn(2, 8, 32)
+    for seed in range(torch._dynamo.config.recompile_limit + 1):
+        torch.manual_seed(seed)
+        reference = _MLP()
+        model = torch_tp.parallelize_module(copy.deepcopy(reference), mesh, plan)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        assert_close(compiled(x), reference(x))
+
+
+def test_each_parallelized_model_compiles_with_a_cache_of_its_own():
+    run_distributed(_many_compiled_models, 2)
+
+
 def test_the_forward_keeps_its_signature():
     run_distributed(_signature_kept, 2)
 

@@ -21,6 +21,7 @@ import linecache
 import math
 import os
 import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -131,13 +132,18 @@ def install(result: nn.Module, entries: list[PlanEntry], degree: int) -> None:
     ``entries`` (their paths from ``result``). A second call on the same module adds its
     entries to the first's."""
     current = result.__dict__.get("forward")
-    if isinstance(current, functools.partial) and current.func is _forward:
-        current.args[0].add(entries)
+    if isinstance(getattr(current, "context", None), ForwardContext):
+        current.context.add(entries)
         return
     context = ForwardContext(degree)
     context.add(entries)
     forward = result.forward
-    wrapper = functools.partial(_forward, context, result, forward)
+    # _forward is the first frame torch.compile compiles of every wrapped model, and it
+    # caches what it compiles per code object (8 entries at most): each model gets a copy
+    # with a code object of its own, as its own forward had
+    own = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "_forward")
+    wrapper = functools.partial(own, context, result, forward)
+    wrapper.context = context  # type: ignore[attr-defined]
     # inspect.signature (Trainer's column filter, generate's keyword checks) reads the
     # module's own forward through this
     wrapper.__wrapped__ = forward  # type: ignore[attr-defined]
