@@ -55,7 +55,9 @@ def _model(name: str, layers: int, dim: int) -> tuple[torch.nn.Module, dict]:
         attn_implementation="eager",
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config)
-    return model, torch_tp.plan_for(model)
+    from torch_tp.plans.hf import plan_for
+
+    return model, plan_for(model)
 
 
 def _timed(name: str, layers: int, dim: int, seq: int, steps: int, check: bool) -> list[float]:

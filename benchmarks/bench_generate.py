@@ -21,7 +21,7 @@ tokens equal one device's.
 
 Example::
 
-    $ python benchmarks/bench_generate.py              # ~2 minutes on 2 cores
+    $ python benchmarks/bench_generate.py              # ~1 minute on 2 cores
     $ python benchmarks/bench_generate.py --quick      # tiny: a smoke test
     $ python benchmarks/bench_generate.py --markdown
 """
@@ -328,7 +328,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 round")
     args = parser.parse_args(argv)

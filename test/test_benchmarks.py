@@ -36,6 +36,7 @@ from torch_tp.testing import run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_forward_check  # noqa: E402
+import bench_generate  # noqa: E402
 import bench_hf_checkpoint  # noqa: E402
 import bench_meta_init  # noqa: E402
 import bench_moe  # noqa: E402
@@ -643,12 +644,32 @@ def test_lora_bad_variant_is_refused(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_forward_check_script_quick_mode() -> None:
-    """The reference Llama at a tiny size, the check on and off: one row of three timed
-    phases, each a positive number of seconds on and off, and their step ratio."""
-    args = bench_forward_check.parse(["--quick", "--models", "llama"])
-    (row,) = bench_forward_check.bench(args)
-    assert row[:2] == ["llama", "1"], row
-    for cell in row[2:5]:
-        on, off = (float(x) for x in cell.split(" / "))
-        assert on > 0 and off > 0, row
-    assert float(row[5]) > 0, row
+    """The reference Llama and a transformers Llama at a tiny size, the check on and off: a
+    row each of three timed phases, each a positive number of seconds on and off, and their
+    step ratio."""
+    args = bench_forward_check.parse(["--quick"])
+    rows = bench_forward_check.bench(args)
+    assert [row[:2] for row in rows] == [["llama", "1"], ["hf-llama", "1"]], rows
+    for row in rows:
+        for cell in row[2:5]:
+            on, off = (float(x) for x in cell.split(" / "))
+            assert on > 0 and off > 0, row
+        assert float(row[5]) > 0, row
+
+
+def test_generate_script_quick_mode() -> None:
+    """Greedy decoding at a tiny size: every row makes one device's tokens; torch_tp's
+    collectives per token are what the dry-run report predicts, and one more than the
+    hand-written Megatron decode's (the vocabulary-parallel embedding's agreed check)."""
+    args = bench_generate.parse(["--quick"])
+    rows = {r["row"]: r for r in bench_generate.bench(args)}
+    assert set(rows) == set(bench_generate.ROWS), rows
+    for name in ("one device", "torch_tp", "megatron"):
+        assert rows[name]["same"], rows[name]
+        assert rows[name]["prefill_ms"] > 0 and rows[name]["token_ms"] > 0, rows[name]
+    assert rows["transformers"].get("same", True), rows["transformers"]
+    assert rows["one device"]["collectives"] == {}, rows["one device"]
+    ours = sum(rows["torch_tp"]["collectives"].values())
+    assert ours == rows["torch_tp"]["predicted"], rows["torch_tp"]
+    assert ours == sum(rows["megatron"]["collectives"].values()) + 1, rows
+    assert "per token ms" in bench_generate.table(list(rows.values()), args)
