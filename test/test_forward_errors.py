@@ -170,9 +170,14 @@ def _natural_view() -> None:
     assert "self.q(x).view(b, t, self.n_heads, self.head_dim)" in message, message
     assert "q: ColwiseParallel: in Replicate(); out Shard(-1) (this rank's part" in message
     assert "o: RowwiseParallel: in Shard(-1); out Partial(sum) -> Replicate()" in message
-    assert "Likely cause: the head count is read from n_heads (4)" in message, message
-    assert "each rank has 2 heads: pass -1 in its place" in message, message
-    assert "AttentionHeads('n_heads', divide=('n_heads',))" in message, message
+    assert (
+        "Likely cause: the head count is read from n_heads (4), the whole model's: pass -1 in"
+        in (message)
+    )
+    assert (
+        "AttentionHeads('n_heads', divide=('n_heads',)) so that each rank's n_heads is its own 2"
+        in (message)
+    )
 
 
 def _multi_query_attention() -> None:

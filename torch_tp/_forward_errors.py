@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from torch_tp.contract import Boundary, Layout
 from torch_tp.plan import PlanEntry
-from torch_tp.shapes import _int_attributes
+from torch_tp.shapes import _head_count_fix
 from torch_tp.style.base import _conv1d_base
 
 __all__ = ["ForwardContext", "install"]
@@ -299,23 +299,9 @@ def _reshape(message: str, site: _Site, planned: Planned, ctx: ForwardContext) -
         return ""
     sizes = [int(s) for s in match.group(1).split(",") if s.strip()]
     n = ctx.degree
-    for name, value in _int_attributes(site.module):
-        lowered = name.lower()
-        if (
-            value in sizes
-            and value % n == 0
-            and "head" in lowered
-            and not any(word in lowered for word in ("dim", "size"))
-        ):
-            read = f"{name} ({value})" if "." not in name else name
-            fix = "pass -1 in its place (view(..., -1, head_dim)) so that each rank's own "
-            if "." in name:
-                return f"the head count is read from {read}, the whole model's: {fix}heads fill it"
-            return (
-                f"the head count is read from {read}, the whole model's, while each rank has "
-                f"{value // n} heads: {fix}heads fill it, or plan {_key(site.path)} with "
-                f"AttentionHeads({name!r}, divide=({name!r},))"
-            )
+    fix = _head_count_fix(site.module, site.path, set(sizes), n, "view")
+    if fix is not None:
+        return fix
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
         share = int(match.group(2)) / known if known else 0

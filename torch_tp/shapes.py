@@ -945,8 +945,7 @@ _RESHAPES = frozenset({"view", "reshape", "unflatten", "_unsafe_view", "expand"}
 
 
 def _with_fix(problem: ShapeProblem, model: nn.Module, n: int) -> ShapeProblem:
-    """``problem`` with the likely fix added to its message, where one can be read: a view
-    whose sizes come from an attribute that counts heads of the whole model."""
+    """``problem`` with the likely fix added to its message, where one can be read."""
     if problem.op not in _RESHAPES or problem.expected is None or problem.found is None:
         return problem
     try:
@@ -955,7 +954,17 @@ def _with_fix(problem: ShapeProblem, model: nn.Module, n: int) -> ShapeProblem:
         return problem
     pairs = zip(problem.expected, problem.found, strict=False)
     common = next((i for i, (one, ours) in enumerate(pairs) if one != ours), len(problem.found))
-    sizes = set(problem.expected[common:])
+    fix = _head_count_fix(module, problem.module, set(problem.expected[common:]), n, problem.op)
+    if fix is None:
+        return problem
+    message = f"{problem.message}. Likely fix: {fix}"
+    return ShapeProblem(
+        problem.module, problem.source, problem.op, problem.expected, problem.found, message
+    )
+
+
+def _head_count_fix(module: nn.Module, path: str, sizes: set, n: int, op: str) -> str | None:
+    """The fix of a view one of whose ``sizes`` is ``module``'s count of the model's heads."""
     counts = [
         name
         for name, value in _int_attributes(module)
@@ -965,23 +974,18 @@ def _with_fix(problem: ShapeProblem, model: nn.Module, n: int) -> ShapeProblem:
         and not any(word in name.lower() for word in ("dim", "size"))
     ]
     if not counts:
-        return problem
+        return None
     name = counts[0]
     if "." in name:  # read from the config, which every module shares: not to be divided
-        fix = (
+        return (
             f"the head count is read from {name}, the whole model's: pass -1 in its place "
-            f"({problem.op}(..., -1, head_dim)) so that each rank's own heads fill it"
+            f"({op}(..., -1, head_dim)) so that each rank's own heads fill it"
         )
-    else:
-        fix = (
-            f"the head count is read from {name} ({getattr(module, name)}), the whole "
-            f"model's: pass -1 in its place ({problem.op}(..., -1, head_dim)), or plan "
-            f"{problem.module!r} with AttentionHeads({name!r}, divide=({name!r},)) so that "
-            f"each rank's {name} is its own {getattr(module, name) // n}"
-        )
-    message = f"{problem.message}. Likely fix: {fix}"
-    return ShapeProblem(
-        problem.module, problem.source, problem.op, problem.expected, problem.found, message
+    return (
+        f"the head count is read from {name} ({getattr(module, name)}), the whole "
+        f"model's: pass -1 in its place ({op}(..., -1, head_dim)), or plan "
+        f"{path!r} with AttentionHeads({name!r}, divide=({name!r},)) so that "
+        f"each rank's {name} is its own {getattr(module, name) // n}"
     )
 
 
