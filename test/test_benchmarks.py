@@ -35,6 +35,7 @@ from torch_tp.testing import run_distributed
 # import this module too, so they get the same path).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_compile  # noqa: E402
 import bench_forward_check  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_hf_checkpoint  # noqa: E402
@@ -673,3 +674,18 @@ def test_generate_script_quick_mode() -> None:
     assert ours == rows["torch_tp"]["predicted"], rows["torch_tp"]
     assert ours == sum(rows["megatron"]["collectives"].values()) + 1, rows
     assert "per token ms" in bench_generate.table(list(rows.values()), args)
+
+
+@pytest.mark.slow  # two compiles of a transformers Llama per rank, and a decode
+def test_compile_script_counts_guards_and_finds_no_recompile() -> None:
+    """A transformers Llama at a tiny size: one graph and no graph break on one device and at
+    TP=2, more guards under TP (the column it reports), and no graph compiled after the
+    first training step, nor after the first decode position with a static cache."""
+    args = bench_compile.parse(
+        ["--dim", "32", "--vocab", "64", "--steps", "2", "--decode", "2", "--models", "hf-llama"]
+    )
+    one, ours = bench_compile.bench(args)
+    assert [one[:2], ours[:2]] == [["hf-llama", "one device"], ["hf-llama", "torch_tp TP=2"]]
+    assert one[4] == ours[4] == "1 / 0", (one, ours)
+    assert one[5] == ours[5] == one[6] == ours[6] == "0", (one, ours)
+    assert ours[3].startswith(f"+{int(ours[2]) - int(one[2])} ("), ours
