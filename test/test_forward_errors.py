@@ -351,6 +351,7 @@ def _many_compiled_models() -> None:
         assert_close(compiled(x), reference(x))
 
 
+@pytest.mark.slow  # nine models compiled on each rank
 def test_each_parallelized_model_compiles_with_a_cache_of_its_own():
     run_distributed(_many_compiled_models, 2)
 
