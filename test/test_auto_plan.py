@@ -156,7 +156,8 @@ def test_plan_is_plain_data():
     plan = auto(model)
     data = json.loads(json.dumps(to_dict(plan)))
     assert from_dict(data) == plan
-    assert torch_tp.plans.auto is auto  # exported as torch_tp.plans.auto(model)
+    # torch_tp.plans.auto is the package, called as its function; its modules stay reachable
+    assert torch_tp.plans.auto(model) == plan and torch_tp.plans.auto.infer.auto is auto
     assert data["layers.*.attention.wo"] == "rowwise"
     assert data["output"] == "colwise_gather_output"
 

@@ -4,7 +4,7 @@ A plan value may be a name instead of a style object: the names that Hugging Fac
 writes in its ``tp_plan`` / ``base_model_tp_plan`` (``"colwise"``, ``"rowwise"``, ...) map to the
 torch_tp style that does exactly what transformers does with that name. Each style declares
 its names in its contract (:class:`torch_tp.contract.StyleContract`), and they are looked up
-in :data:`torch_tp.contract.STYLE_REGISTRY`. Names whose meaning no torch_tp style expresses
+in :data:`torch_tp.registry.STYLE_REGISTRY`. Names whose meaning no torch_tp style expresses
 yet are known here too, so that they fail with ``NotImplementedError`` saying what is
 missing, rather than as a typo.
 

@@ -1,6 +1,6 @@
 """Ready tensor-parallel plans for model families, as plain dicts of module paths to styles."""
 
-from torch_tp.plans import hf, llama, moe
-from torch_tp.plans.auto import auto
+# auto is the package (torch_tp.plans.auto.infer, ...), callable as its function: auto(model)
+from torch_tp.plans import auto, hf, llama, moe
 
 __all__ = ["auto", "hf", "llama", "moe"]

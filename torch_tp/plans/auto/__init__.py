@@ -27,6 +27,21 @@ modules listed below it):
   attention and an MLP apart.
 """
 
+import sys
+import types
+from typing import Any
+
 from torch_tp.plans.auto.infer import ReplicatedModulesWarning, UncheckedPlanWarning, auto
 
 __all__ = ["ReplicatedModulesWarning", "UncheckedPlanWarning", "auto"]
+
+
+class _CallablePackage(types.ModuleType):
+    """This package, called as the function it is named for: ``torch_tp.plans.auto(model)``
+    is :func:`auto`, and ``torch_tp.plans.auto.infer`` is still the module."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return auto(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
