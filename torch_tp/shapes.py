@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import math
 import os
 import sys
@@ -394,8 +395,8 @@ def _as_one_rank(
 # The traces
 # ------------------------------------------------------------------------------------------
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# the frames of torch and torch_tp, and of code with no file: not the user's
+_NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep, "<")
 
 # reading a value of a meta tensor: answered with a stand-in, alike in both traces
 VALUE_READS = {
@@ -429,26 +430,26 @@ def _user_frame(frames: list[tuple[str, int]]) -> str | None:
     """``file:line`` of the innermost frame outside torch and torch_tp (``frames``
     innermost first)."""
     for filename, line in frames:
-        if not filename.startswith((_TORCH_DIR, _OWN_DIR)) and not filename.startswith("<"):
-            return f"{_shown(filename)}:{line}"
+        if not filename.startswith(_NOT_USER):
+            return f"{_shown(filename, os.getcwd())}:{line}"
     return None
 
 
-def _shown(filename: str) -> str:
+@functools.lru_cache(maxsize=1024)
+def _shown(filename: str, cwd: str) -> str:
     try:
-        relative = os.path.relpath(filename)
+        relative = os.path.relpath(filename, cwd)
     except ValueError:  # another drive
         return filename
     return filename if relative.startswith("..") else relative
 
 
 def _stack_source() -> str | None:
-    frames = []
+    """:func:`_user_frame` of the running op's stack, which is walked only that far."""
     frame = sys._getframe(2)
-    while frame is not None:
-        frames.append((frame.f_code.co_filename, frame.f_lineno))
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
         frame = frame.f_back
-    return _user_frame(frames)
+    return None if frame is None else _user_frame([(frame.f_code.co_filename, frame.f_lineno)])
 
 
 def _traceback_source(err: BaseException) -> str | None:
@@ -457,8 +458,7 @@ def _traceback_source(err: BaseException) -> str | None:
 
 
 def _op_name(func: Callable) -> str:
-    name = getattr(func, "__name__", None) or str(func)
-    return name
+    return getattr(func, "__name__", None) or str(func)
 
 
 def _shapes(tensors: list[torch.Tensor]) -> list[Shape]:

@@ -68,6 +68,16 @@ _FORKSERVER_PRELOAD = [
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
 ]
+# More modules for the fork server to import, comma-separated: those the functions run on the
+# ranks import (``transformers``, a model's module), which every worker would otherwise import
+# again. A module that is not installed is skipped (as multiprocessing's preload skips it).
+_PRELOAD_VARIABLE = "TORCH_TP_TESTING_PRELOAD"
+
+
+def _preload() -> list[str]:
+    extra = os.environ.get(_PRELOAD_VARIABLE, "")
+    return _FORKSERVER_PRELOAD + [name.strip() for name in extra.split(",") if name.strip()]
+
 
 # Tags of the messages a worker sends to the parent: (tag, task id, rank, pickled result or
 # exception, traceback), except that an _OK message ends with the number of process groups
@@ -278,7 +288,7 @@ class _Pool:
     def __init__(self, world_size: int) -> None:
         ctx = multiprocessing.get_context(_START_METHOD)
         if _START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # read when the server starts
+            ctx.set_forkserver_preload(_preload())  # read when the server starts
         self.world_size = world_size
         self.groups = 1  # the most process groups a rank holds (see _MAX_GROUPS)
         self.tmpdir = tempfile.mkdtemp(prefix=f"torch_tp_pool{world_size}_")
