@@ -22,7 +22,7 @@ os.environ.setdefault("TORCH_TP_FORWARD_CHECK", "strict")
 
 # The workers of torch_tp.testing are forked from a server that imports these first (when the
 # first pool starts): without them each of the session's ~35 workers imports transformers and
-# the models the tests build again, about a quarter of the quick run's processor time.
+# the models the tests build again: a fifth of the quick run's processor time.
 os.environ.setdefault(
     "TORCH_TP_TESTING_PRELOAD",
     ",".join(

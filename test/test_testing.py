@@ -354,8 +354,13 @@ def test_a_function_of_an_interactive_main_is_refused(monkeypatch: pytest.Monkey
         run_distributed(_pid_of, 2, main.Config())
 
 
-def _python(args: list[str], cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+def _python(
+    args: list[str], cwd: Path, stdin: str | None = None, preload: str | None = None
+) -> subprocess.CompletedProcess:
     env = dict(os.environ)
+    env.pop("TORCH_TP_TESTING_PRELOAD", None)  # the suite's own (test/conftest.py)
+    if preload is not None:
+        env["TORCH_TP_TESTING_PRELOAD"] = preload
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, *args],
@@ -399,6 +404,21 @@ _SCRIPT = textwrap.dedent(
     """
 )
 
+# Which of two modules the ranks hold before they import anything: those the fork server
+# preloaded (TORCH_TP_TESTING_PRELOAD; a module that does not exist is skipped).
+_PRELOADED = textwrap.dedent(
+    """
+    import sys
+    from torch_tp.testing import run_distributed
+
+    def on_rank():
+        return [m for m in ("xml.dom.minidom", "no_such_module_here") if m in sys.modules]
+
+    if __name__ == "__main__":
+        print("preloaded:", run_distributed(on_rank, 2))
+    """
+)
+
 # Code read from stdin may run functions of importable modules.
 _STDIN_PROGRAM = (
     "import torch.distributed as dist\nfrom torch_tp.testing import run_distributed\n"
@@ -408,29 +428,32 @@ _STDIN_PROGRAM = (
 
 @pytest.fixture(scope="module")
 def python_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
-    """The fresh interpreters of the tests below, by name, each run in a directory of its own.
+    """The fresh interpreters of the tests below, by name, each run in a directory of its own
+    (the two preload runs share their script's).
 
     Each spends seconds importing torch, mostly on one core: they are all started when the
     first of these tests runs, side by side, and each test waits for its own and checks it.
     """
     script = tmp_path_factory.mktemp("script") / "script.py"
     script.write_text(_SCRIPT)
-    runs = {
-        "-c": (["-c", _MAIN_PROGRAM], None),
-        "stdin": (["-"], _MAIN_PROGRAM),
-        "script": ([str(script)], None),
-        "stdin, module function": (["-"], _STDIN_PROGRAM),
+    preloaded = tmp_path_factory.mktemp("preload") / "preloaded.py"
+    preloaded.write_text(_PRELOADED)
+    run = tmp_path_factory.mktemp
+    runs = {  # the arguments of _python
+        "-c": (["-c", _MAIN_PROGRAM], run("run")),
+        "stdin": (["-"], run("run"), _MAIN_PROGRAM),
+        "script": ([str(script)], script.parent),
+        "stdin, module function": (["-"], run("run"), _STDIN_PROGRAM),
+        "preload": (
+            [str(preloaded)],
+            preloaded.parent,
+            None,
+            "xml.dom.minidom, no_such_module_here",
+        ),
+        "no preload": ([str(preloaded)], preloaded.parent),
     }
     with ThreadPoolExecutor(len(runs)) as executor:
-        yield {
-            name: executor.submit(
-                _python,
-                args,
-                script.parent if name == "script" else tmp_path_factory.mktemp("run"),
-                stdin,
-            )
-            for name, (args, stdin) in runs.items()
-        }
+        yield {name: executor.submit(_python, *arguments) for name, arguments in runs.items()}
 
 
 @pytest.mark.slow
@@ -455,6 +478,17 @@ def test_main_of_a_script_file_and_module_functions_from_stdin_still_run(
     assert proc.returncode == 0 and "ranks: [0, 1]" in proc.stdout, proc.stdout + proc.stderr
     proc = python_runs["stdin, module function"].result()
     assert proc.returncode == 0 and "ranks: [0, 1]" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_the_fork_server_preloads_the_modules_named_by_the_environment(
+    python_runs: dict[str, Future],
+) -> None:
+    proc = python_runs["preload"].result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "preloaded: [['xml.dom.minidom'], ['xml.dom.minidom']]" in proc.stdout, proc.stdout
+    proc = python_runs["no preload"].result()
+    assert proc.returncode == 0 and "preloaded: [[], []]" in proc.stdout, proc.stdout + proc.stderr
 
 
 # ---- the parity helper ---------------------------------------------------------------------

@@ -197,56 +197,19 @@ def plan_report(
     """
     mesh_shape = _mesh_shape(tp_degree)
     n = tp_degree if mesh_shape is None else mesh_shape.get("tp", 1)
-    not_meta = [
-        name
-        for name, t in [*model.named_parameters(), *model.named_buffers()]
-        if t.device.type != "meta"
-    ]
-    if not_meta:
-        raise ValueError(
-            f"plan_report takes a model on the meta device; {not_meta[0]!r} is on "
-            f"{dict([*model.named_parameters(), *model.named_buffers()])[not_meta[0]].device}. "
-            'Build it under `with torch.device("meta"):`'
-        )
+    _refuse_off_meta(model)
     if dtype is not None:
         model = copy.deepcopy(model).to(dtype)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         entries = resolve_plan(model, plan, strict=False)
-    if mesh_shape is None:
-        try:
-            refuse_multi_dimensional(entries, "plan_report")
-        except NotImplementedError as err:
-            raise NotImplementedError(
-                f"{err}; or give plan_report the mesh's shape as tp_degree, e.g. "
-                "{'ep': 2, 'tp': 2}"
-            ) from None
-        named = [e for e in entries if getattr(_contract(e), "mesh_dims", None) is not None]
-        if named:
-            dims = _contract(named[0]).mesh_dims
-            raise NotImplementedError(
-                f"{_names.describe(named[0].style)} on {named[0].path!r} runs on the mesh "
-                f"dimension(s) {list(dims)} beside tp: give plan_report the mesh's shape as "
-                f"tp_degree, e.g. {dict.fromkeys(dims, 2) | {'tp': tp_degree}}, not the TP "
-                f"degree {tp_degree}"
-            )
-    else:
-        _check_mesh_shape(entries, mesh_shape)
+    _check_mesh(entries, tp_degree, mesh_shape)
     # under context parallelism, each rank runs the whole model on its part of the sequence
     local_seq_len, split = _sequence_split(entries, mesh_shape, seq_len)
-    # what parallelize_module would raise for, reported all at once
-    matched = Counter(e.key for e in entries)
-    unmatched = [str(w.message) for w in caught if "matches no submodule" in str(w.message)]
     keys = list(plan) if isinstance(plan, Mapping) else [""]
-    problems = [
-        Problem("error", key, message.removesuffix("; skipping it (strict=False)"))
-        for key in keys
-        if not matched[key]
-        # a key without entries matched nothing, or names parameters its module's style places
-        for message in unmatched
-        if message.startswith(f"parallelize_plan key {short_repr(key)} matches no submodule")
-    ]
+    matched = Counter(e.key for e in entries)
+    problems = _unmatched_keys(keys, matched, caught)
     # as parallelize_module: the modules of the plan, and the adapters their styles host
     styled = styled_modules(entries)
     with planning(model, styled):  # styles that read the model's config find it
@@ -259,12 +222,7 @@ def plan_report(
     trace.watch_unplanned(model)
     with torch.enable_grad(), planning(model, styled):
         refused_entries = [e for e in entries if id(e.module) in invalid]
-        output = _run(model, trace, inputs, input_layout, refused_entries)
-    for t in tree_leaves(output):
-        if isinstance(t, torch.Tensor) and isinstance(trace.states.get(id(t)), _Node):
-            node = trace.states[id(t)]
-            node.grads.append(node.placement)  # the loss takes the output as it is
-    _backward(trace)
+        _train_step(model, trace, inputs, input_layout, refused_entries)
 
     parameters = _parameter_groups(model, valid, n, mesh_shape)
     problems += list(trace.problems.values())
@@ -272,22 +230,7 @@ def plan_report(
     problems += _unsummed_gradients(valid, trace)
     problems += _divisibility(model, parameters, trace, n)
     problems += _unsharded(model, valid)
-    # what a rank's own code computes: once the plan has no error of its own (a shape
-    # downstream of a layout that does not chain is that error again)
-    errors = any(p.severity == "error" for p in problems)
-    wide = [e for e in valid if mesh_ndim(e) > 1]
-    if wide:
-        problems.append(
-            Problem(
-                "note",
-                "",
-                "the shape check (torch_tp.shapes.check_shapes) takes styles on one mesh "
-                f"dimension only; it is not run for a plan with {_names.describe(wide[0].style)} "
-                f"on {wide[0].key}: check it with torch_tp.testing.check_parity",
-            )
-        )
-    elif not errors and (input_layout is None or isinstance(input_layout, Replicate)):
-        problems += _shape_problems(model, plan, n, inputs)
+    problems += _own_code_problems(model, plan, valid, n, inputs, input_layout, problems)
     problems += [
         Problem("note", e.key, f"module {e.path!r} is not called by the forward")
         for e in valid
@@ -317,6 +260,100 @@ def plan_report(
             else None
         ),
     )
+
+
+def _refuse_off_meta(model: nn.Module) -> None:
+    tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    not_meta = [name for name, t in tensors.items() if t.device.type != "meta"]
+    if not_meta:
+        raise ValueError(
+            f"plan_report takes a model on the meta device; {not_meta[0]!r} is on "
+            f"{tensors[not_meta[0]].device}. "
+            'Build it under `with torch.device("meta"):`'
+        )
+
+
+def _check_mesh(
+    entries: list[PlanEntry], tp_degree: int | Mapping[str, int], mesh_shape: dict | None
+) -> None:
+    """Refuse, with an int degree, styles that need more mesh than a TP degree says."""
+    if mesh_shape is not None:
+        _check_mesh_shape(entries, mesh_shape)
+        return
+    try:
+        refuse_multi_dimensional(entries, "plan_report")
+    except NotImplementedError as err:
+        raise NotImplementedError(
+            f"{err}; or give plan_report the mesh's shape as tp_degree, e.g. {{'ep': 2, 'tp': 2}}"
+        ) from None
+    named = [e for e in entries if getattr(_contract(e), "mesh_dims", None) is not None]
+    if named:
+        dims = _contract(named[0]).mesh_dims
+        raise NotImplementedError(
+            f"{_names.describe(named[0].style)} on {named[0].path!r} runs on the mesh "
+            f"dimension(s) {list(dims)} beside tp: give plan_report the mesh's shape as "
+            f"tp_degree, e.g. {dict.fromkeys(dims, 2) | {'tp': tp_degree}}, not the TP "
+            f"degree {tp_degree}"
+        )
+
+
+def _unmatched_keys(
+    keys: list[str], matched: Counter, caught: list[warnings.WarningMessage]
+) -> list[Problem]:
+    """The plan keys parallelize_module would refuse as matching nothing, all at once."""
+    unmatched = [str(w.message) for w in caught if "matches no submodule" in str(w.message)]
+    return [
+        Problem("error", key, message.removesuffix("; skipping it (strict=False)"))
+        for key in keys
+        if not matched[key]
+        # a key without entries matched nothing, or names parameters its module's style places
+        for message in unmatched
+        if message.startswith(f"parallelize_plan key {short_repr(key)} matches no submodule")
+    ]
+
+
+def _train_step(
+    model: nn.Module,
+    trace: _Trace,
+    inputs: Any,
+    input_layout: Placement | None,
+    refused_entries: list[PlanEntry],
+) -> None:
+    """Trace one forward, then the backward of a loss that takes the output as it is."""
+    output = _run(model, trace, inputs, input_layout, refused_entries)
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and isinstance(trace.states.get(id(t)), _Node):
+            node = trace.states[id(t)]
+            node.grads.append(node.placement)
+    _backward(trace)
+
+
+def _own_code_problems(
+    model: nn.Module,
+    plan: Any,
+    valid: list[PlanEntry],
+    n: int,
+    inputs: Any,
+    input_layout: Placement | None,
+    problems: list[Problem],
+) -> list[Problem]:
+    """What a rank's own code computes (the shape check), once the plan has no error of its
+    own: a shape downstream of a layout that does not chain is that error again."""
+    wide = [e for e in valid if mesh_ndim(e) > 1]
+    if wide:
+        return [
+            Problem(
+                "note",
+                "",
+                "the shape check (torch_tp.shapes.check_shapes) takes styles on one mesh "
+                f"dimension only; it is not run for a plan with {_names.describe(wide[0].style)} "
+                f"on {wide[0].key}: check it with torch_tp.testing.check_parity",
+            )
+        ]
+    errors = any(p.severity == "error" for p in problems)
+    if not errors and (input_layout is None or isinstance(input_layout, Replicate)):
+        return _shape_problems(model, plan, n, inputs)
+    return []
 
 
 def _sequence_split(

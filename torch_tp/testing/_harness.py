@@ -595,6 +595,11 @@ def run_distributed(
     import it. Workers are daemonic processes, so ``fn`` cannot start processes of its own
     (e.g. a ``DataLoader`` with ``num_workers > 0``).
 
+    On Linux the workers are forked from a server process that imports torch once. Modules
+    that every rank would otherwise import again (``transformers``, a model's module) can be
+    imported there too: name them, comma-separated, in the ``TORCH_TP_TESTING_PRELOAD``
+    environment variable before the first call (a module that is not installed is skipped).
+
     Args:
         fn: the function to run on every rank.
         world_size: the number of ranks.
