@@ -235,9 +235,74 @@ def pipeline_report(
         >>> print(pipeline_report(model, pp_degree=4, n_microbatches=8, batch_size=16,
         ...                       seq_len=2048, tp_degree=2, plan=llama_plan()))
     """
-    from torch_tp.pipeline import _plan_for_stage, split_model
-    from torch_tp.report.plan import plan_report
+    from torch_tp.pipeline import split_model
 
+    _check_arguments(
+        model,
+        schedule,
+        pp_degree=pp_degree,
+        n_microbatches=n_microbatches,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        stages_per_rank=stages_per_rank,
+        tp_degree=tp_degree,
+    )
+    p, v, m = pp_degree, stages_per_rank, n_microbatches
+    problems = _size_problems(
+        schedule, p, v, m, batch_size, seq_len, tp_degree, sequence_parallel=sequence_parallel
+    )
+    micro = max(1, batch_size // m)
+    stage_modules = split_model(model, p * v, split=split)
+    rows, stage_problems = _stage_rows(
+        stage_modules,
+        schedule,
+        p,
+        v,
+        m,
+        micro,
+        seq_len,
+        tp_degree,
+        plan=plan,
+        sequence_parallel=sequence_parallel,
+    )
+    problems += stage_problems
+
+    bubble = (p - 1) / (v * m + p - 1)
+    # every boundary, every micro-batch: the activation forward, its gradient backward
+    p2p = sum(row.output_bytes * m for row in rows)
+    problems += _imbalance_problems(rows)
+    # The bubble is only worth a warning when nothing worse is wrong, so this check comes
+    # after every other problem is known.
+    problems += _bubble_problems(schedule, bubble, m, problems)
+    return PipelineReport(
+        model=type(model).__name__,
+        schedule=schedule,
+        pp_degree=p,
+        stages_per_rank=v,
+        tp_degree=tp_degree,
+        n_microbatches=m,
+        micro_batch=micro,
+        seq_len=seq_len,
+        stages=rows,
+        bubble=bubble,
+        p2p_bytes=p2p,
+        problems=problems,
+    )
+
+
+def _check_arguments(
+    model: nn.Module,
+    schedule: str,
+    *,
+    pp_degree: int,
+    n_microbatches: int,
+    batch_size: int,
+    seq_len: int,
+    stages_per_rank: int,
+    tp_degree: int,
+) -> None:
+    """Raise :class:`ValueError` for a size that is not a positive int, an unknown schedule
+    or a model that is not on the meta device, in that order."""
     for name, value in (
         ("pp_degree", pp_degree),
         ("n_microbatches", n_microbatches),
@@ -261,8 +326,21 @@ def pipeline_report(
             f"pipeline_report takes a model on the meta device; {real[0]!r} is not. Build it "
             'under `with torch.device("meta"):`'
         )
+
+
+def _size_problems(
+    schedule: str,
+    p: int,
+    v: int,
+    m: int,
+    batch_size: int,
+    seq_len: int,
+    tp_degree: int,
+    *,
+    sequence_parallel: bool,
+) -> list[Problem]:
+    """The sizes the schedule refuses: stages per rank, micro-batches, batch and sequence."""
     problems: list[Problem] = []
-    p, v, m = pp_degree, stages_per_rank, n_microbatches
     if schedule in _SINGLE and v != 1:
         problems.append(Problem("error", schedule, f"runs one stage per rank, not {v}"))
     if schedule in _MULTI and v < 2:
@@ -300,55 +378,44 @@ def pipeline_report(
                 "parallelism shards it)",
             )
         )
+    return problems
 
-    micro = max(1, batch_size // m)
-    stage_modules = split_model(model, p * v, split=split)
+
+def _stage_rows(
+    stage_modules: list[nn.Module],
+    schedule: str,
+    p: int,
+    v: int,
+    m: int,
+    micro: int,
+    seq_len: int,
+    tp_degree: int,
+    *,
+    plan: Any,
+    sequence_parallel: bool,
+) -> tuple[list[StageRow], list[Problem]]:
+    """Run the stages one after the other on meta tensors for one micro-batch: a row per
+    stage, and the problems the stages' tensor-parallel plans have."""
     out: Any = _first_inputs(stage_modules[0], micro, seq_len)
     rows: list[StageRow] = []
+    problems: list[Problem] = []
     for index, stage in enumerate(stage_modules):
         stage_input = out
-        saved = 0
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal saved
-            if not isinstance(tensor, nn.Parameter):  # weights are counted as parameters
-                saved += tensor.numel() * tensor.element_size()
-            return tensor
-
-        with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t), _FusedAttention():
-            out = stage(*stage_input) if isinstance(stage_input, tuple) else stage(stage_input)
+        out, saved = _run_stage(stage, stage_input)
         sent = 0
         if index < len(stage_modules) - 1:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    shard = tp_degree if sequence_parallel and t.is_floating_point() else 1
-                    # an activation is sent forward and its gradient back; a mask forward
-                    both_ways = 2 if t.is_floating_point() else 1
-                    sent += both_ways * t.numel() * t.element_size() // shard
-        stage_plan = _plan_for_stage(plan, stage) if plan is not None else {}
-        if plan is not None and tp_degree > 1:
-            inputs = stage_input if isinstance(stage_input, tuple) else (stage_input,)
-            stage_report = plan_report(
-                stage,
-                stage_plan,
-                tp_degree,
-                batch_size=micro,
-                seq_len=seq_len,
-                example_inputs=lambda b, s, inputs=inputs: inputs,
-                # after the first stage, under sequence parallelism: this rank's shard
-                input_layout=Shard(1) if sequence_parallel and index else None,
-            )
-            parameter_bytes = stage_report.per_rank_bytes
-            problems += [
-                Problem(q.severity, f"stage {index}: {q.where}", q.message)
-                for q in stage_report.problems
-                if q.severity != "note"
-            ]
-        else:
-            parameter_bytes = sum(
-                t.numel() * t.element_size()
-                for t in {id(q): q for q in stage.parameters()}.values()
-            )
+            sent = _sent_bytes(out, tp_degree, sequence_parallel=sequence_parallel)
+        parameter_bytes, plan_problems = _stage_parameter_bytes(
+            stage,
+            index,
+            stage_input,
+            micro,
+            seq_len,
+            tp_degree,
+            plan=plan,
+            sequence_parallel=sequence_parallel,
+        )
+        problems += plan_problems
         rank = index % p
         rows.append(
             StageRow(
@@ -363,10 +430,80 @@ def pipeline_report(
             )
         )
         out = out.detach() if isinstance(out, torch.Tensor) else out
+    return rows, problems
 
-    bubble = (p - 1) / (v * m + p - 1)
-    # every boundary, every micro-batch: the activation forward, its gradient backward
-    p2p = sum(row.output_bytes * m for row in rows)
+
+def _run_stage(stage: nn.Module, stage_input: Any) -> tuple[Any, int]:
+    """Run one stage forward on meta tensors: its output, and the bytes it saves for the
+    backward."""
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        if not isinstance(tensor, nn.Parameter):  # weights are counted as parameters
+            saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.enable_grad(), saved_tensors_hooks(pack, lambda t: t), _FusedAttention():
+        out = stage(*stage_input) if isinstance(stage_input, tuple) else stage(stage_input)
+    return out, saved
+
+
+def _sent_bytes(out: Any, tp_degree: int, *, sequence_parallel: bool) -> int:
+    """The bytes a stage exchanges with the next per micro-batch, per rank."""
+    sent = 0
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            shard = tp_degree if sequence_parallel and t.is_floating_point() else 1
+            # an activation is sent forward and its gradient back; a mask forward
+            both_ways = 2 if t.is_floating_point() else 1
+            sent += both_ways * t.numel() * t.element_size() // shard
+    return sent
+
+
+def _stage_parameter_bytes(
+    stage: nn.Module,
+    index: int,
+    stage_input: Any,
+    micro: int,
+    seq_len: int,
+    tp_degree: int,
+    *,
+    plan: Any,
+    sequence_parallel: bool,
+) -> tuple[int, list[Problem]]:
+    """A stage's parameter bytes on one rank, and its plan's problems (other than notes)."""
+    from torch_tp.pipeline import _plan_for_stage
+    from torch_tp.report.plan import plan_report
+
+    stage_plan = _plan_for_stage(plan, stage) if plan is not None else {}
+    if plan is not None and tp_degree > 1:
+        inputs = stage_input if isinstance(stage_input, tuple) else (stage_input,)
+        stage_report = plan_report(
+            stage,
+            stage_plan,
+            tp_degree,
+            batch_size=micro,
+            seq_len=seq_len,
+            example_inputs=lambda b, s, inputs=inputs: inputs,
+            # after the first stage, under sequence parallelism: this rank's shard
+            input_layout=Shard(1) if sequence_parallel and index else None,
+        )
+        problems = [
+            Problem(q.severity, f"stage {index}: {q.where}", q.message)
+            for q in stage_report.problems
+            if q.severity != "note"
+        ]
+        return stage_report.per_rank_bytes, problems
+    parameter_bytes = sum(
+        t.numel() * t.element_size() for t in {id(q): q for q in stage.parameters()}.values()
+    )
+    return parameter_bytes, []
+
+
+def _imbalance_problems(rows: list[StageRow]) -> list[Problem]:
+    """Warnings for stages whose parameters or saved activations differ too much."""
+    problems: list[Problem] = []
     for what, values in (
         ("parameters", [r.parameters for r in rows]),
         ("saved activations", [r.activation_bytes for r in rows]),
@@ -382,29 +519,23 @@ def pipeline_report(
                     "largest (pass split= to move blocks)",
                 )
             )
+    return problems
+
+
+def _bubble_problems(
+    schedule: str, bubble: float, m: int, problems: list[Problem]
+) -> list[Problem]:
+    """A warning for a large bubble, unless ``problems`` already holds an error."""
     if bubble > 0.25 and not any(q.severity == "error" for q in problems):
-        problems.append(
+        return [
             Problem(
                 "warning",
                 schedule,
                 f"the bubble is {bubble:.0%} of the step: more micro-batches ({m} now) or "
                 "more stages per rank would shrink it",
             )
-        )
-    return PipelineReport(
-        model=type(model).__name__,
-        schedule=schedule,
-        pp_degree=p,
-        stages_per_rank=v,
-        tp_degree=tp_degree,
-        n_microbatches=m,
-        micro_batch=micro,
-        seq_len=seq_len,
-        stages=rows,
-        bubble=bubble,
-        p2p_bytes=p2p,
-        problems=problems,
-    )
+        ]
+    return []
 
 
 def _first_inputs(stage: nn.Module, micro: int, seq_len: int) -> Any:

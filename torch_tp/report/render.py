@@ -192,21 +192,43 @@ class PlanReport:
         return dict(total)
 
     def __str__(self) -> str:
-        lines = [
+        # each section after the header opens with its own blank line, so that one left out
+        # (the attention activations, outside context parallelism) leaves no gap behind
+        return "\n".join(
+            [
+                self._header(),
+                *self._plan_section(),
+                *self._parameters_section(),
+                *self._attention_section(),
+                *self._collectives_section(),
+                *self._problems_section(),
+            ]
+        )
+
+    def _header(self) -> str:
+        """The first line: the model, its size, the degree or mesh, the batch and the dtype."""
+        return (
             f"Plan report: {self.model}, {_count(self.num_parameters)} parameters, "
             f"{self._degree()}, batch {self.batch_size} x {self.seq_len} tokens"
             f"{' per tp group' if 'tp' in (self.mesh_shape or ()) else ''}"
             f"{self._split()}, "
-            f"{str(self.dtype).removeprefix('torch.')}",
+            f"{str(self.dtype).removeprefix('torch.')}"
+        )
+
+    def _plan_section(self) -> list[str]:
+        """The plan's keys, each with the modules it matched and its style."""
+        return [
             "",
             "Plan",
+            *_table(
+                ["key", "modules", "style"],
+                [[row.key or '""', str(row.modules), row.style] for row in self.plan],
+                right={1},
+            ),
         ]
-        lines += _table(
-            ["key", "modules", "style"],
-            [[row.key or '""', str(row.modules), row.style] for row in self.plan],
-            right={1},
-        )
-        lines += ["", "Parameters (per rank: the largest shard, torch.chunk convention)"]
+
+    def _parameters_section(self) -> list[str]:
+        """The parameter groups, with their placements, shapes and bytes, and the totals."""
         rows = [
             [
                 g.name,
@@ -219,8 +241,18 @@ class PlanReport:
             ]
             for g in self.parameters
         ]
+        table = _table(
+            ["parameter", "count", "placement", "global", "per rank", "bytes/rank", "unsharded"],
+            [*rows, *self._parameter_totals()],
+            right={1, 5, 6},
+        )
+        return ["", "Parameters (per rank: the largest shard, torch.chunk convention)", *table]
+
+    def _parameter_totals(self) -> list[list[str]]:
+        """The parameter table's last rows: the total per rank, and the LoRA adapters' part
+        of it when the plan's styles host any."""
         share = self.per_rank_bytes / self.unsharded_bytes if self.unsharded_bytes else 1.0
-        rows.append(
+        rows = [
             [
                 f"total per rank ({share:.1%} of unsharded)",
                 str(sum(g.count for g in self.parameters)),
@@ -230,7 +262,7 @@ class PlanReport:
                 _size(self.per_rank_bytes),
                 _size(self.unsharded_bytes),
             ]
-        )
+        ]
         adapters = self.adapter_parameters
         if adapters:  # the trainable part of a LoRA fine-tuning: what its optimizer holds
             rank, whole = (
@@ -248,64 +280,73 @@ class PlanReport:
                     _size(whole),
                 ]
             )
-        lines += _table(
-            ["parameter", "count", "placement", "global", "per rank", "bytes/rank", "unsharded"],
-            rows,
-            right={1, 5, 6},
-        )
-        if self.attention_activations is not None:
-            rank, whole = self.attention_activations
-            lines += [
-                "",
-                f"Attention activations saved for backward: {_size(rank)} per rank (q, k, v, "
-                "output, log-sum-exp of its tokens); one device, unsplit: "
-                f"{_size(whole)} (with a kernel that saves the log-sum-exp; the math "
-                "backend saves the S x S probabilities too). Other activations: 1/cp too",
-            ]
-        lines += [
+        return rows
+
+    def _attention_section(self) -> list[str]:
+        """The attention activations one rank saves for backward under context parallelism
+        (nothing otherwise)."""
+        if self.attention_activations is None:
+            return []
+        rank, whole = self.attention_activations
+        return [
+            "",
+            f"Attention activations saved for backward: {_size(rank)} per rank (q, k, v, "
+            "output, log-sum-exp of its tokens); one device, unsplit: "
+            f"{_size(whole)} (with a kernel that saves the log-sum-exp; the math "
+            "backend saves the S x S probabilities too). Other activations: 1/cp too",
+        ]
+
+    def _collectives_section(self) -> list[str]:
+        """The collectives of one step, forward then backward, each pass with its totals."""
+        # over which mesh dimension each runs, for a report given the mesh's shape
+        over = [] if self.mesh_shape is None else ["over"]
+        rows = [row for phase in (FORWARD, BACKWARD) for row in self._phase_rows(phase, over)]
+        shift = len(over)
+        return [
             "",
             f"Collectives per step (model forward and backward, batch {self.batch_size} x "
             f"{self.seq_len}{self._split()}; the loss is not included)",
+            *_table(
+                ["pass", "collective", *over, "count", "bytes each", "bytes total", "from"],
+                rows,
+                right={2 + shift, 3 + shift, 4 + shift},
+            ),
         ]
-        # over which mesh dimension each runs, for a report given the mesh's shape
-        over = [] if self.mesh_shape is None else ["over"]
-        rows = []
-        for phase in (FORWARD, BACKWARD):
-            mine = [c for c in self.collectives if c.phase == phase]
-            for c in mine:
-                rows.append(
-                    [
-                        phase,
-                        c.kind,
-                        *([str(c.mesh_dim)] if over else []),
-                        str(c.count),
-                        _size(c.bytes),
-                        _size(c.count * c.bytes),
-                        c.where or '""',
-                    ]
-                )
-            for dim in self.mesh_shape or ():  # a total per dimension
-                on_dim = [c for c in mine if c.mesh_dim == dim]
-                count = sum(c.count for c in on_dim)
-                total = sum(c.count * c.bytes for c in on_dim)
-                rows.append([phase, "total", dim, str(count), "", _size(total), ""])
-            count = sum(c.count for c in mine)
-            total = sum(c.count * c.bytes for c in mine)
-            rows.append(
-                [phase, "total", *(["all"] if over else []), str(count), "", _size(total), ""]
-            )
-        shift = len(over)
-        lines += _table(
-            ["pass", "collective", *over, "count", "bytes each", "bytes total", "from"],
-            rows,
-            right={2 + shift, 3 + shift, 4 + shift},
-        )
-        lines += ["", "Problems"]
+
+    def _phase_rows(self, phase: str, over: list[str]) -> list[list[str]]:
+        """The collectives table's rows of one pass: a row per collective, then a total per
+        mesh dimension (for a report given the mesh's shape) and the pass's total."""
+        mine = [c for c in self.collectives if c.phase == phase]
+        rows = [
+            [
+                phase,
+                c.kind,
+                *([str(c.mesh_dim)] if over else []),
+                str(c.count),
+                _size(c.bytes),
+                _size(c.count * c.bytes),
+                c.where or '""',
+            ]
+            for c in mine
+        ]
+        for dim in self.mesh_shape or ():  # a total per dimension
+            on_dim = [c for c in mine if c.mesh_dim == dim]
+            count = sum(c.count for c in on_dim)
+            total = sum(c.count * c.bytes for c in on_dim)
+            rows.append([phase, "total", dim, str(count), "", _size(total), ""])
+        count = sum(c.count for c in mine)
+        total = sum(c.count * c.bytes for c in mine)
+        rows.append([phase, "total", *(["all"] if over else []), str(count), "", _size(total), ""])
+        return rows
+
+    def _problems_section(self) -> list[str]:
+        """The problems, those repeated per layer collapsed into one line each."""
+        lines = ["", "Problems"]
         if not self.problems:
             lines.append("  none found")
         for severity, where, message in _collapsed(self.problems):
             lines.append(f"  {severity:<8} {where or '(root)'}: {message}")
-        return "\n".join(lines)
+        return lines
 
     def _split(self) -> str:
         """``, 8 per rank``: the tokens one rank runs under context parallelism."""
