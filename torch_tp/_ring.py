@@ -6,47 +6,22 @@ the whole sequence's keys and values: the key/value blocks of the other ranks co
 step, each attended to with the causal mask of the true (global) positions, and the block
 results are merged by the online-softmax rule (each block's output and log-sum-exp). The
 backward recomputes each block's probabilities from the saved log-sum-exp, flash-attention
-style, so nothing of another rank is saved.
+style, so nothing of another rank is saved. What users see (layouts, volumes, memory, what is
+refused) is in the guide's "Context parallelism" (``docs/context_parallel.md``).
 
-Layout (:func:`sequence_positions`). ``"contiguous"``: rank ``r`` holds the ``r``-th of ``cp``
-equal chunks. ``"load_balanced"``: the sequence is cut in ``2 * cp`` equal chunks and rank ``r``
-holds chunk ``r`` then chunk ``2 * cp - 1 - r``; under a causal mask every rank then has the
-same work (the first rank's head chunk sees little, its tail chunk almost everything). Both
-keep each rank's positions increasing, so a block's unmasked part is a suffix of the queries
-against a prefix of the keys, the rest is skipped without compute: with ``"load_balanced"``
-every block but the own one is exactly half of a full block (all queries against the first
-chunk, or the tail chunk's queries against all keys), the own one is computed whole under
-the causal mask, so every rank computes ``(cp + 1) / 2`` blocks' scores; with
-``"contiguous"`` the blocks of later ranks are skipped whole, so rank ``r`` computes ``r + 1``
-blocks (the last rank is the slowest).
+Layout (:func:`sequence_positions`): ``"contiguous"`` (rank ``r`` holds chunk ``r`` of ``cp``)
+or ``"load_balanced"`` (chunks ``r`` and ``2 * cp - 1 - r`` of ``2 * cp``). Both keep each
+rank's positions increasing, so a block's unmasked part is a suffix of the queries against a
+prefix of the keys and the rest is skipped without compute (:func:`_block`, :func:`_mask`).
 
-Rotation. ``"p2p"``: the key/value blocks travel around the ring (rank ``r`` sends to ``r + 1``
-and receives from ``r - 1``, ``dist.batch_isend_irecv``), k and v packed in one buffer; the
-block of step ``i + 1`` is posted before step ``i`` is computed, so the transfer overlaps the
-compute, and only one block is in flight beside the one being used. In the backward the
-key/value blocks make the same trip again and the gradients of each block (dk and dv packed
-in one buffer, in the accumulation dtype) travel with it, each rank adding its part, one hop
-more to come home. ``"allgather"``: one all-gather of the packed (k, v) up front (overlapping
-the own block's compute), all ``cp`` blocks held at once; the backward gathers them again and
-returns the gradients with one reduce-scatter.
-
-Messages and bytes sent per rank per attention call (:func:`ring_volume`), for a local block
-of ``kv = B * Hkv * (S / cp) * 2 * D * dtype_bytes`` bytes (k and v) and its gradient
-``acc = B * Hkv * (S / cp) * 2 * D * max(dtype_bytes, 4)`` (accumulated in float32, or
-float64 for float64):
-
-=========  ==========================  ===============================================
-rotation   forward                     backward
-=========  ==========================  ===============================================
-p2p        cp - 1 sends of kv + 1      cp - 1 sends of kv, cp sends of acc
-allgather  1 all-gather:               1 all-gather: (cp-1) * kv, 1 reduce-scatter:
-           (cp-1) * (kv + 1)           (cp-1) * acc
-=========  ==========================  ===============================================
-
-(as many receives as sends; a ring all-gather or reduce-scatter sends ``cp - 1`` shards per
-rank; ``+ 1``: one element of the input dtype). The bytes are the same; ``"p2p"`` holds two
-blocks at a time and overlaps every step, ``"allgather"`` holds all ``cp`` (the memory of the
-whole sequence's keys and values) and overlaps only the first.
+Rotation. ``"p2p"``: rank ``r`` sends to ``r + 1`` and receives from ``r - 1``
+(``dist.batch_isend_irecv``), k and v packed in one buffer; the block of step ``i + 1`` is
+posted before step ``i`` is computed, so one block is in flight beside the one in use. In the
+backward the key/value blocks make the same trip again and their gradients (dk and dv packed,
+in the accumulation dtype) travel with them, each rank adding its part, one hop more to come
+home. ``"allgather"``: one all-gather of the packed (k, v) up front (overlapping the own
+block's compute); the backward gathers again and returns the gradients by one reduce-scatter.
+:func:`ring_volume` gives the messages and bytes of each; the report and the tests use it.
 
 Agreement. A forward block carries one element more: its rank's verdict on its own call
 (``refused``: the caller found it wrong, e.g. an attention mask the ring cannot follow on that
@@ -55,14 +30,9 @@ ring) but computes nothing; once the forward's blocks have gone round, every ran
 every rank's verdict and all raise :class:`RingRefused` together. No collective of its own:
 one element per forward message, and one read of the ``cp`` verdicts on the host per call.
 
-Memory saved for backward: this rank's q, k, v and output (as given) and the log-sum-exp
-(``B * Hq * S / cp`` float32, float64 for float64), nothing of the other ranks: the same
-bytes at any cp for the same local size, ``1 / cp`` of one device's at the same sequence
-length; one device's plain attention (math backend) also saves the ``S x S`` probabilities.
-
-The math runs in float32 for half and bfloat16 inputs (float64 for float64); blocks travel
-in the input dtype. Grouped-query attention is computed without repeating k and v: the
-queries of a key/value head are one matrix of ``G * S`` rows (``G = Hq / Hkv``).
+Precision: the math runs in float32 for half and bfloat16 inputs (float64 for float64);
+blocks travel in the input dtype. Grouped-query attention is computed without repeating k
+and v: the queries of a key/value head are one matrix of ``G * S`` rows (``G = Hq / Hkv``).
 """
 
 from __future__ import annotations

@@ -35,71 +35,36 @@ def parallelize_module(
     """Apply tensor parallelism to ``module`` and its submodules according to a plan.
 
     The plan is one :class:`ParallelStyle`, applied to ``module`` itself, or a dict from
-    module paths to styles or style names (``"colwise"``, ``"rowwise"``, ...; see
-    :mod:`torch_tp.plan`). A path is dotted, each segment may hold :mod:`fnmatch`
-    wildcards matched against the child names at that level (``"layers.*.attention.wq"``),
-    and ``""`` names ``module`` itself. The whole plan is resolved and every
-    ``(module, style)`` pair is checked before the first module changes: after an error the
-    model is exactly as it was.
+    module paths (dotted, :mod:`fnmatch` wildcards per segment, ``""`` for ``module``) to
+    styles or style names (:mod:`torch_tp.plan`). All of it is checked before the first
+    module changes: after an error the model is as it was. See the guide's "Plans" and
+    "Strict plans and the errors you can get" (docs/guide.md).
 
     Args:
         module (:class:`nn.Module`): the module to parallelize, in place.
-        device_mesh (:class:`DeviceMesh`, optional): the 1-D tensor-parallel mesh. For a 2-D
-            or N-D mesh pass its tensor-parallel dimension (``mesh["tp"]``), except for a plan
-            with a style that takes its own dimensions (:class:`ExpertTensorParallel` on
-            ``(ep, tp)``, :class:`ContextParallel` on ``cp``): on a mesh with named
-            dimensions, each style of such a plan is applied on its dimensions (those its
-            contract names, ``mesh_dims``, or else the mesh's last ``mesh_ndim``), the
-            tensor-parallel styles on the last, which must be named ``"tp"``. If not given,
-            the call must be inside a ``with device_mesh:`` context.
+        device_mesh (:class:`DeviceMesh`, optional): the 1-D tensor-parallel mesh (of an N-D
+            mesh, ``mesh["tp"]``), or a named N-D mesh for a plan with a style on dimensions of
+            its own (:class:`ExpertTensorParallel`, :class:`ContextParallel`: the guide's
+            "Device meshes"). If not given, the call must be inside ``with device_mesh:``.
         parallelize_plan (Union[:class:`ParallelStyle`, Dict[str, :class:`ParallelStyle`]],
             optional): the plan. If not given, nothing happens (with a warning).
 
     Keyword Args:
         src_data_rank (int, optional): the rank whose values are scattered or broadcast when
-            parameters become DTensors, so that the result equals the single-device model
-            whatever the other ranks hold. ``None`` keeps each rank's local values and skips
-            that communication. Default: 0.
+            parameters become DTensors; ``None`` keeps each rank's own values and skips that
+            communication (the guide's "src_data_rank"). Default: 0.
         strict (bool, optional): raise ``ValueError`` for a plan key that matches no
-            submodule, and for a style that would untie a weight shared with another module
-            (tied weights: the other module not in the plan, or laid out differently).
-            ``False`` warns instead and goes on as ``torch.distributed.tensor.parallel``
-            does: it skips such keys (for one plan applied to several model variants) and
-            unties such weights (for code that parallelizes tied modules in separate calls
-            and ties them again afterwards; a later call that lays the other module's weight
-            out alike on the same mesh shares the same parameter again). Default: ``True``.
-        example_inputs (optional): inputs of ``module``'s forward (a tensor, a tuple of
-            positional inputs or a dict of keyword inputs; only their shapes and dtypes are
-            used). When given, the plan is shape-checked before anything changes
-            (:func:`torch_tp.shapes.check_shapes`: the forward traced on the meta device
-            as one device and as one rank of the plan): a rank's shape other than one
-            device's with the planned dimension divided, or a rank's forward that raises, is
-            refused. For a new model or a hand-written plan; finish with
-            :func:`torch_tp.testing.check_parity`. Default: ``None`` (no shape check before
-            the plan is applied; the first forward is checked, see ``check_forward``).
-        check_forward (bool, optional): shape-check the first call of the returned module
-            with each new input signature (the first eight among its first hundred calls):
-            before that forward runs, and so before any collective, the call's own input
-            shapes are traced as by ``example_inputs``, through a meta copy of the module
-            taken before the plan was applied. A plan under which a rank would compute
-            another shape than one device (a ``view`` with the whole model's head count,
-            layouts that do not chain) raises ``ValueError`` on every rank, naming each
-            module, its style, the source line, both shapes and the likely fix. It costs one
-            trace per signature (``benchmarks/bench_forward_check.py`` prints the table) and
-            nothing per step after it. Inputs the trace cannot take (an object such as a
-            key-value cache), a forward the meta device cannot run (shapes that depend on
-            values), plans with styles on a mesh of their own (N-D, context parallelism),
-            with PEFT adapters, with styles that take activations split over the sequence
-            (sequence parallelism) or on Linear/Embedding subclasses with forwards of their
-            own, and a model parallelized in parts by several calls are not checked.
-            ``TORCH_TP_FORWARD_CHECK=0`` turns it off for the process.
+            submodule and for a style that would untie a tied weight; ``False`` warns, skips
+            such keys and unties such weights, as upstream (the guide's "strict=False").
             Default: ``True``.
-
-    The environment variable ``TORCH_TP_RUNTIME``, read once per call, selects how the
-    parallelized modules change layouts at run time: ``fast`` (the default: Megatron-style
-    regions, shared entries and one end-of-backward reduction of partial gradients) or
-    ``dtensor`` (every layout change through plain DTensor: the reference, to tell a wrong
-    result apart from a wrong fast path). Both give the same results.
+        example_inputs (optional): inputs of ``module``'s forward (a tensor, a tuple of
+            positional or a dict of keyword inputs; only shapes and dtypes are used): the
+            plan is checked by :func:`torch_tp.shapes.check_shapes` before anything changes.
+            Default: ``None`` (only the first forward is checked: ``check_forward``).
+        check_forward (bool, optional): shape-check the first call of the returned module
+            with each new input signature before it runs, refusing a plan under which a rank
+            computes another shape than one device (what it costs and skips: the guide's
+            "Shape checks"; ``TORCH_TP_FORWARD_CHECK=0`` turns it off). Default: ``True``.
 
     Returns:
         The parallelized :class:`nn.Module` (``module`` itself, or what a single style's
@@ -110,9 +75,9 @@ def parallelize_module(
         ValueError: a key matches no submodule or a tied weight would come apart (when
             ``strict``), two keys match one module, a module was parallelized before, a
             style name is unknown, the mesh is not 1-D (for a style that is not N-D, or
-            unnamed), or ``TORCH_TP_RUNTIME`` names no
-            runtime, or (with ``example_inputs``) the shape check finds a problem (the
-            message names each module, source line, op and both shapes).
+            unnamed), ``TORCH_TP_RUNTIME`` (read once per call: the guide's "Runtimes")
+            names no runtime, or (with ``example_inputs``) the shape check finds a problem
+            (the message names each module, source line, op and both shapes).
         ShapeCheckError: (with ``example_inputs``) the forward cannot be traced on the meta
             device; the message says where and why.
         NotImplementedError: a style does not support the type of the module it names, a
@@ -126,9 +91,6 @@ def parallelize_module(
         >>> m = Model(...)  # with "w1" and "w2" nn.Linear submodules
         >>> tp_mesh = init_device_mesh("cuda", (8,))
         >>> m = parallelize_module(m, tp_mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-
-    .. note:: For an attention block or an MLP, compose :class:`ColwiseParallel` and
-        :class:`RowwiseParallel` so that the pair needs a single reduction.
     """
     compat.log_api_usage_once("torch_tp.parallelize_module")
     device_mesh = _resolve_mesh(device_mesh)

@@ -125,101 +125,41 @@ def _own_arguments(style: ParallelStyle) -> dict[str, Any]:
 class StyleContract:
     """What a style promises: declared once per style class, as its ``contract`` attribute.
 
-    Every field but ``names`` and ``modules`` is a function of the style object (and, for
-    the layouts, of the module it is applied to), so that one declaration covers every
-    argument the style takes.
+    Every field but ``names``, ``modules``, ``mesh_ndim`` and ``mesh_dims`` is a function of
+    the style object (and, for the layouts, of the module it is applied to), so that one
+    declaration covers every argument the style takes. What each field means, its defaults
+    and who reads it: the guide's "The fields of a contract", under "Writing your own style"
+    (docs/guide.md).
 
     Args:
-        names (Mapping[str, Mapping[str, Any]]): plan names that stand for this style, each
-            with the constructor arguments it means (``{"colwise": {}, "colwise_rep":
-            {"output_layouts": Replicate()}}``). The first name of each distinct style is the
-            one :func:`torch_tp.plan.to_dict` writes; later ones are aliases.
-        arguments (callable): ``style -> dict`` of constructor arguments that rebuild an
-            equal style, in signature order; ``repr``, ``==`` and the plain-data form read
-            it. Arguments named ``*layouts`` hold placements (written ``"Shard(1)"``).
-            Default: the style's attributes, but ``src_data_rank``.
-        modules (tuple): the module kinds the style accepts: classes (subclasses accepted)
-            and class-name patterns (``"Conv1D"``, ``"*RMSNorm"``, matched against the
-            names of the module's classes). Empty: every module. The style's ``_validate``
-            checks the rest (sizes, flags).
-        parameters (callable): ``(style, module) -> {name: Placement}``, the placement of
-            each of the module's own parameters the style distributes (``None`` or ``{}``:
-            it distributes none); a style that distributes its submodules' parameters too
-            names them dotted (``"w1.weight"``: ``ReplicateParallel`` replicates the whole
-            module).
-        partial_gradients (callable): ``(style, module) -> names`` of parameters whose
-            gradient each rank computes only a part of (a replicated parameter used on a
-            shard of the data), summed over the ranks at the end of backward. A replicated
-            parameter not listed here must see the same, whole data on every rank:
-            :func:`torch_tp.plan.validate_plan` refuses a plan that shows otherwise, and
-            the dry-run report flags one its trace finds computing on a shard.
+        names (Mapping[str, Mapping[str, Any]]): plan names for the style, each with its arguments.
+        arguments (callable): ``style -> dict`` of the constructor arguments that rebuild it.
+        modules (tuple): the module kinds it accepts (classes, class-name patterns); ``()``: any.
+        parameters (callable): ``(style, module) -> {name: Placement}``, its parameters' placements.
+        partial_gradients (callable): ``(style, module) -> names``, the partial-gradient parameters.
         inputs (callable): ``(style, module) -> Boundary`` for the module's inputs.
         outputs (callable): ``(style, module) -> Boundary`` for its outputs.
-        local_forward (callable): ``(style, module) -> bool``, whether the module's forward
-            computes on this rank's data with no collective of its own (on local tensors, or
-            on DTensors whose ops need none) and produces its outputs laid out as the
-            outputs' ``given`` says. The report then does not follow the ops inside it, and
-            takes each input's gradient to be as its ``grad`` says. Otherwise (the default)
-            the report follows the forward's ops.
-        caveat (callable): ``(style, module) -> str | None``, a note the report adds for this
-            module (what it cannot predict).
-        transfers (callable): ``(style, module, inputs, degree) -> [Transfer, ...]``, the
-            collectives the module's forward issues itself, and those of their backward, that
-            no layout describes, given its inputs (global shapes, as in the unparallelized
-            model) and the mesh size (for a style on an N-D mesh, the tuple of its
-            dimensions' sizes, each transfer naming its ``mesh_dim``); for data-dependent ones
-            (routing), their sizes under balanced routing. Default: none.
-        parameter_entry (callable): ``(style, parameter) -> Placement``, what a plan entry
-            of this style states when its key names a parameter rather than a module
-            (``"...experts.gate_up_proj": "grouped_gemm"``): the placement the parameter's
-            module's style must give it. Default: ``None``, the parameter taken as a
-            Linear's weight (or, 1-D, bias), placed as the style places those.
-        with_parameter_entries (callable): ``(style, {name: Placement}) -> style``, for a
-            style that takes its parameters' placements from the plan's parameter entries
-            under its module (transformers' ``local_params`` next to ``"self_attn.sinks":
-            "colwise"``): the style those entries make of it. Default: ``None``, the entries
-            are checked against the style's own placements instead.
-        meta_output (callable): ``(style, module, args, kwargs) -> output``, what the
-            module returns, as meta tensors of the right shapes, for a module whose forward
-            cannot run on the meta device (it reads its inputs' values: routing counts); the
-            report calls it instead of the forward. Default: ``None``, run the forward.
-        attributes (callable): ``(style, module, degree) -> {name: value}``, the attributes
-            of the module that ``_apply`` sets on a mesh of ``degree`` ranks (the per-rank
-            sizes :class:`~torch_tp.AttentionHeads` divides), for the shape check
-            (:func:`torch_tp.shapes.check_shapes`), which runs the module as one rank
-            sees it. Default: none.
-        partial_sum (callable): ``style -> str | None``, the style's part in a partial-sum
-            region (a module whose forward, run on this rank's shards as local tensors,
-            gives each rank a part of its output, summed as it leaves: transformers'
-            ``"all_reduce"``, and its 4.x ``"gather"`` with ``"local_*"`` styles inside).
-            ``"region"``: the style is such a region. ``"part"``: the style computes on its
-            shards with no collective, so it belongs inside a region and is refused outside
-            one. ``"either"``: no collective either, right inside a region or outside.
-            ``None`` (the default): the style issues collectives of its own, and is refused
-            inside a region, whose sum would count them again.
+        local_forward (callable): ``(style, module) -> bool``: its forward has no collective.
+        caveat (callable): ``(style, module) -> str | None``, a note for the dry-run report.
+        transfers (callable): ``(style, module, inputs, degree) -> [Transfer]``, collectives.
+        parameter_entry (callable): ``(style, parameter) -> Placement``, for a parameter key.
+        with_parameter_entries (callable): ``(style, entries) -> style`` the parameter entries make.
+        meta_output (callable): ``(style, module, args, kwargs) -> output``, meta, for the report.
+        attributes (callable): ``(style, module, degree) -> {name: value}`` that ``_apply`` sets.
+        partial_sum (callable): ``style -> str | None``, its part in a partial-sum region.
         mesh_ndim (int): the dimensions of the mesh the style is applied on. Default: 1.
-            A style on an N-D mesh (:class:`~torch_tp.ExpertTensorParallel`, on ``(ep,
-            tp)``) gives each parameter a tuple of N placements in ``parameters``; its
-            ``inputs`` and ``outputs`` are the layouts over its last dimension (the one the 1-D
-            styles of the plan share: ``tp``), and the collectives over its other dimensions
-            are ``transfers`` naming their ``mesh_dim``. The dry-run report, given the mesh's
-            shape, places it on the mesh's last N dimensions; the shape check takes 1-D
-            styles only, and refuses it by name.
-        mesh_dims (tuple[str, ...], optional): the dimensions, by name, the style runs on
-            (``("cp",)``: :class:`~torch_tp.ContextParallel`). Default: ``None``, the mesh's
-            last ``mesh_ndim``. The dry-run report, given the mesh's shape, places the style
-            on these, and refuses a plan with such a style given an int degree.
-        sequence_chunks (callable, optional): ``(style, degree) -> int``, for a style that
-            splits the whole model's sequence over its mesh dimension (context parallelism):
-            the number of equal chunks the sequence is cut in on ``degree`` ranks. The report
-            then traces the model with ``seq_len / degree`` tokens per rank, and refuses a
-            ``seq_len`` the chunks do not divide. Default: ``None``, the sequence is whole.
-        attention_transfers (callable, optional): ``(style, module, query, key, value,
-            kwargs, degree) -> [Transfer, ...]``, the collectives (and point-to-point
-            transfers, kind ``"send_recv"``) that each ``F.scaled_dot_product_attention``
-            call inside the module issues, forward and backward, given the call's query, key
-            and value as one rank holds them (meta tensors: its tokens, its heads) and its
-            keyword arguments. Default: ``None``, the calls issue nothing.
+        mesh_dims (tuple[str, ...], optional): the mesh dimensions it runs on, by name.
+        sequence_chunks (callable, optional): ``(style, degree) -> int``, chunks of the sequence.
+        attention_transfers (callable, optional): the collectives of each attention call inside.
+
+    Example::
+        >>> from torch.distributed.tensor import Replicate
+        >>> contract = StyleContract(
+        ...     names={"replicate_parameters": {}},  # {"mlp": "replicate_parameters"}
+        ...     parameters=lambda style, module: {
+        ...         name: Replicate() for name, _ in module.named_parameters(recurse=False)
+        ...     },
+        ... )
     """
 
     names: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)

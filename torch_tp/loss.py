@@ -311,21 +311,13 @@ def vocab_parallel_cross_entropy(
 ) -> Tensor:
     """Cross-entropy of logits whose last dimension (the vocabulary) is split across ranks.
 
-    The same value and gradient as ``F.cross_entropy(full_logits.flatten(0, -2),
-    target.flatten(), ...)`` on the gathered logits, without gathering them: two all-reduces
-    of one to three numbers per token in the forward, no communication in the backward. For
-    code that keeps local tensors, e.g. the output of ``ColwiseParallel(output_layouts=Shard(-1))``
-    with ``use_local_output=True``. With DTensor logits use :func:`loss_parallel` instead.
-
-    The vocabulary is split as DTensor's ``Shard`` and :func:`torch.chunk` split it: rank ``r``
-    of ``n`` holds classes ``[start, start + len)`` with ``start = min(r * ceil(V / n), V)``, so
-    1001 classes over 2 ranks are 501 + 500. Without ``vocab_size`` the shards may be any
-    contiguous split in rank order: their sizes are all-gathered (one more, tiny, collective,
-    and on GPUs a wait for it); with ``vocab_size`` nothing extra is exchanged and the local
-    size is checked against the ``torch.chunk`` split.
-
-    Must be called on every rank of ``device_mesh``, with the same ``target``. The result is
-    the same on every rank, and each rank's ``local_logits`` receives its slice of the gradient.
+    The value and gradient of ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(),
+    ...)`` on the gathered logits, without gathering them: two all-reduces of one to three
+    numbers per token forward, none backward. For code that keeps local tensors (the output of
+    ``ColwiseParallel()``, ``Shard(-1)``); with DTensor logits use :func:`loss_parallel`. Call
+    it on every rank of ``device_mesh`` with the same ``target``: the result is the same on
+    every rank, and each rank's ``local_logits`` receives its slice of the gradient. How the
+    vocabulary is split: the guide's "With local tensors" (``docs/loss_parallel.md``).
 
     Args:
         local_logits: this rank's logits, ``(..., V_local)``: the vocabulary is the *last*
@@ -345,17 +337,17 @@ def vocab_parallel_cross_entropy(
             ``target``). Default: ``"mean"``.
         label_smoothing (float): in ``[0, 1]``; the target is ``(1 - s) * one_hot + s / V``,
             as in ``F.cross_entropy``. Default: ``0.0``.
-        vocab_size (int, optional): the full vocabulary size ``V``. Default: found by
-            all-gathering the local sizes.
+        vocab_size (int, optional): the full vocabulary size ``V``: the shards are then
+            :func:`torch.chunk`'s split (checked), with no extra collective. Default: found by
+            all-gathering the local sizes (any contiguous split in rank order).
 
     Returns:
-        The loss as a plain tensor of ``local_logits``' dtype: a scalar, or shaped like
-        ``target`` for ``reduction="none"``. Computed in float32 at least.
+        The loss as a plain tensor of ``local_logits``' dtype (a scalar, or shaped like
+        ``target`` for ``reduction="none"``), computed in float32 at least.
 
     Raises:
-        ValueError: ``device_mesh`` is not one-dimensional, ``target`` has the wrong shape,
-            the local vocabulary size does not match ``vocab_size``, or ``reduction`` is
-            unknown.
+        ValueError: ``device_mesh`` is not 1-D, ``target`` has the wrong shape, the local
+            vocabulary size does not match ``vocab_size``, or ``reduction`` is unknown.
         RuntimeError: ``label_smoothing`` is outside ``[0, 1]`` or ``weight`` is not of shape
             ``(V,)`` (``F.cross_entropy``'s exception type for both).
         TypeError: ``local_logits`` is a DTensor.
@@ -658,43 +650,15 @@ def loss_parallel() -> Iterator[None]:
     output_layouts=Shard(-1), use_local_output=False)`` produces it, costs two all-reduces of
     one to three numbers per token and a backward with no communication, instead of
     gathering ``tokens x vocabulary`` logits. Every other call runs as it does outside the
-    context: ``log_softmax`` or ``nll_loss`` on any tensor, and ``cross_entropy`` on plain
-    tensors or on DTensors whose class dimension is not sharded, except that such a DTensor
-    with a plain-tensor ``target`` or ``weight``, which DTensor cannot mix with it, raises
-    ``ValueError`` saying which layout was expected and found (upstream raises
-    ``ValueError`` for every DTensor not sharded on the classes).
+    context. Language-model logits ``(batch, seq, vocab)`` are passed as
+    ``logits.flatten(0, 1)`` with ``labels.flatten()``, exactly as without tensor
+    parallelism. The loss is a :class:`DTensor`; ``loss.backward()`` may be called inside the
+    context or after it.
 
-    The class dimension is ``F.cross_entropy``'s: dimension 1 of ``(N, C)`` or
-    ``(N, C, d1, ..., dk)`` logits, dimension 0 of ``(C,)``. Language-model logits
-    ``(batch, seq, vocab)`` sharded with ``Shard(-1)`` are passed as ``logits.flatten(0, 1)``
-    (a ``(batch * seq, vocab)`` DTensor, still ``Shard(1)``, no communication) with
-    ``labels.flatten()``, exactly as without tensor parallelism; ``logits.transpose(1, 2)``
-    with ``(batch, seq)`` labels works too.
-
-    Arguments of ``F.cross_entropy`` inside the context:
-
-    - ``target``: class indices (class probabilities are not supported), a plain tensor, the
-      same on every rank, or a DTensor: replicated on the class-sharding mesh dimension and
-      laid out like the logits on the others (e.g. split on the batch by a data-parallel
-      dimension; then it must be a DTensor).
-    - ``weight``: class weights, full and the same on every rank (a plain tensor or a
-      replicated DTensor); no gradient flows to them.
-    - ``ignore_index``, ``reduction`` (``"mean"``, ``"sum"``, ``"none"``) and
-      ``label_smoothing``: as in ``F.cross_entropy``.
-
-    The loss is a :class:`DTensor`, replicated on the class-sharding mesh dimension (and
-    ``Partial`` on mesh dimensions that split the tokens, for ``"mean"`` and ``"sum"``).
-    ``loss.backward()`` may be called inside the context or after it: the gradient is an
-    autograd function of the forward, not an operator the context replaces.
-
-    Compared with upstream: ``label_smoothing`` is supported, ``reduction="mean"`` is
-    supported on multi-dimensional meshes, and nothing else changes inside the context.
-    (Upstream replaces DTensor's ``log_softmax`` and ``nll_loss`` operators, for every caller
-    in the process, while the context is open: ``log_softmax`` on a DTensor that is not
-    sharded on its softmax dimension raises, and on one that is, its backward becomes the
-    identity.) The context is per thread. Like upstream, only the fused ``cross_entropy`` is
-    parallelized: ``F.nll_loss(F.log_softmax(logits))`` on sharded logits gives the right
-    result through DTensor's ordinary operators, which gather the logits.
+    The arguments of ``F.cross_entropy`` it takes (``label_smoothing`` included), the
+    layouts of logits and target (on N-D meshes too), the loss's placements and what differs
+    from upstream are in the guide's "Options" and "Differences from upstream"
+    (``docs/loss_parallel.md``).
 
     Returns:
         A context manager (it yields nothing).
@@ -702,7 +666,8 @@ def loss_parallel() -> Iterator[None]:
     Raises:
         ValueError: inside the context, ``F.cross_entropy`` on logits sharded on the
             classes with a layout or target it cannot take, or on a DTensor not sharded on
-            its class dimension with a plain-tensor ``target`` or ``weight`` (see above).
+            its class dimension with a plain-tensor ``target`` or ``weight`` (which DTensor
+            cannot mix with it: the message names the layout expected and the one found).
 
     Example::
 

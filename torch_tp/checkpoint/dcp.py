@@ -78,42 +78,17 @@ def save(
     """Save a distributed checkpoint of the model, the optimizer and the RNG streams.
 
     Every rank writes its own shards in parallel (:func:`torch.distributed.checkpoint.save`,
-    each file flushed and fsynced) into ``checkpoint_dir/step-<step>.<save id>.partial``, a
-    directory of this save alone. When every rank is done, rank 0 fsyncs the directory and
-    publishes it with one atomic rename to ``checkpoint_dir/step-<step>``. Saving a step that
-    already exists moves the old one aside to ``step-<step>.old`` first and deletes it only
-    once the new one is published;
-    :func:`load` and :func:`latest_step` read ``step-<step>.old`` while ``step-<step>`` is
-    missing, and the next save restores or deletes it. So a crash at any point (a rank
-    killed while writing, during the renames, between saves) leaves the previous or the new
-    checkpoint loadable, never neither.
-
-    One save of a step at a time: rank 0 first claims it (``step-<step>.claim``, created
-    exclusively, naming the writer and locked while the save lasts). A save of a step that
-    another live save is writing, from this job or any other, raises
-    :class:`CheckpointError` on every rank naming that writer (host, process id, save id),
-    having written nothing; a claim whose writer is gone (its lock free, or its process ended
-    on this machine) is broken, with what that writer left. Saves of other steps go on
-    meanwhile and are never touched.
-
-    A save that fails raises :class:`CheckpointError` on every rank, saying what failed and
-    which step is the latest complete one (the previous checkpoint is intact). When a rank
-    dies mid-save the others see a collective fail: they tear down the gloo group that
-    saves and loads coordinate over (torch_tp's own, created by the first call, on every
-    rank, of any of them that needs one), so that none of them waits for the dead rank, and
-    raise within moments. Your process groups are not touched, but a job that lost a rank
-    must be restarted.
-
-    The RNG streams (the default generator and the tensor-parallel stream of
-    :mod:`torch_tp.random`) are saved per rank when a tracker is installed. Must be called
-    on every rank. ``checkpoint_dir`` must be one directory shared by all ranks (one
-    filesystem).
-
-    A packed parameter (and its optimizer state) is saved as the plain ``Shard`` DTensor
-    with the same global value, so the checkpoint holds the single-device tensor and loads on
-    any layout. The conversion all-gathers each such tensor once (DTensor redistributes a
-    strided shard through a replicated one): a few tensors per layer, each whole for a
-    moment on every rank.
+    each file fsynced) into a staging directory of this save alone; once every rank is
+    done, rank 0 publishes it with one atomic rename to ``checkpoint_dir/step-<step>``
+    (an existing step is moved aside to ``step-<step>.old`` until then), so a crash at any
+    point leaves the previous or the new checkpoint loadable, never neither. One save of a
+    step at a time: rank 0 first claims it (``step-<step>.claim``); saves of other steps go
+    on meanwhile. The RNG streams (:mod:`torch_tp.random`) are saved per rank when a
+    tracker is installed; a packed parameter (and its optimizer state) is saved as the
+    plain ``Shard`` DTensor with the same global value (one all-gather each), so the
+    checkpoint loads on any layout. Must be called on every rank, with one
+    ``checkpoint_dir`` shared by all ranks (one filesystem). See the guide's "Distributed
+    checkpoints" and "Concurrent saves" (``docs/two_d_and_checkpoints.md``).
 
     Args:
         checkpoint_dir (str or os.PathLike): the directory holding the checkpoints.
@@ -127,8 +102,11 @@ def save(
         The path of the completed checkpoint.
 
     Raises:
-        CheckpointError: the save failed on some rank, or another save of the step is in
-            progress (raised on every rank); the previous checkpoint is intact.
+        CheckpointError: the save failed on some rank (saying what failed and which step is
+            the latest complete one; when a rank dies mid-save the others raise within
+            moments, and the job must be restarted), or another live save of the step, from
+            this job or any other, holds it (naming that writer: host, process id, save id;
+            nothing is written). Raised on every rank; the previous checkpoint is intact.
         ValueError: ``step`` is not a non-negative int, or the model has tensors on the
             meta device (on every rank: the ranks agree on their checks, and on ``step``,
             before anything is written).
@@ -250,17 +228,15 @@ def load(
     """Load a checkpoint written by :func:`save`, on any layout, all or nothing.
 
     The model (and optimizer) may be laid out differently from when it was saved: another
-    tensor-parallel size, with or without FSDP2, or a single device. DCP reads each rank's
-    new shards from the saved ones. The optimizer must hold the model's parameters (its
-    state is created if it has none yet).
-
-    A load either completes or changes nothing. The checkpoint's metadata is checked
-    against the model and optimizer first (names, global shapes, dtypes, and that every
-    data file holds the bytes the metadata points at); every rank then reads into staging
-    tensors (as much memory again as its shards of the model and optimizer state); and only
-    when every rank has read everything are the model, the optimizer and the RNG streams
-    updated. Any failure (every error listed under ``Raises``) raises on every rank and
-    leaves them as they were (an optimizer that had no state is given none).
+    tensor-parallel size, with or without FSDP2, or a single device. The optimizer must
+    hold the model's parameters (its state is created if it has none yet). The metadata is
+    checked against the model and optimizer first, every rank reads into staging tensors
+    (as much memory again as its shards), and the model, the optimizer and the RNG streams
+    change only once every rank has read everything: any failure (every error below) raises
+    on every rank and changes nothing. Every check is agreed over every rank before any
+    rank reads. A packed parameter is read as a plain ``Shard`` DTensor and redistributed
+    into its packed layout (one all-gather each). See the guide's "Distributed
+    checkpoints" (``docs/two_d_and_checkpoints.md``).
 
     Args:
         checkpoint_dir (str or os.PathLike): the directory :func:`save` wrote to.
@@ -269,11 +245,10 @@ def load(
 
     Keyword Args:
         step (int, optional): the step to load. Default: the latest complete checkpoint.
-        rng (bool, optional): restore each rank's RNG streams. They can only continue on the
+        rng (bool, optional): restore each rank's RNG streams. They continue only on the
             layout they were saved on: the same world size and tensor-parallel size, and
-            every rank where it stood in the RNG tracker's mesh (its dim names, the rank's
-            coordinates and its tensor-parallel group, compared from the metadata before
-            anything is read); pass ``False`` to keep the current streams, e.g. when
+            every rank where it stood in the RNG tracker's mesh (compared from the metadata
+            before anything is read); pass ``False`` to keep the current streams, e.g. when
             changing layouts. Default: ``True``.
         strict (bool, optional): raise for checkpoint entries that the model and optimizer
             do not have (e.g. a checkpoint of a deeper model). Entries the checkpoint lacks
@@ -282,10 +257,6 @@ def load(
     Returns:
         The step loaded, or ``None`` when ``checkpoint_dir`` exists but holds no complete
         checkpoint (nothing is changed then).
-
-    A packed parameter (and its optimizer state) is read into a plain ``Shard`` DTensor and
-    redistributed into its packed layout: one all-gather per such tensor, as for
-    :func:`save`.
 
     Raises:
         FileNotFoundError: ``checkpoint_dir`` does not exist, or ``step`` was given and
@@ -302,10 +273,6 @@ def load(
             tables) are computed again, as :func:`torch_tp.materialize` does, with a warning.
         NotImplementedError: a packed parameter whose packed dim FSDP2 shards too (nothing
             is changed).
-
-    Every check above is agreed over every rank before any rank reads: a rank that cannot
-    see the directory, or sees another latest step than the others, makes every rank raise
-    the same error.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")

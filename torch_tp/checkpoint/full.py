@@ -116,41 +116,17 @@ def load_full_state_dict(
 ) -> IncompatibleKeys:
     """Load a full (single-device) state dict into a TP or 2-D model, all or nothing.
 
-    Each rank copies only its own slice of each tensor into its shard; nothing is
-    redistributed afterwards. The source is one of:
-
-    * a ``safetensors`` file (a path): every rank opens it and reads only its slices
-      (``safe_open(...).get_slice``), so no rank ever holds the whole checkpoint;
-    * a dict of tensors on every rank (e.g. ``torch.load(path, weights_only=True,
-      mmap=True)``): each rank slices it locally, without communication;
-    * a dict on rank 0 only, with ``broadcast_from_rank0=True``: rank 0 broadcasts one
-      tensor at a time and the other ranks may pass ``None``.
-
-    A load either completes or changes nothing. The names, the global shapes and the dtypes
-    (readable, and convertible to the parameter's) are checked against the model first;
-    then each rank reads its slices into staging buffers (as much memory as its shard);
-    the ranks agree that every one of them read everything (one small collective); and
-    only then are the buffers copied into the model, each freed as soon as it is copied.
-    Any failure raises the same exception on every rank (every error listed under
-    ``Raises``), and the model is left bit-identical. Values are
-    converted to each parameter's dtype; a lossy conversion (e.g. integer to floating
-    point, ``float64`` to ``float16``) warns once per call, naming the keys. The model may
-    have been built on the meta device, parallelized, and given memory for its shards by
-    :func:`torch_tp.materialize` (which also computes non-persistent buffers such as rotary
-    tables again; ``model.to_empty`` leaves them uninitialised: those that differ from their
-    value computed so are computed again, with a warning, and a model with such buffers that
-    cannot be computed is refused). A model with tensors still on the meta device is refused
-    before anything is read.
-
-    Every rank must be given the same state dict: where the model holds DTensors the ranks
-    compare a fingerprint of it (every name, shape and dtype, and 48 elements of each
-    tensor: only those bytes are read from a file) and refuse a file or dict that differs
-    on some rank. Copies of one file at other paths, and a dict holding the same tensors as
-    a file, are the same state dict.
-
-    With a process group, a model holding DTensors must be loaded on every rank (the
-    agreement is a collective over every rank of the default group); a model without
-    DTensors is loaded by each rank on its own.
+    Each rank copies only its own slice of each tensor into its shard, from a
+    ``safetensors`` file (every rank reads only its slices), from a dict every rank holds
+    (sliced locally), or from a dict rank 0 alone holds (``broadcast_from_rank0``). Names,
+    global shapes and dtypes are checked first, every rank stages its slices, and the model
+    changes only once every rank has read everything: any failure raises on every rank and
+    leaves the model bit-identical. Values are converted to each parameter's dtype, with
+    one warning per call naming the keys a conversion may change. The model may have been
+    built on the meta device and given memory by :func:`torch_tp.materialize`. A model
+    holding DTensors must be loaded on every rank, each given the same state dict (the
+    ranks compare a fingerprint of it). See the guide's "Full state dicts" and "Meta-device
+    initialisation, then a checkpoint" (``docs/two_d_and_checkpoints.md``).
 
     Args:
         model (:class:`nn.Module`): the parallelized model (and possibly FSDP2-sharded).
@@ -162,7 +138,8 @@ def load_full_state_dict(
         strict (bool, optional): raise for missing and unexpected keys, as
             :meth:`nn.Module.load_state_dict` does. Default: ``True``.
         broadcast_from_rank0 (bool, optional): only global rank 0 holds ``state_dict``
-            (in memory, or a file only rank 0 can read). Default: ``False``.
+            (in memory, or a file only rank 0 can read); it sends one tensor at a time.
+            Default: ``False``.
 
     Returns:
         ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``, as
@@ -178,11 +155,11 @@ def load_full_state_dict(
         FileNotFoundError: ``state_dict`` is a path with no file.
         NotImplementedError: a parameter whose local shard is not one block of the whole
             tensor (e.g. ``Partial``), or a packed parameter whose packed dim FSDP2 shards
-            too. Other packed parameters are loaded exactly: their shard is one block per
-            part (one ``get_slice`` read each from a ``safetensors`` file).
+            too (other packed parameters load exactly, one block per part).
         ValueError: the model has tensors on the meta device, or non-persistent buffers
             left uninitialised by ``to_empty`` that cannot be computed again (named; on
-            every rank).
+            every rank). Those that can be (rotary tables) are computed again, as
+            :func:`torch_tp.materialize` does, with a warning.
 
     Example::
         >>> # xdoctest: +SKIP("distributed")

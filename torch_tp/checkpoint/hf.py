@@ -394,35 +394,18 @@ def load_pretrained(
 ) -> IncompatibleKeys:
     """Load a Hugging Face ``save_pretrained`` directory into a parallelized model.
 
-    The directory holds ``model.safetensors``, or shards listed by
-    ``model.safetensors.index.json``, as the Hub has it or as transformers' own
-    ``save_pretrained`` writes it. Its keys are read as transformers' ``from_pretrained``
-    reads them, through the model's conversion mapping (transformers'
-    ``get_model_conversion_mapping``, its renamings and weight converters), so that every
-    layout transformers reads loads:
-
-    * renamed keys (GPT-NeoX's ``embed_out``, Mixtral's ``block_sparse_moe``);
-    * per-expert keys (``...experts.<e>.w1.weight``, ``gate_proj``/``up_proj``) merged into
-      a model's stacked ``...experts.gate_up_proj [E, 2I, H]`` and ``down_proj``, fused
-      tensors chunked into several parameters, transposed and interleaved tensors;
-    * tied weights (GPT-2's ``lm_head.weight``, the embedding's) saved once: the alias is
-      loaded through the name the checkpoint holds.
-
-    Each rank opens the files holding its tensors and reads only its slices of them
-    (``safe_open(...).get_slice``), so no rank reads the whole checkpoint: for a converted
-    parameter, the indices of its shard are pushed back through the conversion's operations
-    to the checkpoint tensors they come from (an expert-parallel rank opens only its experts'
-    keys). An operation without such a rule (none of the causal LMs of transformers 5.23 uses
-    one) is applied to whole tensors, with a warning. A conversion that cannot be applied
-    (an expert missing, tensors of different shapes or dtypes to merge) is refused naming
-    the keys, their files and the conversion. As transformers does, the conversions applied
-    are kept on the model (``model._weight_conversions``), and :func:`save_pretrained`
-    reverts them.
-
-    Any other difference is a missing or unexpected key, refused by name. As
-    :func:`torch_tp.checkpoint.load_full_state_dict`, the load is all or nothing: names,
-    shapes and dtypes are checked first, every rank stages its slices, the ranks agree, and
-    only then is the model changed; any failure raises on every rank.
+    The directory holds ``model.safetensors`` (read where it exists, as transformers 5.23
+    does), or shards listed by ``model.safetensors.index.json``, as the Hub has it or as
+    transformers writes it. Its keys are read through the model's conversion mapping, as
+    transformers' ``from_pretrained`` reads them (renamings, per-expert keys merged into
+    stacked experts, fused tensors chunked, tied weights saved once), so every layout
+    transformers reads loads; the conversions applied are kept on the model
+    (``model._weight_conversions``) and :func:`save_pretrained` reverts them. Each rank
+    opens the files holding its tensors and reads only its slices of them. The load is all
+    or nothing, as :func:`torch_tp.checkpoint.load_full_state_dict`'s, and reads one
+    version of the directory (``<directory>.old`` while :func:`save_pretrained` replaces
+    it), the same on every rank. See the guide's "Hugging Face checkpoints in and out" and
+    "Hostile and replaced directories" (``docs/transformers.md``).
 
     Args:
         model (:class:`nn.Module`): the model, parallelized (and possibly FSDP2-sharded).
@@ -430,41 +413,29 @@ def load_pretrained(
 
     Keyword Args:
         strict (bool, optional): raise for missing and unexpected keys. Default: ``True``.
-        mmap (bool, optional): as ``torch.load(mmap=True)`` and transformers'
-            ``from_pretrained``: a tensor this rank holds as one range of its file (a
-            replicated tensor or a shard of rows, of the checkpoint's dtype, not converted)
-            becomes a copy-on-write view of the file, mapped, instead of a copy: the load
-            reads nothing up front and memory holds the file's pages as the model touches
-            them; the first write to a page (an optimizer step) copies it, and nothing is
+        mmap (bool, optional): as ``torch.load(mmap=True)`` and ``from_pretrained``: a
+            tensor this rank holds as one range of its file (a replicated tensor or a shard
+            of rows, of the checkpoint's dtype, not converted) becomes a copy-on-write view
+            of the mapped file instead of a copy, read as the model touches it; nothing is
             ever written to the file. The files must then not be changed in place while the
-            model lives (a file truncated under a mapping faults the process;
-            :func:`save_pretrained` writes new files, so it may replace this directory).
-            Other tensors are copied as without it. Default: ``False`` (every tensor copied
+            model lives (:func:`save_pretrained` writes new files, so it may replace the
+            directory). Other tensors are copied. Default: ``False`` (every tensor copied
             into the model's own memory during the load).
 
     Returns:
         ``NamedTuple`` with ``missing_keys`` and ``unexpected_keys``.
 
-    While :func:`save_pretrained` replaces ``directory`` (or after it crashed doing so),
-    the previous checkpoint, whole, is read from ``<directory>.old``. A load reads one
-    version of the directory: the directory and every file it needs are opened before
-    anything is read, and read through those handles, so a directory replaced meanwhile
-    is still read whole as it was when opened; the ranks then compare a fingerprint of what
-    they opened (the index's bytes; each file's name, size, header and 16 blocks of 4 KiB
-    spread over its data) and refuse together where it differs. As transformers 5.23's
-    ``from_pretrained``, ``model.safetensors`` is read where it exists, the index only
-    without it.
-
     Raises:
         FileNotFoundError: the directory holds no checkpoint.
         CheckpointError: missing or unexpected keys, shapes or dtypes that do not fit, a
-            conversion that cannot be applied, a file that cannot be read, or a directory
-            holding only pickled weights (``pytorch_model.bin``: named, with how to convert
-            it); a key held by more than one file, a file that is not a regular one (a
-            FIFO, a directory), an index entry outside the directory (absolute, or with
-            ``..``; a symlink in the directory may lead anywhere, as a Hugging Face cache's
-            into ``../../blobs/`` do), a malformed index; ranks that read different
-            checkpoints. The message names every key at fault and its file.
+            conversion that cannot be applied (an expert missing, tensors of different
+            shapes or dtypes to merge: named with the keys, their files and the
+            conversion), a file that cannot be read, or a directory holding only pickled
+            weights (``pytorch_model.bin``: named, with how to convert it); a key held by
+            more than one file, a file that is not a regular one (a FIFO, a directory), an
+            index entry outside the directory (absolute, or with ``..``; symlinks may lead
+            anywhere), a malformed index; ranks that read different checkpoints. Raised on
+            every rank, naming every key at fault and its file; the model is unchanged.
         ValueError: the model has tensors on the meta device (named): give it memory with
             :func:`torch_tp.materialize` first.
 

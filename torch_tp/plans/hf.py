@@ -216,35 +216,14 @@ def plan_for(
     """The tensor-parallel plan of a transformers model.
 
     Llama, Mistral, Qwen2 and GPT-2 (by ``model.config.model_type``, see :data:`PLANS`) get
-    torch_tp's ready plan: a causal LM (``*ForCausalLM``, ``GPT2LMHeadModel``) the full plan,
-    a base model (``LlamaModel``, ``GPT2Model``, ..., recognised by having no submodule named
-    by its ``base_model_prefix``: ``model``, GPT-2's ``transformer``) the plan with
-    ``base_model=True``. Other heads (``*ForSequenceClassification``, ...) of those families
-    need their own entry for the head: take the base-model plan under that prefix and add it.
-
-    Any other transformers model gets its own plan, ``model._tp_plan`` (its config's
-    ``base_model_tp_plan`` under the base model's prefix, plus the head's entries), as plan
-    names, less the keys that name nothing in this model (see :func:`transformers_plan`).
-    Two plans transformers ships compute something else than one device, and are corrected:
-    Doge's (each rank gets its own heads' part of the dynamic attention mask, instead of
-    every head's) and Gemma 3n's (its MLPs with activation sparsity stay whole: the cut
-    reads all of the gate's features). A parameter that plan leaves out but that computes
-    on a sharded activation would get a silently wrong gradient: the dry-run report finds it
-    (on a meta-device copy); one that is a single broadcast value (apertus'
-    ``act_fn.alpha_p``) gets its module replicated with its gradient summed
-    (``replicated_with_grad_allreduce``), any other one is refused.
-
-    A model PEFT has wrapped is planned as the model it wraps: for a ``PeftModel``
-    (``get_peft_model(model)``) the plan is ``plan_for(model)``'s with every key prefixed by
-    the path of the transformers model inside it (``base_model.model.``), to be applied to
-    the ``PeftModel`` itself; in a model holding PEFT's tuner layers (``q_proj`` wrapping its
-    layer as ``q_proj.base_layer``) the keys name the tuner layers, whose styles apply to the
-    base layers and host the adapters (see :mod:`torch_tp.style.adapters`).
-
-    Every plan it returns is shape-checked first (:func:`torch_tp.shapes.check_shapes`,
-    on meta copies of the model at two ranks, on token ids): a plan under which a rank's
-    forward raises, or computes a shape other than one device's with the planned dimension
-    divided, is refused.
+    torch_tp's ready plan, that of a causal LM or of a base model (``base_model=True``); any
+    other transformers model gets its own plan, ``model._tp_plan``, as plan names, less the
+    keys that name nothing in this model (see :func:`transformers_plan`), corrected where it
+    would compute something else than one device. A PEFT model is planned as the model it
+    wraps. Every plan it returns is shape-checked first (:func:`torch_tp.shapes.check_shapes`,
+    at two ranks, on meta copies). Which plan a model gets (other heads included), the
+    corrections, and PEFT: the guide's "transformers models" (``docs/transformers.md``) and
+    "Fine-tuning with adapters" (``docs/adapters.md``).
 
     Args:
         model: a transformers model: one of the families in :data:`PLANS`, or one whose
@@ -253,20 +232,18 @@ def plan_for(
 
     Keyword Args:
         sequence_parallel (bool, optional): shard the activations between blocks on the
-            sequence: the residual stream becomes a DTensor sharded on dim 1, the norms run
-            on their shard, each attention and MLP gathers the sequence once and
-            reduce-scatters its output back (each MLP, dense or mixture-of-experts, one
-            region with partial results, its router's gradient summed, a shared expert the
-            plan leaves whole made tensor-parallel). For decoder models
-            laid out as Llama's (``embed_tokens``, layers of ``input_layernorm``,
-            ``self_attn``, ``post_attention_layernorm`` and ``mlp``, a final ``norm``);
-            others are refused. The sequence length must divide by the TP degree: for
-            training and prefill, not token-by-token decoding. Default: ``False``.
+            sequence (``Shard(1)``): the norms run on their shard, each attention and MLP
+            gathers the sequence once and reduce-scatters its output back (the guide's
+            "Sequence parallelism", ``docs/transformers.md``). For decoder models laid out
+            as Llama's (``embed_tokens``, layers of ``input_layernorm``, ``self_attn``,
+            ``post_attention_layernorm`` and ``mlp``, a final ``norm``); others are refused.
+            The sequence length must divide by the TP degree: for training and prefill, not
+            token-by-token decoding. Default: ``False``.
         cp_degree (int, optional): over 1, the plan also splits each sequence over a ``cp``
             mesh dimension: :class:`~torch_tp.ContextParallel` on the decoder layers
             (``"model.layers.*"``). Apply it on a mesh with dimensions ``("cp", "tp")``
-            (each style on its own) and see :doc:`context parallelism
-            <context_parallel>` for the inputs. Default: ``None`` (no cp dimension).
+            (each style on its own); the inputs are in the guide's "Context parallelism"
+            (``docs/context_parallel.md``). Default: ``None`` (no cp dimension).
 
     Returns:
         A dict from module (and parameter) paths to styles or plan names, for

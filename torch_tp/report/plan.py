@@ -108,85 +108,56 @@ def plan_report(
 ) -> PlanReport:
     """Report what ``plan`` would do to ``model`` at ``tp_degree``, without running it.
 
-    Nothing is communicated and no process group is needed: ``model`` is built on the meta
-    device (``with torch.device("meta"): model = MyModel(config)``), and its unparallelized
-    forward runs once on meta tensors to find the activations' shapes and which tensor flows
-    where. The model is left as it was.
+    No process group is needed: the unparallelized forward of ``model``, built on the meta
+    device, runs once on meta tensors, and the model is left as it was. What the report holds,
+    its options and N-D meshes: the guide's "The dry-run report" (``docs/plans.md``).
 
     Args:
         model (:class:`nn.Module`): the model, on the meta device.
-        plan: the plan, as for :func:`torch_tp.parallelize_module` (styles or style names).
-            On a mesh of several dimensions, one plan for all of them: each style runs on
-            the mesh's last ``contract.mesh_ndim`` dimensions, so that the 1-D styles run on
-            ``tp`` and :class:`~torch_tp.ExpertTensorParallel` on ``(ep, tp)``, as the two
-            :func:`~torch_tp.parallelize_module` calls ``(model, mesh["tp"], dense_plan)`` and
-            ``(model, mesh, experts_plan)`` apply them (pass ``{**dense_plan,
-            **experts_plan}``).
-        tp_degree (int or Mapping[str, int]): the number of ranks each layer is split over;
-            or the mesh's shape, its dimensions' names and sizes in the mesh's order, the
-            last named ``"tp"`` (``{"ep": 2, "tp": 2}``). With a shape, every dimension must
-            be used by some style (data parallelism is not reported: leave its dimension
-            out), each collective is reported with the dimension it runs over
-            (:attr:`Collective.mesh_dim`), and ``batch_size`` is the batch of one ``tp``
-            group (each rank of the other dimensions brings its own batch of that size).
-            A style whose contract names its dimensions runs on those:
-            :class:`~torch_tp.ContextParallel` on ``"cp"`` (``{"cp": 2, "tp": 2}``, or
-            ``{"cp": 2}`` for a plan of it alone). It splits the sequence: the model is
-            traced on ``seq_len / cp`` tokens per rank (``seq_len`` must divide by ``2 *
-            cp`` with ``load_balance``), and each attention call inside it adds the ring's
-            transfers over ``cp`` (``"send_recv"``: one point-to-point send) and its
-            activations saved for backward (:attr:`PlanReport.attention_activations`).
-            Its dictionary key must differ from the tensor-parallel plan's keys
-            (``{**llama_plan(), "layers.*": ContextParallel()}``: the plan already has a
-            style for ``layers.*.attention``).
+        plan: the plan, as for :func:`torch_tp.parallelize_module` (styles or style names);
+            on a mesh of several dimensions, one plan for all of them.
+        tp_degree (int or Mapping[str, int]): the number of ranks each layer is split over,
+            or the mesh's shape: its dimensions' names and sizes in the mesh's order, the
+            last named ``"tp"``, each used by some style (``{"ep": 2, "tp": 2}``).
 
     Keyword Args:
-        batch_size (int): the batch size the collectives are sized for.
+        batch_size (int): the batch size the collectives are sized for (of one ``tp`` group).
         seq_len (int): the sequence length the collectives are sized for.
         dtype (:class:`torch.dtype`, optional): cast the floating-point parameters (of a
             copy) to this dtype first. Default: the model's own dtypes.
-        example_inputs (optional): the forward's inputs on the meta device: a tensor, a
-            tuple of positional inputs, a dict of keyword inputs, or a callable
-            ``(batch_size, seq_len) -> inputs`` called under ``torch.device("meta")``.
-            Default: token ids of shape ``(batch_size, seq_len)``.
-        device_type (str, optional): the device the plan will run on. It matters for one
-            thing: on ``"cpu"`` (gloo has no all-to-all) DTensor moves a shard to another
-            dimension with an all-gather. Default: ``"cuda"``.
-        input_layout (Placement, optional): how the inputs arrive on each rank: local
-            tensors of this layout of the example inputs (``Shard(1)``: a sequence shard,
-            as a pipeline stage after the first gets it under sequence parallelism).
-            Default: ``Replicate()``, the whole inputs on every rank.
+        example_inputs (optional): the forward's inputs on the meta device: a tensor, a tuple
+            of positional inputs, a dict of keyword inputs, or a callable ``(batch_size,
+            seq_len) -> inputs``. Default: token ids of shape ``(batch_size, seq_len)``.
+        device_type (str, optional): the device the plan will run on; on ``"cpu"`` DTensor
+            moves a shard with an all-gather (gloo has no all-to-all). Default: ``"cuda"``.
+        input_layout (Placement, optional): the layout of the example inputs each rank gets
+            as local tensors (``Shard(1)``: a sequence shard). Default: ``Replicate()``.
 
     Returns:
-        A :class:`PlanReport`; ``print(report)`` shows the tables. The collectives are those
-        of one training step of the model: its forward, and the backward of a loss on its
-        output (the loss's own collectives, e.g. under ``loss_parallel``, are not included).
+        A :class:`PlanReport` (``print(report)`` shows the tables) of one training step, the
+        model's forward and backward, without the loss's own collectives.
 
     Raises:
-        ValueError: the model is not on the meta device, ``tp_degree`` is not positive (or
-            not a shape whose last dimension is ``"tp"``, that every dimension of which a
-            style uses and that has the dimensions every style needs), or the plan is
-            invalid (as :func:`parallelize_module` would raise; a key that matches no
-            module is reported as a problem instead).
+        ValueError: the model is not on the meta device, ``tp_degree`` is neither positive nor a
+            mesh shape as above with every dimension a style needs, or the plan is invalid (as
+            in :func:`parallelize_module`; a key that matches no module is a reported problem).
         NotImplementedError: the plan names a style torch_tp does not have yet, or, with an
             int ``tp_degree``, a style on an N-D mesh or on a named dimension (``cp``).
         RuntimeError: the forward fails on the meta device.
 
     Example::
         >>> # xdoctest: +SKIP("prints a table")
-        >>> from torch_tp.models import Llama, LlamaConfig
+        >>> from torch_tp import ExpertTensorParallel
+        >>> from torch_tp.models import Llama, LlamaConfig, MoEConfig, MoELlama
         >>> from torch_tp.plans.llama import llama_plan
-    >>> from torch_tp.report import plan_report
+        >>> from torch_tp.plans.moe import moe_llama_plan
+        >>> from torch_tp.report import plan_report
         >>> with torch.device("meta"):
         ...     model = Llama(LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8))
-        >>> report = plan_report(
-        ...     model, llama_plan(sequence_parallel=True), 8, batch_size=1, seq_len=4096
-        ... )
+        >>> plan = llama_plan(sequence_parallel=True)
+        >>> report = plan_report(model, plan, 8, batch_size=1, seq_len=4096)
         >>> print(report)
         >>> # experts over (ep, tp), the dense layers over tp
-        >>> from torch_tp import ExpertTensorParallel
-        >>> from torch_tp.models import MoEConfig, MoELlama
-        >>> from torch_tp.plans.moe import moe_llama_plan
         >>> plan = moe_llama_plan(experts="tp")
         >>> plan["layers.*.feed_forward.experts"] = ExpertTensorParallel()
         >>> with torch.device("meta"):
