@@ -226,6 +226,13 @@ def _refusals() -> None:
         r"'layers.0.feed_forward.down_proj' is inside 'layers.0.feed_forward', whose style "
         r"PartialSumParallel\(placements=None\) \(plan key 'layers.\*.feed_forward'\) sums",
     )
+    # ... and the styles a region may hold are named, read from the registry (where styles a
+    # test registered follow the built-in ones)
+    _refused(
+        plan,
+        r"with no collective of its own \('replicated_with_grad_allreduce', 'local_params', "
+        r"'local', 'local_colwise', 'local_rowwise',? (or )?'local_packed_rowwise'[^)]*\), or",
+    )
     # a row-parallel part with a bias: added once per rank
     model = Model()
     model.layers[0]["feed_forward"].down_proj.bias = nn.Parameter(torch.zeros(DIM))

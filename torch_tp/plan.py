@@ -238,11 +238,15 @@ def _partial_sum(style: object) -> str | None:
     return None if contract is None else contract.partial_sum(style)
 
 
-# the styles that compute on local shards with no collective (for the message)
-_REGION_PARTS = (
-    "'local_colwise', 'local_rowwise', 'local_packed_rowwise', 'local', 'local_params' or "
-    "'replicated_with_grad_allreduce'"
-)
+def _region_parts() -> str:
+    """The plan names of the styles a partial-sum region may hold (those that compute on
+    local shards with no collective of their own), read from the registry."""
+    names = []
+    for name in STYLE_REGISTRY.names():
+        style = STYLE_REGISTRY.style(name)
+        if _partial_sum(style) in ("part", "either"):
+            names.append(repr(name))
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 def _check_partial_sum_regions(entries: list[PlanEntry]) -> None:
@@ -269,7 +273,7 @@ def _check_partial_sum_regions(entries: list[PlanEntry]) -> None:
                 f"{here} is inside {_describe(region.path)}, whose style {_style(region.style)} "
                 f"(plan key {short_repr(region.key)}) sums what is computed inside it: a style "
                 "there must compute on its shards with no collective of its own "
-                f"({_REGION_PARTS}), or the sum would count its results once per rank"
+                f"({_region_parts()}), or the sum would count its results once per rank"
             )
         if not around and role == "part":
             raise ValueError(
