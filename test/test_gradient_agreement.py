@@ -30,7 +30,8 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.models import Experts, MoEConfig, MoELlama
-from torch_tp.plan import resolve_plan, unsummed_gradients
+from torch_tp.plan import resolve_plan
+from torch_tp.plan_checks import unsummed_gradients
 from torch_tp.plans.moe import moe_llama_plan
 from torch_tp.report import plan_report
 from torch_tp.testing import run_distributed

@@ -35,6 +35,7 @@ LAYERS = {
     "core": (
         "api",
         "plan",
+        "plan_checks",  # what a resolved plan must pass on its mesh
         "_names",
         "style",
         "contract",

@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch_tp import _forward_errors, _layouts, _state_dict
 from torch_tp import _torch_compat as compat
 from torch_tp._forward_check import disable_overlapping_checks, forward_check
-from torch_tp.plan import is_style, mark_applied, resolve_plan, styled_modules, validate_plan
+from torch_tp.plan import is_style, mark_applied, resolve_plan, styled_modules
+from torch_tp.plan_checks import validate_plan
 from torch_tp.random import _ensure_tracker
 from torch_tp.shapes import check_shapes
 from torch_tp.style import adapters as _adapters

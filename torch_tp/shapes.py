@@ -51,12 +51,8 @@ from torch_tp._layouts import normalize
 from torch_tp._repeats import Replays, repeated_blocks
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.contract import Layout
-from torch_tp.plan import (
-    PlanEntry,
-    planned_placements,
-    refuse_multi_dimensional,
-    resolve_plan,
-)
+from torch_tp.plan import PlanEntry, planned_placements, resolve_plan
+from torch_tp.plan_checks import refuse_multi_dimensional
 from torch_tp.style.base import (
     LayoutsDoNotChain,
     ParallelStyle,

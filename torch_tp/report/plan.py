@@ -54,11 +54,13 @@ from torch_tp import _names
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.plan import (
     PlanEntry,
-    parameter_owners,
     planned_placements,
-    refuse_multi_dimensional,
     resolve_plan,
     styled_modules,
+)
+from torch_tp.plan_checks import (
+    parameter_owners,
+    refuse_multi_dimensional,
     tied_parameters,
     unsummed_gradients,
 )
@@ -507,7 +509,7 @@ def _validate(
     n: int,
     mesh_shape: Mapping[str, int] | None = None,
 ) -> tuple[set[int], list[Problem]]:
-    """The checks of :func:`torch_tp.plan.validate_plan` that need no mesh: the modules
+    """The checks of :func:`torch_tp.plan_checks.validate_plan` that need no mesh: the modules
     refused, and why."""
     invalid: set[int] = set()
     problems = []
@@ -552,8 +554,8 @@ def _accept(module: nn.Module, mesh: Any) -> None:
 
 
 def _unsummed_gradients(entries: list[PlanEntry], trace: _Trace) -> list[Problem]:
-    """What :func:`torch_tp.plan.validate_plan` refuses as replicated parameters left with
-    partial gradients (:func:`~torch_tp.plan.unsummed_gradients`), where the trace did
+    """What :func:`torch_tp.plan_checks.validate_plan` refuses as replicated parameters left with
+    partial gradients (:func:`~torch_tp.plan_checks.unsummed_gradients`), where the trace did
     not already find those parameters computing on a shard (it says more: the op and where
     the shard came from)."""
     problems: dict[str, Problem] = {}

@@ -31,11 +31,8 @@ from torch_tp import _names
 from torch_tp._layouts import normalize
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.contract import Boundary, Layout, StyleContract
-from torch_tp.plan import (
-    PlanEntry,
-    replicated_unsummed,
-    summing_style,
-)
+from torch_tp.plan import PlanEntry
+from torch_tp.plan_checks import replicated_unsummed, summing_style
 from torch_tp.report.adapters import (
     adapter_layouts,
     adapter_partials,

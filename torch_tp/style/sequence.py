@@ -263,7 +263,7 @@ class ReplicateParallel(_ReplicatedParameters):
     parallelism: each rank routes its own tokens). Without ``sum_gradients``,
     :func:`parallelize_module` refuses the module where the plan shows that it computes on a
     shard (a module planned beside it takes its input as a shard that nothing planned there
-    produces: :func:`torch_tp.plan.unsummed_gradients`), and the dry-run report flags it
+    produces: :func:`torch_tp.plan_checks.unsummed_gradients`), and the dry-run report flags it
     wherever its trace finds it computing on one.
 
     A router on the whole (gathered) tokens of a block whose gradients are partial sums
