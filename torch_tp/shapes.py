@@ -441,11 +441,13 @@ def _shown(filename: str, cwd: str) -> str:
 
 
 def _stack_source() -> str | None:
-    """:func:`_user_frame` of the running op's stack, which is walked only that far."""
+    """The running op's :func:`_user_frame`, walking its stack only that far."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
         frame = frame.f_back
-    return None if frame is None else _user_frame([(frame.f_code.co_filename, frame.f_lineno)])
+    if frame is None:
+        return None
+    return f"{_shown(frame.f_code.co_filename, os.getcwd())}:{frame.f_lineno}"
 
 
 def _traceback_source(err: BaseException) -> str | None:
