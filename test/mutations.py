@@ -90,7 +90,7 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="partial_gradients_not_reduced",
-        file="torch_tp/_layouts.py",
+        file="torch_tp/runtime.py",
         old="flat = _regions.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)",
         new="flat = torch.cat([t.reshape(-1) for t in locals_])",
         tests=("test/test_style.py::test_sequence_parallel_norms[rmsnorm-2]",),
@@ -118,8 +118,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="vocab_embedding_rotated",
         file="torch_tp/style/linear.py",
-        old="start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)",
-        new="start, stop = _layouts.chunk_range(module.num_embeddings, rt.mesh.size(), "
+        old="start, stop = runtime.shard_range(module.num_embeddings, rt.mesh)",
+        new="start, stop = runtime.chunk_range(module.num_embeddings, rt.mesh.size(), "
         "(rt.mesh.get_local_rank() + 1) % rt.mesh.size())",
         tests=("test/test_transformers.py::test_gpt2_matches_single_device[2]",),
         description="the vocabulary-parallel embedding looks up the ids of the next rank's "

@@ -45,7 +45,7 @@ LAYERS = {
         "_forward_check",
         "_forward_errors",
         "_repeats",
-        "_layouts",
+        "runtime",  # the runtimes a style computes with: the public style kit
         "_regions",
         "_ring",
         "_torch_compat",

@@ -3,7 +3,7 @@ gradients.
 
 ``fast`` (the default) and ``dtensor`` (plain DTensor) must give the same results: CI runs
 every parity test file once more under ``TORCH_TP_RUNTIME=dtensor``. This file checks the
-switch itself, and that :class:`torch_tp._layouts.PartialGradientReduction` belongs to
+switch itself, and that :class:`torch_tp.runtime.PartialGradientReduction` belongs to
 its mesh, is shared by separately parallelized models, survives a backward that raised (the
 gradients then accumulate as on one device), and keeps a backward run inside another apart;
 that both runtimes hand layer outputs on as tensors that can be modified in place; and that
@@ -33,7 +33,7 @@ from torch_tp import (
     SequenceParallel,
     parallelize_module,
 )
-from torch_tp._layouts import DTensorRuntime, FastRuntime, PartialGradientReduction
+from torch_tp.runtime import DTensorRuntime, FastRuntime, PartialGradientReduction
 from torch_tp.testing import run_distributed
 
 

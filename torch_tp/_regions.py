@@ -18,7 +18,7 @@ region                                          forward                backward
 ``all_to_all_expert_parallel_region``           all-to-all, uneven     the reverse all-to-all
 ==============================================  =====================  =====================
 
-They are the fast path of :mod:`torch_tp._layouts` (``TORCH_TP_RUNTIME=fast``, the
+They are the fast path of :mod:`torch_tp.runtime` (``TORCH_TP_RUNTIME=fast``, the
 default); ``TORCH_TP_RUNTIME=dtensor`` uses none of them, except the all-to-all: expert
 parallelism sends each rank a data-dependent number of rows, which no DTensor placement
 describes, so both runtimes dispatch tokens to their experts through it.

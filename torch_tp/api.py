@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torch_tp import _forward_errors, _layouts, _state_dict
+from torch_tp import _forward_errors, _state_dict, runtime
 from torch_tp import _torch_compat as compat
 from torch_tp._forward_check import disable_overlapping_checks, forward_check
 from torch_tp.plan import is_style, mark_applied, resolve_plan, styled_modules
@@ -109,7 +109,7 @@ def parallelize_module(
     styled = styled_modules(entries)
     with planning(module, styled):
         validate_plan(entries, meshes, module, strict=strict)
-    _layouts.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
+    runtime.runtime_mode()  # an unknown TORCH_TP_RUNTIME fails before anything changes
     if example_inputs is not None:
         if device_mesh.ndim != 1:
             raise NotImplementedError(
@@ -133,7 +133,7 @@ def parallelize_module(
     _adapters.install()
     result = module
     # every style of this call gets the runtime TORCH_TP_RUNTIME selects now
-    with _layouts.applying(), planning(module, styled):
+    with runtime.applying(), planning(module, styled):
         for entry, mesh in zip(entries, meshes, strict=True):
             entry.style.src_data_rank = src_data_rank
             applied = entry.style._apply(entry.module, mesh)

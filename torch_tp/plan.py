@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import Placement, Shard
 
-from torch_tp import _layouts, _names
+from torch_tp import _names, runtime
 from torch_tp._torch_compat import StridedShard
 from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.style import adapters as _adapters
@@ -332,7 +332,7 @@ def parameter_entry_placement(style: object, parameter: torch.Tensor) -> Placeme
     placement = placements.get("weight" if parameter.ndim >= 2 else "bias")
     if isinstance(placement, (Shard, StridedShard)) and parameter.ndim >= 2:
         # a dim of the 2-D weight, counted from the end, is the same dim of the parameter
-        placement = _layouts.normalize(placement, 2)
+        placement = runtime.normalize(placement, 2)
         dim = placement.dim - 2 + parameter.ndim
         if isinstance(placement, StridedShard):
             return StridedShard(dim, split_factor=placement.split_factor)
@@ -382,7 +382,7 @@ def _check_parameter_entry(
             "the entry would do nothing: remove it, or give the module a style that places it"
         )
     found = parameter_entry_placement(style, parameter)
-    expected = _layouts.normalize(expected, parameter.ndim)
+    expected = runtime.normalize(expected, parameter.ndim)
     if found is None:
         raise ValueError(
             f"{where}; {module_style} places it {placement_str(expected)}, and {style_str(style)} "

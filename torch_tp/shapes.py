@@ -47,12 +47,12 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from torch_tp import _torch_compat as compat
-from torch_tp._layouts import normalize
 from torch_tp._repeats import Replays, repeated_blocks
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.contract import Layout
 from torch_tp.plan import PlanEntry, planned_placements, resolve_plan
 from torch_tp.plan_checks import refuse_multi_dimensional
+from torch_tp.runtime import normalize
 from torch_tp.style.base import (
     LayoutsDoNotChain,
     ParallelStyle,

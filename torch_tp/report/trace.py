@@ -28,7 +28,6 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from torch_tp import _names
-from torch_tp._layouts import normalize
 from torch_tp._torch_compat import StridedShard, tree_leaves
 from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.plan import PlanEntry
@@ -46,6 +45,7 @@ from torch_tp.report.render import (
     Collective,
     Problem,
 )
+from torch_tp.runtime import normalize
 from torch_tp.shapes import VALUE_READS, VALUE_TESTS, meta_value, on_meta
 
 __all__: list[str] = []  # private to torch_tp.report
@@ -212,7 +212,7 @@ class _Trace:
         self.heads: dict[str, tuple[int, int]] = {}
         self.called: set[int] = set()
         # local tensors already entered into a column-parallel region, as at run time
-        # (_layouts._shared_entry): q, k and v reading one tensor share one entry
+        # (runtime._shared_entry): q, k and v reading one tensor share one entry
         self.entered: set[tuple[int, Placement]] = set()
         self.problems: dict[tuple[str, str], Problem] = {}
         # (how many nodes existed then, kind, where, bytes, mesh dimension) of the backward's
@@ -410,7 +410,7 @@ class _Trace:
                 return _Local(_neg(target, ndim), entry.key, ndim)  # used as it is
             if isinstance(grad, Partial) and isinstance(given, (Replicate, Shard)):
                 # read whole by a local computation: one entry per tensor for all its readers
-                # (_layouts._shared_entry); a leaf is never shared
+                # (runtime._shared_entry); a leaf is never shared
                 if not (t.requires_grad and t.is_leaf):
                     if (id(t), given) in self.entered:
                         return _Local(_neg(target, ndim), entry.key, ndim)

@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from torch_tp import _layouts, _state_dict
+from torch_tp import _state_dict, runtime
 from torch_tp import _torch_compat as compat
 from torch_tp.style.base import MODULE_PATH_ATTR, _distribute_parameters
 
@@ -233,18 +233,18 @@ def check(style: Any, wrapper: nn.Module, base: nn.Module) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def remember(base: nn.Module, style: Any, rt: _layouts.DTensorRuntime) -> None:
+def remember(base: nn.Module, style: Any, rt: runtime.DTensorRuntime) -> None:
     """Record on a styled layer the style and runtime that host its adapters, if PEFT wraps
     it later."""
     setattr(base, _HOST_RUNTIME, (style, rt))
 
 
-def remembered(base: nn.Module) -> tuple[Any, _layouts.DTensorRuntime] | None:
+def remembered(base: nn.Module) -> tuple[Any, runtime.DTensorRuntime] | None:
     """``(style, runtime)`` recorded on ``base`` by :func:`remember`, or ``None``."""
     return getattr(base, _HOST_RUNTIME, None)
 
 
-def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: _layouts.DTensorRuntime) -> None:
+def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: runtime.DTensorRuntime) -> None:
     """Lay out ``wrapper``'s adapters as ``style`` says and run its forward on local tensors
     (``style`` has been applied to ``base``, and :func:`check` passed)."""
     placements = style._adapter_placements(base)
@@ -269,7 +269,7 @@ def hosting(wrapper: nn.Module) -> tuple | None:
 
 
 def mark_hosted(
-    wrapper: nn.Module, style: Any, base: nn.Module, rt: _layouts.DTensorRuntime
+    wrapper: nn.Module, style: Any, base: nn.Module, rt: runtime.DTensorRuntime
 ) -> None:
     """Record that ``style`` hosts ``wrapper``'s adapters (on ``base``): its state dict gives
     and takes full adapter tensors, and an adapter PEFT adds to it later is laid out as it
@@ -296,7 +296,7 @@ def _sized_to_shard(wrapper: nn.Module, base: nn.Module) -> bool:
 
 def _adopt_shards(
     part: nn.Linear,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     layout: dict[str, Placement],
     features: tuple[int, int],
 ) -> dict[str, Placement]:
@@ -330,7 +330,7 @@ def _forward(
     style: Any,
     wrapper: nn.Module,
     base: nn.Module,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     x: torch.Tensor,
     *args: Any,
     **kwargs: Any,
@@ -388,7 +388,7 @@ def _cast(x: torch.Tensor, A: nn.Linear) -> torch.Tensor:
 
 
 def column_terms(
-    adapters: list[Lora], x: torch.Tensor, y: torch.Tensor, rt: _layouts.DTensorRuntime
+    adapters: list[Lora], x: torch.Tensor, y: torch.Tensor, rt: runtime.DTensorRuntime
 ) -> torch.Tensor:
     """``y`` (this rank's output columns of a column-parallel base) plus each adapter's
     columns: ``lora_B_r(lora_A(dropout(x)))`` on the whole input ``x``.
@@ -407,7 +407,7 @@ def column_terms(
 def row_inputs(
     adapters: list[Lora],
     x: torch.Tensor,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     shard: Placement,
     features: int,
 ) -> list[torch.Tensor]:
@@ -432,7 +432,7 @@ def row_terms(
     adapters: list[Lora],
     inner: list[torch.Tensor],
     y: torch.Tensor,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     partial: bool,
 ) -> torch.Tensor:
     """``y`` plus each adapter's ``lora_B(u)``, with ``u`` its reduced ``inner`` value. With

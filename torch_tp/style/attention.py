@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
-from torch_tp import _layouts
+from torch_tp import runtime
 from torch_tp.contract import StyleContract
 from torch_tp.style.base import (
     REPR_LIMIT,
@@ -128,7 +128,7 @@ class MLAKVAProjParallel(ParallelStyle):
     def _forward(
         self,
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         own_forward,
         rope: int,
         *inputs: Any,
@@ -205,7 +205,7 @@ class LocalParamsParallel(ParallelStyle):
         return _distribute_and_wrap(self, module, device_mesh, dict(self.placements or {}))
 
     def _forward(
-        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+        self, module: nn.Module, rt: runtime.DTensorRuntime, own_forward, *inputs, **kwargs
     ):
         return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
 

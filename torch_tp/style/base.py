@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from torch_tp import _layouts
 from torch_tp import _torch_compat as compat
+from torch_tp import runtime
 from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import StyleContract, kind_name
 from torch_tp.registry import STYLE_REGISTRY
@@ -274,7 +274,7 @@ def _single(layout: Placement | None, default: Placement, what: str) -> tuple[Pl
 
 
 def _in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> ValueError:
-    """A layout error (:class:`_layouts.ShardDimError`) again, as a ``ValueError`` naming
+    """A layout error (:class:`runtime.ShardDimError`) again, as a ``ValueError`` naming
     the style and the module it runs on.
 
     The layout helpers raise without knowing either; the styles catch at their entry points
@@ -332,7 +332,7 @@ def _distribute_and_wrap(
     """Distribute ``module``'s parameters as ``placements`` say, and run ``style._forward(
     module, runtime, own_forward, *bound, *inputs)`` in place of the module's forward (its
     class's own, unbound, passed on for the style to call)."""
-    rt = _layouts.runtime(device_mesh)
+    rt = runtime.for_mesh(device_mesh)
     _distribute_parameters(module, rt, placements, style.src_data_rank)
     module.forward = functools.partial(style._forward, module, rt, type(module).forward, *bound)
     return module
@@ -340,7 +340,7 @@ def _distribute_and_wrap(
 
 def _distribute_parameters(
     module: nn.Module,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     placements: Mapping[str, Placement | tuple[Placement, ...]],
     src_data_rank: int | None,
 ) -> None:
@@ -508,7 +508,7 @@ def _check_direct_placements(
     for name, placement in placements.items():
         param = params[name]
         if isinstance(placement, Shard):
-            dim = _layouts.normalize(placement, param.ndim).dim
+            dim = runtime.normalize(placement, param.ndim).dim
             split = placement.split_factor if isinstance(placement, StridedShard) else 1
             if not 0 <= dim < param.ndim or param.shape[dim] % (n * split):
                 raise ValueError(
@@ -519,7 +519,7 @@ def _check_direct_placements(
 
 def _run_on_local_parameters(
     module: nn.Module,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     partial: bool,
     forward,
     *inputs: Any,
@@ -553,7 +553,7 @@ def _unstyled_submodules(module: nn.Module) -> list[nn.Module]:
 
 
 def _replicate_parameters(
-    modules: list[nn.Module], rt: _layouts.DTensorRuntime, src_data_rank: int | None
+    modules: list[nn.Module], rt: runtime.DTensorRuntime, src_data_rank: int | None
 ) -> None:
     """Make every direct parameter of ``modules`` a replicated DTensor."""
     for sub in modules:
@@ -578,14 +578,14 @@ def _distribute_whole(
     """:func:`_distribute_and_wrap` for a style that computes with its whole module: the
     parameters of the submodules without a style become replicated DTensors too, and the
     style's ``_forward`` gets those submodules before ``bound``."""
-    rt = _layouts.runtime(device_mesh)
+    rt = runtime.for_mesh(device_mesh)
     inner = _unstyled_submodules(module)
     _replicate_parameters(inner, rt, style.src_data_rank)
     return _distribute_and_wrap(style, module, device_mesh, placements, inner, *bound)
 
 
 def _swap_in_local_parameters(
-    modules: list[nn.Module], rt: _layouts.DTensorRuntime, partial: bool
+    modules: list[nn.Module], rt: runtime.DTensorRuntime, partial: bool
 ) -> list[tuple[nn.Module, dict]]:
     """Give ``modules`` local views of their DTensor parameters (see
     :func:`_run_on_local_parameters`); returns what :func:`_swap_back` puts back."""

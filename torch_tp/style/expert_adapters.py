@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from torch_tp import _layouts
 from torch_tp import _torch_compat as compat
+from torch_tp import runtime
 from torch_tp._torch_compat import StridedShard
 from torch_tp.style import adapters as _adapters
 from torch_tp.style.base import MODULE_PATH_ATTR, _distribute_parameters
@@ -144,7 +144,7 @@ def placements_of(style: Any, wrapper: nn.Module, base: nn.Module) -> tuple[dict
     return factor_placements(weight, wrapper._did_swap_in_out_features)
 
 
-def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: _layouts.DTensorRuntime) -> None:
+def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: runtime.DTensorRuntime) -> None:
     """Lay out the adapters of ``wrapper`` and of every PEFT layer nested in it to match
     ``base``'s weights, and compute them in the experts' forward (``style`` applied to
     ``base``; :func:`check` passed)."""
@@ -205,7 +205,7 @@ def _forward(
     return wrapper.base_layer(x, *args, **kwargs)
 
 
-def _delta(lora: ParameterLora, rt: _layouts.DTensorRuntime, dtype: torch.dtype) -> torch.Tensor:
+def _delta(lora: ParameterLora, rt: runtime.DTensorRuntime, dtype: torch.dtype) -> torch.Tensor:
     """This rank's slice of ``lora``'s delta weight, laid out like the weight's local slice
     (PEFT's ``get_delta_weight`` on the local factors)."""
     A = rt.local_parameter(lora.A, "weight", partial=lora.whole == "A")
@@ -217,7 +217,7 @@ def _delta(lora: ParameterLora, rt: _layouts.DTensorRuntime, dtype: torch.dtype)
 
 
 def adapted_forward(
-    own_forward, rt: _layouts.DTensorRuntime, adapters: list[ParameterLora], module, *inputs
+    own_forward, rt: runtime.DTensorRuntime, adapters: list[ParameterLora], module, *inputs
 ) -> Any:
     """The experts' own forward with each adapted weight's local slice plus its delta (run
     inside the style's swap of the parameters for their local slices)."""

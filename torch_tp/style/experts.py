@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from torch_tp import _layouts, _regions
+from torch_tp import _regions, runtime
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
@@ -200,7 +200,7 @@ class TensorParallelExperts(ParallelStyle):
             self, module, device_mesh, self.contract.parameters(self, module)
         )
         # hosts PEFT's LoRA on the weights, now or when PEFT wraps the experts later
-        _adapters.remember(module, self, _layouts.runtime(device_mesh))
+        _adapters.remember(module, self, runtime.for_mesh(device_mesh))
         return module
 
     def _check_adapters(self, wrapper: nn.Module, base: nn.Module) -> None:
@@ -221,7 +221,7 @@ class TensorParallelExperts(ParallelStyle):
     def _forward(
         self,
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         own_forward,
         hidden_states: torch.Tensor,
         *routing: torch.Tensor,
@@ -405,7 +405,7 @@ class ExpertParallel(ParallelStyle):
     def _forward(
         self,
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         own_forward,
         n_experts: int,
         hidden_states: torch.Tensor,
@@ -428,7 +428,7 @@ class ExpertParallel(ParallelStyle):
     @staticmethod
     def _run_experts(
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         own_forward,
         rows: torch.Tensor,
         counts: list[int],
@@ -462,7 +462,7 @@ class ExpertParallel(ParallelStyle):
 def _route(
     style: ParallelStyle,
     module: nn.Module,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     mesh: DeviceMesh,
     own_forward,
     n_experts: int,
@@ -732,17 +732,17 @@ class ExpertTensorParallel(ParallelStyle):
         names = device_mesh.mesh_dim_names
         ungated = TensorParallelExperts._ungated(module)
         n_experts = (module.up_proj if ungated else module.gate_up_proj).shape[0]
-        ep, tp = device_mesh[names[0]], _layouts.runtime(device_mesh[names[1]])
+        ep, tp = device_mesh[names[0]], runtime.for_mesh(device_mesh[names[1]])
         placements = self.contract.parameters(self, module)
         return _distribute_and_wrap(self, module, device_mesh, placements, ep, tp, n_experts)
 
     def _forward(
         self,
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         own_forward,
         ep: DeviceMesh,
-        tp: _layouts.DTensorRuntime,
+        tp: runtime.DTensorRuntime,
         n_experts: int,
         hidden_states: torch.Tensor,
         top_k_index: torch.Tensor,
@@ -823,7 +823,7 @@ def _output_arguments(style: ParallelStyle) -> dict[str, Any]:
 def _check_expert_ids(
     style: ParallelStyle,
     module: nn.Module,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     top_k_index: torch.Tensor,
     n_experts: int,
 ) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from torch_tp import _layouts, _regions
+from torch_tp import _regions, runtime
 from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
 from torch_tp.style import adapters as _adapters
@@ -142,7 +142,7 @@ class _ShardLinearEmbedding(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported type must not be half-applied
-        rt = _layouts.runtime(device_mesh)
+        rt = runtime.for_mesh(device_mesh)
         params = self._parameter_placements(module)
         _distribute_parameters(module, rt, params, self.src_data_rank)
         if _uses_stock_forward(module):
@@ -196,7 +196,7 @@ class _ShardLinearEmbedding(ParallelStyle):
     def _own_embedding_forward(
         self,
         module: nn.Embedding,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         own_forward,
         inner: list[nn.Module],
         *args: Any,
@@ -251,7 +251,7 @@ def _check_parameter_placements(module: nn.Module, placements: dict[str, Placeme
 def _hook_dtensor_forward(
     style: ParallelStyle,
     module: nn.Module,
-    rt: _layouts.DTensorRuntime,
+    rt: runtime.DTensorRuntime,
     input_layout: Placement,
     desired_input: Placement,
     output_layout: Placement,
@@ -263,7 +263,7 @@ def _hook_dtensor_forward(
     def enter(mod: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         try:
             x = rt.prepare(inputs[0], input_layout, desired_input, False)
-        except _layouts.ShardDimError as err:
+        except runtime.ShardDimError as err:
             raise _in_module(style, mod, err) from None
         return (x, *inputs[1:])
 
@@ -271,8 +271,8 @@ def _hook_dtensor_forward(
         if not isinstance(output, DTensor):
             return output
         try:
-            out = rt.redistribute(output, _layouts.normalize(output_layout, output.ndim))
-        except _layouts.ShardDimError as err:
+            out = rt.redistribute(output, runtime.normalize(output_layout, output.ndim))
+        except runtime.ShardDimError as err:
             raise _in_module(style, mod, err) from None
         return out.to_local() if use_local_output else out
 
@@ -352,7 +352,7 @@ class ColwiseParallel(_ShardLinearEmbedding):
     def _linear(
         self,
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         input: torch.Tensor,
         adapters: list[_adapters.Lora] | None = None,
     ) -> torch.Tensor:
@@ -369,15 +369,15 @@ class ColwiseParallel(_ShardLinearEmbedding):
             if adapters:  # PEFT's LoRA (torch_tp.style.adapters): this rank's columns too
                 y = _adapters.column_terms(adapters, x, y, rt)
             return self._leave(y, rt, _out_features(module))
-        except _layouts.ShardDimError as err:
+        except runtime.ShardDimError as err:
             raise _in_module(self, module, err) from None
 
     def _embedding(
-        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor
+        self, module: nn.Embedding, rt: runtime.DTensorRuntime, input: torch.Tensor
     ) -> torch.Tensor:
         try:
             ids = rt.enter_replicated(input, self.input_layouts[0])
-        except _layouts.ShardDimError as err:
+        except runtime.ShardDimError as err:
             raise _in_module(self, module, err) from None
         try:
             # the whole vocabulary on every rank: F.embedding checks the ids itself (on a
@@ -394,15 +394,15 @@ class ColwiseParallel(_ShardLinearEmbedding):
             ) from err
         try:
             return self._leave(y, rt, module.embedding_dim)
-        except _layouts.ShardDimError as err:
+        except runtime.ShardDimError as err:
             raise _in_module(self, module, err) from None
 
-    def _leave(self, y: torch.Tensor, rt: _layouts.DTensorRuntime, features: int) -> torch.Tensor:
+    def _leave(self, y: torch.Tensor, rt: runtime.DTensorRuntime, features: int) -> torch.Tensor:
         """``y``, computed sharded on its last dim (``features`` in all), as the output."""
         layout = self.output_layouts[0]
         if self.use_local_output and type(layout) is Shard and layout.dim in (-1, y.ndim - 1):
             return y  # the common case: as computed
-        layout = _layouts.normalize(layout, y.ndim)
+        layout = runtime.normalize(layout, y.ndim)
         shape = torch.Size((*y.shape[:-1], features))
         return rt.leave(y, Shard(y.ndim - 1), layout, self.use_local_output, shape)
 
@@ -552,7 +552,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
     def _linear(
         self,
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         input: torch.Tensor,
         adapters: list[_adapters.Lora] | None = None,
     ) -> torch.Tensor:
@@ -560,14 +560,14 @@ class RowwiseParallel(_ShardLinearEmbedding):
         last = type(layout) is Shard and layout.dim in (-1, x.ndim - 1)
         try:
             if isinstance(x, DTensor) or not last:  # else the local shard it computes with
-                layout = _layouts.normalize(layout, x.ndim)
+                layout = runtime.normalize(layout, x.ndim)
                 x = rt.enter_sharded(x, layout, self._shard(x.ndim - 1))
             partial = _project(self, module, x, rt.local_parameter(module, "weight"), None)
             if adapters:
                 # PEFT's LoRA (torch_tp.style.adapters): lora_A's partial sums, reduced with
                 # the base's in its one collective
                 out = self.output_layouts[0]
-                if isinstance(out, Shard) and _layouts.normalize(out, x.ndim).dim == x.ndim - 1:
+                if isinstance(out, Shard) and runtime.normalize(out, x.ndim).dim == x.ndim - 1:
                     raise ValueError(
                         f"{_where(self, module)}: " + _FEATURE_SHARDED_ADAPTER.format(layout=out)
                     )
@@ -578,7 +578,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
                 y, inner = _adapters.reduce_with(partial, inner, reduce)
             else:
                 y = self._reduce(partial, rt, module)
-        except _layouts.ShardDimError as err:
+        except runtime.ShardDimError as err:
             raise _in_module(self, module, err) from None
         sharded = isinstance(self.output_layouts[0], Shard)
         if module.bias is not None:
@@ -597,11 +597,11 @@ class RowwiseParallel(_ShardLinearEmbedding):
         return y
 
     def _embedding(
-        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, input: torch.Tensor
+        self, module: nn.Embedding, rt: runtime.DTensorRuntime, input: torch.Tensor
     ) -> torch.Tensor:
         try:
             ids = rt.enter_replicated(input, self.input_layouts[0])
-        except _layouts.ShardDimError as err:
+        except runtime.ShardDimError as err:
             raise _in_module(self, module, err) from None
         if not ids.is_meta and not torch.compiler.is_compiling():
             # Ids out of the vocabulary would be foreign to every rank: rows of zeros, where
@@ -614,7 +614,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
             # is left out: a branch on data would break the graph (meta ids have no values).
             gathered = isinstance(self.input_layouts[0], Shard) and not isinstance(input, DTensor)
             self._check_ids(module, rt, ids, gathered)
-        start, stop = _layouts.shard_range(module.num_embeddings, rt.mesh)
+        start, stop = runtime.shard_range(module.num_embeddings, rt.mesh)
         weight = rt.local_parameter(module, "weight")
         # ids this rank does not own look up row 0 and are zeroed; the sum over ranks
         # (the reduction below) then holds exactly one real row per id
@@ -628,11 +628,11 @@ class RowwiseParallel(_ShardLinearEmbedding):
             y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
         try:
             return self._reduce(y, rt, module)
-        except _layouts.ShardDimError as err:
+        except runtime.ShardDimError as err:
             raise _in_module(self, module, err) from None
 
     def _check_ids(
-        self, module: nn.Embedding, rt: _layouts.DTensorRuntime, ids: torch.Tensor, gathered: bool
+        self, module: nn.Embedding, rt: runtime.DTensorRuntime, ids: torch.Tensor, gathered: bool
     ) -> None:
         """Raise, on every rank, the error of one device's ``F.embedding`` if any rank's ids
         are outside the vocabulary, or a ``ValueError`` naming each rank's shape if the
@@ -700,10 +700,10 @@ class RowwiseParallel(_ShardLinearEmbedding):
             f"found {shown} ({bad.numel()} of {ids.numel()} ids out of range)"
         )
 
-    def _reduce(self, partial: torch.Tensor, rt: _layouts.DTensorRuntime, module: nn.Module):
+    def _reduce(self, partial: torch.Tensor, rt: runtime.DTensorRuntime, module: nn.Module):
         layout = self.output_layouts[0]
         if type(layout) is not Replicate:
-            layout = _layouts.normalize(layout, partial.ndim)
+            layout = runtime.normalize(layout, partial.ndim)
         if (
             self.use_local_output
             and isinstance(layout, Shard)
@@ -835,7 +835,7 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
         super()._validate(module, device_mesh)
         self._validate_parts(_out_features(module), "the output features", device_mesh)
 
-    def _leave(self, y: torch.Tensor, rt: _layouts.DTensorRuntime, features: int) -> torch.Tensor:
+    def _leave(self, y: torch.Tensor, rt: runtime.DTensorRuntime, features: int) -> torch.Tensor:
         computed = StridedShard(y.ndim - 1, split_factor=self.parts)
         if isinstance(self.output_layouts[0], Replicate):
             layout = Replicate()

@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from torch_tp import _layouts
 from torch_tp import _torch_compat as compat
+from torch_tp import runtime
 from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.style.base import (
@@ -127,7 +127,7 @@ class LocalLinearParallel(ParallelStyle):
         return _distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
 
     def _forward(
-        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+        self, module: nn.Module, rt: runtime.DTensorRuntime, own_forward, *inputs, **kwargs
     ):
         return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
 
@@ -244,7 +244,7 @@ class PartialSumParallel(ParallelStyle):
     def _forward(
         self,
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         own_forward,
         inner: list[nn.Module],
         replicated: frozenset[str],
@@ -280,7 +280,7 @@ class PartialSumParallel(ParallelStyle):
             _swap_back(swapped)
         return self._leave(module, rt, output)
 
-    def _leave(self, module: nn.Module, rt: _layouts.DTensorRuntime, output: Any) -> Any:
+    def _leave(self, module: nn.Module, rt: runtime.DTensorRuntime, output: Any) -> Any:
         """The first output summed; the others' gradients kept on one rank."""
         if isinstance(output, torch.Tensor):
             return rt.reduce_partial(output, Replicate(), True)
@@ -291,7 +291,7 @@ class PartialSumParallel(ParallelStyle):
             )
         first, *rest = output
         rest = [
-            _layouts.gradient_on_rank_zero(t, rt.mesh)
+            runtime.gradient_on_rank_zero(t, rt.mesh)
             if isinstance(t, torch.Tensor) and t.requires_grad
             else t
             for t in rest

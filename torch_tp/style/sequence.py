@@ -18,8 +18,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from torch_tp import _layouts
 from torch_tp import _torch_compat as compat
+from torch_tp import runtime
 from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.random import sequence_parallel_dropout
 from torch_tp.style.base import (
@@ -66,7 +66,7 @@ class _ReplicatedParameters(ParallelStyle):
 
     @abstractmethod
     def _forward(
-        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+        self, module: nn.Module, rt: runtime.DTensorRuntime, own_forward, *inputs, **kwargs
     ):
         """The module's forward, given its own (unbound) ``own_forward``."""
 
@@ -192,7 +192,7 @@ class SequenceParallel(_ReplicatedParameters):
         _check_not_distributed(module)
 
     def _forward(
-        self, module: nn.Module, rt: _layouts.DTensorRuntime, own_forward, *inputs, **kwargs
+        self, module: nn.Module, rt: runtime.DTensorRuntime, own_forward, *inputs, **kwargs
     ):
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             found = type(inputs[0]).__name__ if inputs else "no input"
@@ -202,8 +202,8 @@ class SequenceParallel(_ReplicatedParameters):
             )
         x = inputs[0]
         try:
-            layout = _layouts.normalize(self.sequence_sharding[0], x.ndim)
-        except _layouts.ShardDimError as err:
+            layout = runtime.normalize(self.sequence_sharding[0], x.ndim)
+        except runtime.ShardDimError as err:
             raise _in_module(self, module, err) from None
         global_shape = None  # a local input: even shards, as everywhere
         if isinstance(x, DTensor):
@@ -373,7 +373,7 @@ class ReplicateParallel(_ReplicatedParameters):
     def _forward(
         self,
         module: nn.Module,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         own_forward,
         inner: list[nn.Module],
         *inputs,
@@ -395,7 +395,7 @@ class ReplicateParallel(_ReplicatedParameters):
                 f"names outputs the module does not return (it returns {len(outputs)})"
             )
         outputs = tuple(
-            _layouts.gradient_on_rank_zero(value, rt.mesh)
+            runtime.gradient_on_rank_zero(value, rt.mesh)
             if i in self.whole_gradient_outputs
             and isinstance(value, torch.Tensor)
             and value.requires_grad
@@ -543,7 +543,7 @@ class PrepareModuleInput(ParallelStyle):
         return Boundary(args, kwargs, exact=self.input_layouts is not None)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        rt = _layouts.runtime(device_mesh)
+        rt = runtime.for_mesh(device_mesh)
         if self.with_kwargs:
             module.register_forward_pre_hook(
                 functools.partial(self._prepare_with_kwargs, rt), with_kwargs=True
@@ -555,16 +555,14 @@ class PrepareModuleInput(ParallelStyle):
             module.register_forward_hook(close_partial_region, always_call=True)
         return module
 
-    def _prepare_hook(
-        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
-    ):
+    def _prepare_hook(self, rt: runtime.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]):
         if self.partial_input_gradients:
             open_partial_region(module)
         return self._prepare_args(rt, module, inputs)
 
     def _prepare_with_kwargs(
         self,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         module: nn.Module,
         inputs: tuple[Any, ...],
         kwargs: dict,
@@ -585,7 +583,7 @@ class PrepareModuleInput(ParallelStyle):
         return self._prepare_args(rt, module, inputs), prepared
 
     def _prepare_args(
-        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
+        self, rt: runtime.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
     ) -> tuple[Any, ...]:
         if self.input_layouts is None:
             return inputs
@@ -606,7 +604,7 @@ class PrepareModuleInput(ParallelStyle):
         module: nn.Module,
         where: int | str,
         value: Any,
-        rt: _layouts.DTensorRuntime,
+        rt: runtime.DTensorRuntime,
         *layouts: Placement | None,
     ):
         """Prepare one input; ``where`` is its position, or its keyword (named on error only:
@@ -622,10 +620,10 @@ class PrepareModuleInput(ParallelStyle):
             if self.partial_input_gradients and layouts[0] is not None:
                 return self._enter_partial(rt, value, layouts[0])
             return rt.prepare(value, *layouts, self.use_local_output)
-        except _layouts.ShardDimError as err:
+        except runtime.ShardDimError as err:
             raise _in_module(self, module, err) from None
 
-    def _enter_partial(self, rt: _layouts.DTensorRuntime, value: torch.Tensor, layout: Placement):
+    def _enter_partial(self, rt: runtime.DTensorRuntime, value: torch.Tensor, layout: Placement):
         """One whole input whose gradient comes back a partial sum (``partial_input_gradients``)."""
         if isinstance(layout, Shard) or isinstance(value, DTensor) or not in_partial_region(value):
             # gathered (or, replicated, handed on), and the partial gradients summed back
@@ -638,7 +636,7 @@ class PrepareModuleInput(ParallelStyle):
             return local
         # a replicated local input of an enclosing partial-gradient region (which sums the
         # gradients where it began): handed back as it is
-        return value if self.use_local_output else _layouts._replicated(value, rt.mesh)
+        return value if self.use_local_output else runtime._replicated(value, rt.mesh)
 
 
 # set on a module once PrepareModuleOutput found every parameter inside its partial sum planned
@@ -725,7 +723,7 @@ class PrepareModuleOutput(ParallelStyle):
             )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        rt = _layouts.runtime(device_mesh)
+        rt = runtime.for_mesh(device_mesh)
         if any(isinstance(layout, Partial) for layout in self.output_layouts):
             # before any input hook's collective
             module.register_forward_pre_hook(
@@ -734,7 +732,7 @@ class PrepareModuleOutput(ParallelStyle):
         module.register_forward_hook(functools.partial(self._prepare_hook, rt))
         return module
 
-    def _check_partial_sum(self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: Any):
+    def _check_partial_sum(self, rt: runtime.DTensorRuntime, module: nn.Module, inputs: Any):
         """On the first call (every style of the model applied by then, in however many
         ``parallelize_module`` calls): refuse a module inside whose parameters no style
         distributed over this mesh's ranks. Its output is a partial sum: a submodule
@@ -762,7 +760,7 @@ class PrepareModuleOutput(ParallelStyle):
         setattr(module, _PARTIAL_SUM_CHECKED, True)
 
     def _prepare_hook(
-        self, rt: _layouts.DTensorRuntime, module: nn.Module, inputs: Any, outputs: Any
+        self, rt: runtime.DTensorRuntime, module: nn.Module, inputs: Any, outputs: Any
     ):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outputs) != len(self.output_layouts):
@@ -781,7 +779,7 @@ class PrepareModuleOutput(ParallelStyle):
                 )
             try:
                 prepared.append(rt.prepare(value, layout, desired, self.use_local_output))
-            except _layouts.ShardDimError as err:
+            except runtime.ShardDimError as err:
                 raise _in_module(self, module, err) from None
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 

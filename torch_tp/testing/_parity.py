@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from torch_tp._layouts import contiguous_stride, normalize
+from torch_tp.runtime import contiguous_stride, normalize
 
 __all__ = ["check_parity", "gather_full"]
 

@@ -19,7 +19,7 @@ plumbing. There are two, with the same methods and the same results:
   constructor. Everything else falls back to :class:`DTensorRuntime`.
 
 :func:`torch_tp.parallelize_module` reads ``TORCH_TP_RUNTIME`` once per call; every style it
-applies binds the runtime of that mode (:func:`runtime`) into the module, so a model keeps the
+applies binds the runtime of that mode (:func:`for_mesh`) into the module, so a model keeps the
 runtime it was parallelized with.
 
 Caches (the fast runtime's; the DTensor runtime has none):
@@ -112,7 +112,7 @@ def applying() -> Iterator[str]:
         _applying.reset(token)
 
 
-def runtime(mesh: DeviceMesh) -> DTensorRuntime:
+def for_mesh(mesh: DeviceMesh) -> DTensorRuntime:
     """The runtime a style's ``_apply`` binds into its module, on the 1-D ``mesh``: that of
     the :func:`torch_tp.parallelize_module` call applying it, or (a style applied by hand)
     the mode ``TORCH_TP_RUNTIME`` selects now."""
