@@ -157,14 +157,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="replicate_sum_gradients_ignored",
         file="torch_tp/style/sequence.py",
-        old="""        swapped = _swap_in_local_parameters(inner, rt, self.sum_gradients)
+        old="""        swapped = swap_in_local_parameters(inner, rt, self.sum_gradients)
         try:
-            out = _run_on_local_parameters(
+            out = run_on_local_parameters(
                 module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
             )""",
-        new="""        swapped = _swap_in_local_parameters(inner, rt, False)
+        new="""        swapped = swap_in_local_parameters(inner, rt, False)
         try:
-            out = _run_on_local_parameters(
+            out = run_on_local_parameters(
                 module, rt, False, own_forward, *inputs, **kwargs
             )""",
         tests=(
@@ -176,8 +176,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="partial_sum_inner_gradients_not_summed",
         file="torch_tp/style/regions.py",
-        old="swapped = _swap_in_local_parameters(inner, rt, True)",
-        new="swapped = _swap_in_local_parameters(inner, rt, False)",
+        old="swapped = swap_in_local_parameters(inner, rt, True)",
+        new="swapped = swap_in_local_parameters(inner, rt, False)",
         tests=(
             "test/test_partial_sum.py::"
             "test_llama4_feed_forward_under_transformers_4x_plan_matches_one_device",
@@ -272,7 +272,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="expert_all_to_all_backward_skipped",
         file="torch_tp/_regions.py",
-        old="back = _all_to_all(grad, ctx.mesh, ctx.input_splits, ctx.output_splits)",
+        old="back = all_to_all(grad, ctx.mesh, ctx.input_splits, ctx.output_splits)",
         new="back = grad",
         tests=(
             "test/test_moe.py::test_data_parallel_tokens_dispatched_to_their_experts[skewed-2]",

@@ -21,6 +21,7 @@ no cycle. No function has over 100 lines of code, and no docstring over 60 lines
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -296,6 +297,136 @@ def test_no_module_is_only_a_re_export(module):
     tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
     own = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     assert any(isinstance(node, own) for node in tree.body), module
+
+
+# how many private names one torch_tp module may take from another, in all: the styles use
+# the public style kit (torch_tp.runtime, torch_tp.style.base), the checkpoint formats their
+# staging module's public names; what is left is a module's own helpers shared with the one
+# or two modules beside it
+MAX_PRIVATE_IMPORTS = 100
+
+
+def _private_imports(module: str, source: str) -> list[str]:
+    """The private names ``module`` takes from other torch_tp modules, as ``source.name``:
+    each underscore name imported (``from torch_tp import _regions`` and ``from
+    torch_tp.style.base import _helper`` alike) and each underscore attribute read off an
+    imported torch_tp module (``_regions._helper``). Dunder names are not private."""
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    package = module if module in _PACKAGES else module.rpartition(".")[0]
+    taken, aliases = [], {}
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(anchor + ([base] if base else []))
+        if base.split(".")[0] != "torch_tp" or base == module:
+            continue
+        for alias in node.names:
+            if private(alias.name):
+                taken.append(f"{base}.{alias.name}")
+            if f"{base}.{alias.name}" in MODULES:
+                aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and aliases[node.value.id] != module
+            and private(node.attr)
+        ):
+            taken.append(f"{aliases[node.value.id]}.{node.attr}")
+    return taken
+
+
+_PACKAGES = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+
+
+def test_few_private_names_cross_modules():
+    taken = {
+        module: _private_imports(module, path.read_text(encoding="utf-8"))
+        for module, path in MODULES.items()
+    }
+    total = sum(len(names) for names in taken.values())
+    by_source = Counter(name.rpartition(".")[0] for names in taken.values() for name in names)
+    assert total <= MAX_PRIVATE_IMPORTS, (
+        f"{total} private names cross torch_tp modules (at most {MAX_PRIVATE_IMPORTS}): "
+        f"give the ones a sibling needs a public name; by source: {by_source.most_common(8)}"
+    )
+
+
+def test_the_private_import_count_finds_what_it_counts():
+    """The counter above on a module of known imports (a count of nothing passes)."""
+    source = (
+        "from torch_tp import _regions, runtime\n"
+        "from torch_tp.style.base import _helper, public\n"
+        "from . import _sibling\n"
+        "x = _regions._flag(runtime._cache, runtime.for_mesh, _regions.__name__)\n"
+    )
+    assert sorted(_private_imports("torch_tp.style.linear", source)) == [
+        "torch_tp._regions",
+        "torch_tp._regions._flag",
+        "torch_tp.runtime._cache",
+        "torch_tp.style._sibling",
+        "torch_tp.style.base._helper",
+    ]
+
+
+def _style_type_checks(source: str, styles: set[str]) -> list[str]:
+    """The ``isinstance``/``issubclass`` calls and ``type(x) is`` comparisons in ``source``
+    that name one of ``styles`` (class names), as ``line: name``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        named = []
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
+            "isinstance",
+            "issubclass",
+        ):
+            if len(node.args) == 2:
+                kinds = node.args[1]
+                named = kinds.elts if isinstance(kinds, ast.Tuple) else [kinds]
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call):
+            if getattr(node.left.func, "id", None) == "type":
+                named = node.comparators
+        for kind in named:
+            name = getattr(kind, "id", None) or getattr(kind, "attr", None)
+            if name in styles:
+                found.append(f"{node.lineno}: {name}")
+    return found
+
+
+BUILT_IN_STYLES = set(torch_tp.style.__all__) - {"ParallelStyle"}
+
+
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if m != "torch_tp.style" and _layer(m) is not None)
+)
+def test_nothing_outside_the_styles_asks_which_style_it_is(module):
+    """Code outside ``torch_tp.style`` reads a style's contract, never its class: a user's
+    style with the same contract gets the same service."""
+    if module.startswith("torch_tp.style."):
+        return
+    source = MODULES[module].read_text(encoding="utf-8")
+    assert not _style_type_checks(source, BUILT_IN_STYLES), module
+
+
+def test_the_style_type_check_finds_what_it_looks_for():
+    source = (
+        "isinstance(s, RowwiseParallel)\n"
+        "isinstance(s, (nn.Linear, torch_tp.ColwiseParallel))\n"
+        "type(s) is SequenceParallel\n"
+        "isinstance(m, nn.Linear)\n"
+    )
+    assert _style_type_checks(source, BUILT_IN_STYLES) == [
+        "1: RowwiseParallel",
+        "2: ColwiseParallel",
+        "3: SequenceParallel",
+    ]
 
 
 @pytest.mark.slow  # a Python process of its own

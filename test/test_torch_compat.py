@@ -250,7 +250,7 @@ def test_the_scan_passes_public_and_own_names(attributes):
     source = """
         import torch
         import torch.distributed as dist
-        from torch_tp.style.base import _arguments
+        from torch_tp.style.base import style_arguments
         x = torch.nn.functional.linear(a, b)
         style._apply(module, mesh)
         value.__dict__.get("x")

@@ -13,7 +13,7 @@ and :mod:`torch_tp.cli`. Dependencies point one way, from the tools to the featu
 core (``test/test_layout.py`` checks it over every import, and that there are no cycles).
 """
 
-from torch_tp import api, checkpoint, contract, loss, pipeline, plan, random, report, style
+from torch_tp import api, checkpoint, contract, loss, pipeline, plan, random, report, runtime, style
 from torch_tp.api import parallelize_module
 from torch_tp.clip import clip_grad_norm_
 from torch_tp.contract import StyleContract
@@ -38,6 +38,7 @@ __all__ = [
     "plan",
     "random",
     "report",
+    "runtime",
     "sequence_positions",
     "shard_sequence",
     "style",

@@ -25,7 +25,7 @@ from torch_tp import _torch_compat as compat
 from torch_tp import shapes
 from torch_tp._torch_compat import StridedShard
 from torch_tp.plan import PlanEntry
-from torch_tp.style.base import _uses_stock_forward
+from torch_tp.style.base import uses_stock_forward
 
 __all__ = ["FirstForwardCheck", "disable_overlapping_checks", "forward_check"]
 
@@ -190,7 +190,7 @@ def _takes_split_activations(contract: Any, entry: PlanEntry) -> bool:
 def _own_forward(module: nn.Module) -> bool:
     """A planned Linear or Embedding subclass with a forward of its own: it runs on DTensors,
     whose ops see whole shapes where the trace gives it this rank's part."""
-    return isinstance(module, (nn.Linear, nn.Embedding)) and not _uses_stock_forward(module)
+    return isinstance(module, (nn.Linear, nn.Embedding)) and not uses_stock_forward(module)
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch_tp.contract import Boundary, Layout
 from torch_tp.plan import PlanEntry
 from torch_tp.shapes import _head_count_fix
-from torch_tp.style.base import _conv1d_base
+from torch_tp.style.base import conv1d_base
 
 __all__ = ["ForwardContext", "install"]
 
@@ -386,7 +386,7 @@ def _features(module: nn.Module) -> int:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
         return 0
-    return weight.shape[1] if _conv1d_base(module) is not None else weight.shape[0]
+    return weight.shape[1] if conv1d_base(module) is not None else weight.shape[0]
 
 
 def _key(path: str) -> str:

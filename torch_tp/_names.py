@@ -27,7 +27,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from torch_tp._torch_compat import StridedShard
 from torch_tp.registry import STYLE_REGISTRY
-from torch_tp.style.base import ParallelStyle, _arguments, short_repr
+from torch_tp.style.base import ParallelStyle, short_repr, style_arguments
 
 __all__: list[str] = []  # private module: the public entry points are in torch_tp.plan
 
@@ -148,7 +148,7 @@ def placement_from_str(text: str) -> Placement:
 def _minimal_arguments(style: ParallelStyle) -> dict[str, Any]:
     """The arguments of ``style`` that differ from the defaults (still rebuilding it)."""
     cls = type(style)
-    arguments = _arguments(style)
+    arguments = style_arguments(style)
     signature = inspect.signature(cls.__init__).parameters
     for name in list(arguments):
         if signature[name].default is inspect.Parameter.empty:

@@ -202,11 +202,11 @@ class _AllToAllRegion(torch.autograd.Function):
         ctx, x: torch.Tensor, mesh: DeviceMesh, output_splits: list[int], input_splits: list[int]
     ) -> torch.Tensor:
         ctx.mesh, ctx.output_splits, ctx.input_splits = mesh, output_splits, input_splits
-        return _all_to_all(x, mesh, output_splits, input_splits)
+        return all_to_all(x, mesh, output_splits, input_splits)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        back = _all_to_all(grad, ctx.mesh, ctx.input_splits, ctx.output_splits)
+        back = all_to_all(grad, ctx.mesh, ctx.input_splits, ctx.output_splits)
         return back, None, None, None
 
 
@@ -216,7 +216,7 @@ class _AllToAllRegion(torch.autograd.Function):
 # functional collectives all the same.
 
 
-def _size(mesh: DeviceMesh) -> int:
+def mesh_size(mesh: DeviceMesh) -> int:
     """``mesh.size()`` of a 1-D mesh, computed once per mesh (torch recomputes it from the
     mesh's layout on every call, some microseconds on every collective). Only the size is
     kept: a process group held here would outlive ``destroy_process_group`` and be torn down
@@ -238,7 +238,7 @@ _SIZES: dict[int, tuple[weakref.ref, int]] = {}
 def all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """The sum of ``x`` over the ranks of ``mesh``, out of place (no autograd)."""
     out = x.contiguous().clone()  # out of place: autograd may still need x
-    if _size(mesh) > 1:  # over one rank: nothing to send (as DTensor skips it too)
+    if mesh_size(mesh) > 1:  # over one rank: nothing to send (as DTensor skips it too)
         dist.all_reduce(out, group=mesh.get_group())
     return out
 
@@ -248,7 +248,7 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # before ``dim`` and merge the two. One copy at most, none when ``dim`` leads (or the
     # dims before it have size 1); the result is contiguous either way, once here rather
     # than in every consumer (q, k and v would each copy it, and each save its own copy)
-    n, dim = _size(mesh), dim % x.ndim
+    n, dim = mesh_size(mesh), dim % x.ndim
     x = x.contiguous()
     if n == 1:
         return x
@@ -261,7 +261,7 @@ def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     # c10d scatters along dim 0: bring the ranks' chunks of ``dim`` to the front (one copy,
     # none when ``dim`` leads); this rank's chunk then comes out contiguous
-    n, dim = _size(mesh), dim % x.ndim
+    n, dim = mesh_size(mesh), dim % x.ndim
     if n == 1:
         return x.contiguous()
     chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
@@ -270,11 +270,11 @@ def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor
     return out
 
 
-def _all_to_all(
+def all_to_all(
     x: torch.Tensor, mesh: DeviceMesh, output_splits: list[int], input_splits: list[int]
 ) -> torch.Tensor:
     x = x.contiguous()
-    if _size(mesh) == 1:
+    if mesh_size(mesh) == 1:
         return x
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_splits, input_splits, group=mesh.get_group())
@@ -317,7 +317,7 @@ def raise_agreed(error: Exception | None, groups: list[dist.ProcessGroup]) -> No
     raise agreed
 
 
-def _flag_device(group: dist.ProcessGroup) -> torch.device:
+def flag_device(group: dist.ProcessGroup) -> torch.device:
     """Where ``group``'s collectives take a tensor: the current GPU under NCCL."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

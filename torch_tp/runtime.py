@@ -1,4 +1,6 @@
-"""Layouts at module boundaries, and the two runtimes that change them.
+"""The runtime a style computes with: layouts at module boundaries, and the two runtimes
+that change them. Public: it is the style kit, the built-in styles' and a user style's alike
+(``docs/guide.md``, "The style kit").
 
 A value crosses a module boundary in one of two forms: a local :class:`torch.Tensor` whose
 layout the plan declares (``Shard(-1)``, ``Replicate()``, ...), or a :class:`DTensor` that
@@ -46,7 +48,7 @@ Caches (the fast runtime's; the DTensor runtime has none):
 * ``_regions._SIZES``: the size of each mesh, by ``id(mesh)``; dropped with the mesh.
 * ``_torch_tp_partial_gradients``, on a :class:`DeviceMesh`: not a cache but the mesh's
   :class:`PartialGradientReduction`, made by the first fast runtime on the mesh.
-* ``_torch_tp_distributed_as`` (set by :func:`torch_tp.style.base._distribute_parameters`, both
+* ``_torch_tp_distributed_as`` (set by :func:`torch_tp.style.base.distribute_parameters`, both
   runtimes): on an original parameter, the DTensor parameter that replaced it, so that the
   other modules a tied weight belongs to register the same object; used only when the mesh
   and placement match.
@@ -71,7 +73,20 @@ from torch_tp import _regions
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import DTensorSpec, StridedShard, TensorMeta
 
-__all__: list[str] = []  # private module
+# the style kit: what a style's _apply and forward call (the rest serves parallelize_module)
+__all__ = [
+    "RUNTIME_ENV",
+    "DTensorRuntime",
+    "FastRuntime",
+    "ShardDimError",
+    "chunk_range",
+    "for_mesh",
+    "gradient_on_rank_zero",
+    "normalize",
+    "replicated_from_local",
+    "runtime_mode",
+    "shard_range",
+]
 
 # ------------------------------------------------------------------------------------------
 # Choosing the runtime
@@ -447,11 +462,11 @@ class FastRuntime(DTensorRuntime):
                     if value.requires_grad
                     else value
                 )
-                return _replicated(local, mesh)
+                return replicated_from_local(local, mesh)
             if isinstance(layout, Shard):
                 dim = normalize(layout, value.ndim).dim
                 local = _regions.gather_from_sequence_parallel_region(value, mesh, dim)
-                return _replicated(local, mesh)
+                return replicated_from_local(local, mesh)
         return super().prepare(value, layout, desired, use_local)
 
     def enter_replicated(self, value: torch.Tensor, layout: Placement) -> torch.Tensor:
@@ -659,7 +674,7 @@ _PARTIAL_LOCAL = "_torch_tp_partial_local"
 _dtensor = compat.dtensor_from_spec
 
 
-def _replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+def replicated_from_local(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """``local`` (the same on every rank) as a replicated DTensor whose gradient the caller
     sums over the ranks: the backward hands back this rank's share of the gradient."""
     if torch.compiler.is_compiling():

@@ -56,10 +56,10 @@ from torch_tp.runtime import normalize
 from torch_tp.style.base import (
     LayoutsDoNotChain,
     ParallelStyle,
-    _project,
-    _uses_stock_forward,
     planning,
     short_repr,
+    stock_projection,
+    uses_stock_forward,
 )
 
 __all__ = ["ShapeCheckError", "ShapeProblem", "check_shapes"]
@@ -341,7 +341,7 @@ def _stock_forwards(model: nn.Module, entries: list[PlanEntry]) -> None:
                 # computed by the base's style (torch_tp.style.adapters): the base alone here
                 entry.adapters.forward = entry.module.__call__
             contract = getattr(entry.style, "contract", None)
-            if contract is None or not _uses_stock_forward(entry.module):
+            if contract is None or not uses_stock_forward(entry.module):
                 continue
             if contract.local_forward(entry.style, entry.module) and contract.meta_output is None:
                 entry.module.forward = _local_computation(entry.style, entry.module)
@@ -351,7 +351,7 @@ def _local_computation(style: Any, module: nn.Module) -> Callable:
     def forward(input: torch.Tensor) -> torch.Tensor:
         if isinstance(module, nn.Embedding):
             return torch.nn.functional.embedding(input, module.weight)
-        return _project(style, module, input, module.weight, module.bias)
+        return stock_projection(style, module, input, module.weight, module.bias)
 
     return forward
 

@@ -272,10 +272,11 @@ def _vocabulary_parallel_logits(model: nn.Module, plan: dict[str, Any]) -> dict[
         ValueError: the plan has no column-parallel ``lm_head`` (a base model, or a plan
             laying it out otherwise): the message names what it found.
     """
+    import inspect
+
     from torch.distributed.tensor import Shard
 
     from torch_tp.registry import STYLE_REGISTRY
-    from torch_tp.style import ColwiseParallel
 
     keys = [key for key in plan if key.rpartition(".")[2] == "lm_head"]
     if not keys:
@@ -283,17 +284,29 @@ def _vocabulary_parallel_logits(model: nn.Module, plan: dict[str, Any]) -> dict[
             f"--loss-parallel: the plan of {type(model).__qualname__} has no lm_head entry "
             "(a base model returns no logits): expected a column-parallel lm_head"
         )
+    modules = dict(model.named_modules())
     out = dict(plan)
     for key in keys:
         value = plan[key]
         style = STYLE_REGISTRY.style(value) if isinstance(value, str) else value
-        if type(style) is not ColwiseParallel:
+        # by its contract: computed on this rank's part of the vocabulary, the output layout
+        # an argument (a column-parallel lm_head)
+        contract = getattr(style, "contract", None)
+        outputs = contract.outputs(style, modules.get(key)) if contract is not None else None
+        takes = inspect.signature(type(style)).parameters
+        if not (
+            outputs is not None
+            and outputs.args
+            and outputs.args[0] is not None
+            and type(outputs.args[0].given) is Shard
+            and {"output_layouts", "use_local_output"} <= set(takes)
+        ):
             raise ValueError(
                 f"--loss-parallel: expected a column-parallel {key!r} in the plan of "
                 f"{type(model).__qualname__}, found {value!r}"
             )
-        arguments = style.contract.arguments(style)
-        out[key] = ColwiseParallel(
+        arguments = contract.arguments(style)
+        out[key] = type(style)(
             **{**arguments, "output_layouts": Shard(-1), "use_local_output": False}
         )
     return out

@@ -32,12 +32,14 @@ the whole sequence on to ``lm_head`` (a base model returns it as a plain tensor)
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from torch_tp.contract import Boundary, Layout
 from torch_tp.plan import resolve_plan
 from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.style import (
@@ -47,7 +49,6 @@ from torch_tp.style import (
     ReplicateParallel,
     RowwiseParallel,
     SequenceParallel,
-    TensorParallelExperts,
 )
 
 __all__ = ["with_sequence_parallel"]
@@ -79,13 +80,17 @@ def with_sequence_parallel(
     styles = {key: _style(value) for key, value in plan.items()}
     entries = resolve_plan(model, styles, strict=False)
     planned = {entry.path: entry.style for entry in entries}
-    modules = {entry.key for entry in entries}  # the others name parameters: kept as they are
+    # a module each key matched (the keys that match none name parameters: kept as they are)
+    modules = {entry.key: entry.module for entry in reversed(entries)}
     out: dict[str, Any] = {}
     for key, value in plan.items():
-        style = _sequence_entry(key, styles[key], prefix) if key in modules else styles[key]
+        style = styles[key]
+        if key in modules:
+            style = _sequence_entry(key, style, modules[key], prefix)
         out[key] = value if style is styles[key] else style  # plan names kept where unchanged
     embed = f"{prefix}embed_tokens"
-    if not isinstance(planned.get(embed), (RowwiseParallel, ColwiseParallel)):
+    embedding = (planned.get(embed), model.get_submodule(embed))
+    if not (_leaves_partial_sum(*embedding) or _reads_whole_input(*embedding)):
         raise _refused(model, embed, "a row- or column-parallel embedding in the plan")
     layer_keys = f"{prefix}layers.*"
     # an attention computing part of its work whole (a latent attention's unplanned down
@@ -108,7 +113,9 @@ def with_sequence_parallel(
         desired_output_layouts=Shard(1),
         use_local_output=False,
     )
-    lm_head = isinstance(planned.get("lm_head"), ColwiseParallel)
+    lm_head = "lm_head" in planned and _reads_whole_input(
+        planned["lm_head"], model.get_submodule("lm_head")
+    )
     # gathered for lm_head (its partial input gradient reduce-scattered back); a base model
     # hands the whole sequence on as a plain tensor
     out[f"{prefix}norm"] = SequenceParallel(
@@ -214,21 +221,54 @@ def _with(style: ParallelStyle, **changes: Any) -> ParallelStyle:
     return type(style)(**{**style.contract.arguments(style), **changes})
 
 
-def _sequence_entry(key: str, style: Any, prefix: str) -> Any:
-    """One entry of the tensor-parallel plan, as the sequence-parallel plan has it."""
+def _sequence_entry(key: str, style: Any, module: nn.Module, prefix: str) -> Any:
+    """One entry of the tensor-parallel plan, as the sequence-parallel plan has it (``module``:
+    one the key matches)."""
     inner = key[len(prefix) :].split(".") if key.startswith(prefix) else key.split(".")
     if key == f"{prefix}embed_tokens":
         # the partial lookups reduce-scattered onto the sequence: the stream's DTensor
         return _with(style, output_layouts=Shard(1), use_local_output=False)
     if len(inner) >= 4 and inner[0] == "layers":
-        if inner[2] == "self_attn" and isinstance(style, RowwiseParallel):
+        if inner[2] == "self_attn" and _leaves_partial_sum(style, module):
             # the attention's output projection: reduce-scattered onto the sequence
             return _with(style, output_layouts=Shard(1), use_local_output=False)
-        if inner[2] == "mlp" and isinstance(style, (RowwiseParallel, TensorParallelExperts)):
+        if inner[2] == "mlp" and _leaves_partial_sum(style, module):
             # inside the MLP's region: partial sums, reduce-scattered once at its end
-            local = {"use_local_output": True} if isinstance(style, RowwiseParallel) else {}
+            local = {"use_local_output": True} if _takes(style, "use_local_output") else {}
             return _with(style, output_layouts=Partial(), **local)
     return style
+
+
+def _takes(style: Any, argument: str) -> bool:
+    """Whether ``style``'s constructor takes ``argument``."""
+    return argument in inspect.signature(type(style)).parameters
+
+
+def _first(boundary: Any) -> Layout | None:
+    return boundary.args[0] if isinstance(boundary, Boundary) and boundary.args else None
+
+
+def _leaves_partial_sum(style: Any, module: nn.Module) -> bool:
+    """Whether ``style``, by its contract, computes ``module``'s output as a partial sum that
+    it reduces into the layout its ``output_layouts`` argument names (a row-parallel layer,
+    tensor-parallel experts): the output the sequence-parallel plan reduce-scatters onto the
+    sequence, or leaves partial inside the MLP's region."""
+    contract = getattr(style, "contract", None)
+    if contract is None or not _takes(style, "output_layouts"):
+        return False
+    output = _first(contract.outputs(style, module))
+    return output is not None and isinstance(output.given, Partial)
+
+
+def _reads_whole_input(style: Any, module: nn.Module) -> bool:
+    """Whether ``style``, by its contract, computes with ``module``'s whole input, its input
+    gradient a partial sum (a column-parallel layer), and takes its output layout as an
+    argument: a reader that may take the sequence-sharded stream and gather it itself."""
+    contract = getattr(style, "contract", None)
+    if contract is None or not _takes(style, "output_layouts"):
+        return False
+    first = _first(contract.inputs(style, module))
+    return first is not None and first.to == Replicate() and isinstance(first.grad, Partial)
 
 
 def _unplanned(path: str, module: nn.Module, planned: Mapping[str, Any]) -> list[str]:
@@ -248,7 +288,9 @@ def _check_attention(model: nn.Module, path: str, planned: Mapping[str, Any]) ->
     """The attention reads the gathered sequence and must hand its output back sharded:
     through one row-parallel output projection."""
     rowwise = [
-        p for p, s in planned.items() if p.startswith(f"{path}.") and isinstance(s, RowwiseParallel)
+        p
+        for p, s in planned.items()
+        if p.startswith(f"{path}.") and _leaves_partial_sum(s, model.get_submodule(p))
     ]
     if len(rowwise) != 1:
         raise _refused(
@@ -309,7 +351,8 @@ def _mlp_entries(
     for name, sub in mlp.named_modules():
         full = f"{path}.{name}"
         if (
-            isinstance(planned.get(full), RowwiseParallel)
+            full in planned
+            and _leaves_partial_sum(planned[full], sub)
             and getattr(sub, "bias", None) is not None
         ):
             # its output is a partial sum, to which a bias would be added once per rank

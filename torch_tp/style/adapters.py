@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from torch_tp import _state_dict, runtime
 from torch_tp import _torch_compat as compat
-from torch_tp.style.base import MODULE_PATH_ATTR, _distribute_parameters
+from torch_tp.style.base import MODULE_PATH_ATTR, distribute_parameters
 
 __all__: list[str] = []
 
@@ -255,8 +255,8 @@ def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: runtime.DTensorRun
         if local:
             layouts[0] = _adopt_shards(A, rt, placements[0], (base.in_features, A.out_features))
             layouts[1] = _adopt_shards(B, rt, placements[1], (B.in_features, base.out_features))
-        _distribute_parameters(A, rt, layouts[0], style.src_data_rank)
-        _distribute_parameters(B, rt, layouts[1], style.src_data_rank)
+        distribute_parameters(A, rt, layouts[0], style.src_data_rank)
+        distribute_parameters(B, rt, layouts[1], style.src_data_rank)
     if local:  # the adapters PEFT adds to this layer later are sized as one device's
         wrapper.in_features, wrapper.out_features = base.in_features, base.out_features
     mark_hosted(wrapper, style, base, rt)
@@ -580,7 +580,7 @@ def _on_registration(parent: nn.Module, name: str, submodule: nn.Module) -> None
             placements = style._adapter_placements(base)[which]
         if any(isinstance(p, DTensor) for p in submodule.parameters(recurse=False)):
             return None
-        _distribute_parameters(submodule, rt, placements, style.src_data_rank)
+        distribute_parameters(submodule, rt, placements, style.src_data_rank)
         return None
     if not tuner_layer(submodule) or hosting(submodule) is not None:
         return None

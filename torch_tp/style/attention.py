@@ -19,12 +19,12 @@ from torch_tp.contract import StyleContract
 from torch_tp.style.base import (
     REPR_LIMIT,
     ParallelStyle,
-    _check_direct_placements,
-    _check_not_distributed,
-    _distribute_and_wrap,
-    _placements_argument,
-    _run_on_local_parameters,
+    check_direct_placements,
+    check_not_distributed,
+    check_placements_argument,
+    distribute_and_wrap,
     plan_root,
+    run_on_local_parameters,
     short_repr,
 )
 
@@ -116,12 +116,12 @@ class MLAKVAProjParallel(ParallelStyle):
                 f"the rotary width {rope} leaves nothing of the {module.out_features} output "
                 "features for the latent part"
             )
-        _check_not_distributed(module)
+        check_not_distributed(module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
         rope = self._rope_dim(module)
-        return _distribute_and_wrap(
+        return distribute_and_wrap(
             self, module, device_mesh, self.contract.parameters(self, module), rope
         )
 
@@ -134,7 +134,7 @@ class MLAKVAProjParallel(ParallelStyle):
         *inputs: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        out = _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
+        out = run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
         latent, rotary = out.split([out.shape[-1] - rope, rope], dim=-1)
         # read by every rank's own heads: its gradient is a partial sum
         (rotary,) = rt.enter_replicated_many((rotary,))
@@ -184,7 +184,7 @@ class LocalParamsParallel(ParallelStyle):
 
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
         super().__init__()
-        self.placements = _placements_argument(placements)
+        self.placements = check_placements_argument(placements)
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
@@ -197,17 +197,17 @@ class LocalParamsParallel(ParallelStyle):
                 f"and no placement is given for {unplaced}: add a plan entry for each (e.g. "
                 f"'<module>.{unplaced[0]}': 'colwise' to shard it with the heads)"
             )
-        _check_direct_placements(module, placements, device_mesh)
-        _check_not_distributed(module)
+        check_direct_placements(module, placements, device_mesh)
+        check_not_distributed(module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
-        return _distribute_and_wrap(self, module, device_mesh, dict(self.placements or {}))
+        return distribute_and_wrap(self, module, device_mesh, dict(self.placements or {}))
 
     def _forward(
         self, module: nn.Module, rt: runtime.DTensorRuntime, own_forward, *inputs, **kwargs
     ):
-        return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
+        return run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
 
 
 class AttentionHeads(ParallelStyle):

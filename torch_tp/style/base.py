@@ -4,16 +4,16 @@
 registers itself when it is defined, and ``repr`` and ``==`` read the contract's arguments.
 Beside it:
 
-* checking constructor arguments (``_check_flag``, ``_check_int``, ``_as_tuple``, ...) and
-  :func:`short_repr`, through which every error message echoes user values; ``_where``
+* checking constructor arguments (``check_flag``, ``check_int``, ``check_layouts``, ...) and
+  :func:`short_repr`, through which every error message echoes user values; ``style_at``
   names a style and the module it runs on;
 * the plan being applied (:func:`planning`, :func:`plan_root`, :func:`plan_styled`);
-* distributing a module's parameters (``_distribute_parameters``, ``_distribute_and_wrap``)
-  and running its own forward on local views of them (``_run_on_local_parameters``);
-* what a stock ``nn.Linear``, ``Conv1D`` or ``nn.Embedding`` computes (``_project``,
-  ``_uses_stock_forward``), which the shape check reads too;
+* distributing a module's parameters (``distribute_parameters``, ``distribute_and_wrap``)
+  and running its own forward on local views of them (``run_on_local_parameters``);
+* what a stock ``nn.Linear``, ``Conv1D`` or ``nn.Embedding`` computes (``stock_projection``,
+  ``uses_stock_forward``), which the shape check reads too;
 * the replicated parameters of a module and of the unstyled modules inside it
-  (``_ReplicatedParameters``, ``_distribute_whole``, ``_swap_in_local_parameters``).
+  (``_ReplicatedParameters``, ``distribute_whole``, ``swap_in_local_parameters``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,14 @@ from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import StyleContract, kind_name
 from torch_tp.registry import STYLE_REGISTRY
 
-__all__ = ["ParallelStyle"]
+# the base class and the part of the style kit that distributes a module's parameters
+# (docs/guide.md, "The style kit"); the other helpers serve the built-in families
+__all__ = [
+    "ParallelStyle",
+    "distribute_and_wrap",
+    "distribute_parameters",
+    "run_on_local_parameters",
+]
 
 
 class ParallelStyle(ABC):
@@ -102,18 +109,18 @@ class ParallelStyle(ABC):
             )
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{name}={value!r}" for name, value in _arguments(self).items())
+        args = ", ".join(f"{name}={value!r}" for name, value in style_arguments(self).items())
         return f"{type(self).__name__}({args})"
 
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
             return NotImplemented
-        return _arguments(self) == _arguments(other)
+        return style_arguments(self) == style_arguments(other)
 
     __hash__ = None  # type: ignore[assignment]  # styles are mutable (src_data_rank)
 
 
-def _arguments(style: ParallelStyle) -> dict[str, Any]:
+def style_arguments(style: ParallelStyle) -> dict[str, Any]:
     """The constructor arguments of ``style``, as its contract reads them."""
     contract = style.contract or StyleContract()
     return contract.arguments(style)
@@ -123,7 +130,7 @@ def _arguments(style: ParallelStyle) -> dict[str, Any]:
 MODULE_PATH_ATTR = "_torch_tp_path"
 
 
-def _where(style: ParallelStyle, module: nn.Module) -> str:
+def style_at(style: ParallelStyle, module: nn.Module) -> str:
     """``ColwiseParallel(...) on 'layers.0.attention.wq' (Linear)``, for error messages."""
     path = getattr(module, MODULE_PATH_ATTR, None)
     place = f"'{path}'" if path else ("the root module" if path == "" else "a module")
@@ -197,7 +204,7 @@ def short_repr(value: object, limit: int = REPR_LIMIT) -> str:
     return f"{text[:limit]}... ({size})"
 
 
-def _check_flag(value: object, what: str) -> bool:
+def check_flag(value: object, what: str) -> bool:
     """``value`` if it is a ``bool``; a string such as ``"false"`` would be taken as true."""
     if not isinstance(value, bool):
         raise TypeError(
@@ -207,7 +214,7 @@ def _check_flag(value: object, what: str) -> bool:
     return value
 
 
-def _check_int(value: object, what: str) -> int:
+def check_int(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{what} must be an int, found {type(value).__name__} {short_repr(value)}")
     return value
@@ -227,7 +234,7 @@ def _check_placement(layout: object, what: str) -> None:
         )
 
 
-def _as_tuple(layouts: Placement | tuple[Placement | None, ...] | None, what: str):
+def check_layouts(layouts: Placement | tuple[Placement | None, ...] | None, what: str):
     """Normalize a layouts argument to a tuple (or ``None``), checking every element."""
     if layouts is None:
         return None
@@ -245,7 +252,7 @@ def _as_tuple(layouts: Placement | tuple[Placement | None, ...] | None, what: st
     return tuple(layouts)
 
 
-def _as_kwarg_layouts(layouts: Mapping[str, Placement] | None, what: str) -> dict[str, Placement]:
+def check_kwarg_layouts(layouts: Mapping[str, Placement] | None, what: str) -> dict[str, Placement]:
     """Normalize a keyword-layouts argument to a dict, checking every entry."""
     if layouts is None:
         return {}
@@ -261,7 +268,9 @@ def _as_kwarg_layouts(layouts: Mapping[str, Placement] | None, what: str) -> dic
     return dict(layouts)
 
 
-def _single(layout: Placement | None, default: Placement, what: str) -> tuple[Placement]:
+def check_single_layout(
+    layout: Placement | None, default: Placement, what: str
+) -> tuple[Placement]:
     """The single-element layout tuples of Colwise/Rowwise (upstream keeps them as tuples)."""
     if layout is None:
         return (default,)
@@ -273,14 +282,14 @@ def _single(layout: Placement | None, default: Placement, what: str) -> tuple[Pl
     return (layout,)
 
 
-def _in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> ValueError:
+def error_in_module(style: ParallelStyle, module: nn.Module, err: Exception) -> ValueError:
     """A layout error (:class:`runtime.ShardDimError`) again, as a ``ValueError`` naming
     the style and the module it runs on.
 
     The layout helpers raise without knowing either; the styles catch at their entry points
     (a ``try`` costs nothing until something raises).
     """
-    return ValueError(f"{_where(style, module)}: {err}")
+    return ValueError(f"{style_at(style, module)}: {err}")
 
 
 # the root module of the parallelize_module call validating and applying styles: a style
@@ -322,7 +331,7 @@ def plan_styled() -> frozenset[int] | None:
     return _plan_styled.get()
 
 
-def _distribute_and_wrap(
+def distribute_and_wrap(
     style: ParallelStyle,
     module: nn.Module,
     device_mesh: DeviceMesh,
@@ -333,12 +342,12 @@ def _distribute_and_wrap(
     module, runtime, own_forward, *bound, *inputs)`` in place of the module's forward (its
     class's own, unbound, passed on for the style to call)."""
     rt = runtime.for_mesh(device_mesh)
-    _distribute_parameters(module, rt, placements, style.src_data_rank)
+    distribute_parameters(module, rt, placements, style.src_data_rank)
     module.forward = functools.partial(style._forward, module, rt, type(module).forward, *bound)
     return module
 
 
-def _distribute_parameters(
+def distribute_parameters(
     module: nn.Module,
     rt: runtime.DTensorRuntime,
     placements: Mapping[str, Placement | tuple[Placement, ...]],
@@ -378,7 +387,7 @@ def _distribute_parameters(
 _DISTRIBUTED_AS = "_torch_tp_distributed_as"
 
 
-def _conv1d_base(module: nn.Module) -> type | None:
+def conv1d_base(module: nn.Module) -> type | None:
     """transformers' ``Conv1D`` class if ``module`` is one (or a subclass), else ``None``.
 
     GPT-2's projections are ``Conv1D``: a Linear whose weight is stored transposed,
@@ -396,15 +405,15 @@ def _conv1d_base(module: nn.Module) -> type | None:
     return None
 
 
-def _out_features(module: nn.Module) -> int:
+def out_features_of(module: nn.Module) -> int:
     return module.out_features if isinstance(module, nn.Linear) else module.nf
 
 
-def _in_features(module: nn.Module) -> int:
+def in_features_of(module: nn.Module) -> int:
     return module.in_features if isinstance(module, nn.Linear) else module.nx
 
 
-def _project(
+def stock_projection(
     style: ParallelStyle,
     module: nn.Module,
     x: torch.Tensor,
@@ -437,9 +446,9 @@ class LayoutsDoNotChain(RuntimeError):
 
 
 def _features_mismatch(style: ParallelStyle, module: nn.Module, found: int, takes: int) -> str:
-    whole = _in_features(module)
+    whole = in_features_of(module)
     base = (
-        f"{_where(style, module)}: this rank's input has {found} features in its last "
+        f"{style_at(style, module)}: this rank's input has {found} features in its last "
         f"dimension, but its part of the weight takes {takes} (of {whole})"
     )
     if takes < whole and found == whole:
@@ -459,7 +468,7 @@ def _features_mismatch(style: ParallelStyle, module: nn.Module, found: int, take
     return f"{base}: the layouts of the plan around this module do not chain"
 
 
-def _uses_stock_forward(module: nn.Module) -> bool:
+def uses_stock_forward(module: nn.Module) -> bool:
     """True when ``module`` runs the forward of torch's Linear/Embedding, unchanged.
 
     Only then may a style replace the forward by an equivalent computation on local shards;
@@ -467,13 +476,13 @@ def _uses_stock_forward(module: nn.Module) -> bool:
     Embedding subclass whose lookup gives whole features, with its lookups done by the style
     (:func:`_own_lookups`).
     """
-    for base in (nn.Linear, nn.Embedding, _conv1d_base(module)):
+    for base in (nn.Linear, nn.Embedding, conv1d_base(module)):
         if base is not None and isinstance(module, base):
             return type(module).forward is base.forward
     return False
 
 
-def _check_not_distributed(module: nn.Module) -> None:
+def check_not_distributed(module: nn.Module) -> None:
     for name, param in module.named_parameters(recurse=False):
         if isinstance(param, DTensor):
             raise ValueError(
@@ -482,7 +491,7 @@ def _check_not_distributed(module: nn.Module) -> None:
             )
 
 
-def _placements_argument(placements: Mapping[str, Placement] | None) -> dict | None:
+def check_placements_argument(placements: Mapping[str, Placement] | None) -> dict | None:
     """A ``placements`` argument checked (parameter names to Placements) and copied."""
     if placements is None:
         return None
@@ -495,7 +504,7 @@ def _placements_argument(placements: Mapping[str, Placement] | None) -> dict | N
     return dict(placements)
 
 
-def _check_direct_placements(
+def check_direct_placements(
     module: nn.Module, placements: Mapping[str, Placement], device_mesh: DeviceMesh
 ) -> None:
     """Refuse placements naming no direct parameter of ``module``, or splitting one unevenly
@@ -517,7 +526,7 @@ def _check_direct_placements(
                 )
 
 
-def _run_on_local_parameters(
+def run_on_local_parameters(
     module: nn.Module,
     rt: runtime.DTensorRuntime,
     partial: bool,
@@ -541,7 +550,7 @@ def _run_on_local_parameters(
         compat.swap_direct_parameters(module, params)
 
 
-def _unstyled_submodules(module: nn.Module) -> list[nn.Module]:
+def unstyled_submodules(module: nn.Module) -> list[nn.Module]:
     """The submodules of ``module`` (not itself) that hold parameters of their own and that
     the plan being applied gives no style (every one, for a style applied by hand)."""
     styled = plan_styled() or frozenset()
@@ -552,43 +561,43 @@ def _unstyled_submodules(module: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _replicate_parameters(
+def replicate_parameters(
     modules: list[nn.Module], rt: runtime.DTensorRuntime, src_data_rank: int | None
 ) -> None:
     """Make every direct parameter of ``modules`` a replicated DTensor."""
     for sub in modules:
         placements = {name: Replicate() for name, _ in sub.named_parameters(recurse=False)}
-        _distribute_parameters(sub, rt, placements, src_data_rank)
+        distribute_parameters(sub, rt, placements, src_data_rank)
 
 
-def _check_whole_not_distributed(module: nn.Module) -> None:
+def check_whole_not_distributed(module: nn.Module) -> None:
     """Refuse ``module`` or a submodule without a style in the plan that was parallelized
     before."""
-    for sub in (module, *_unstyled_submodules(module)):
-        _check_not_distributed(sub)
+    for sub in (module, *unstyled_submodules(module)):
+        check_not_distributed(sub)
 
 
-def _distribute_whole(
+def distribute_whole(
     style: ParallelStyle,
     module: nn.Module,
     device_mesh: DeviceMesh,
     placements: Mapping[str, Placement | tuple[Placement, ...]],
     *bound: Any,
 ) -> nn.Module:
-    """:func:`_distribute_and_wrap` for a style that computes with its whole module: the
+    """:func:`distribute_and_wrap` for a style that computes with its whole module: the
     parameters of the submodules without a style become replicated DTensors too, and the
     style's ``_forward`` gets those submodules before ``bound``."""
     rt = runtime.for_mesh(device_mesh)
-    inner = _unstyled_submodules(module)
-    _replicate_parameters(inner, rt, style.src_data_rank)
-    return _distribute_and_wrap(style, module, device_mesh, placements, inner, *bound)
+    inner = unstyled_submodules(module)
+    replicate_parameters(inner, rt, style.src_data_rank)
+    return distribute_and_wrap(style, module, device_mesh, placements, inner, *bound)
 
 
-def _swap_in_local_parameters(
+def swap_in_local_parameters(
     modules: list[nn.Module], rt: runtime.DTensorRuntime, partial: bool
 ) -> list[tuple[nn.Module, dict]]:
     """Give ``modules`` local views of their DTensor parameters (see
-    :func:`_run_on_local_parameters`); returns what :func:`_swap_back` puts back."""
+    :func:`run_on_local_parameters`); returns what :func:`swap_back` puts back."""
     swapped = []
     try:
         for sub in modules:
@@ -598,12 +607,12 @@ def _swap_in_local_parameters(
             }
             swapped.append((sub, compat.swap_direct_parameters(sub, local)))
     except BaseException:
-        _swap_back(swapped)
+        swap_back(swapped)
         raise
     return swapped
 
 
-def _swap_back(swapped: list[tuple[nn.Module, dict]]) -> None:
+def swap_back(swapped: list[tuple[nn.Module, dict]]) -> None:
     for sub, original in reversed(swapped):
         compat.swap_direct_parameters(sub, original)
 

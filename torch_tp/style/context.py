@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch_tp import _regions, _ring
 from torch_tp import _torch_compat as compat
 from torch_tp.contract import StyleContract, Transfer
-from torch_tp.style.base import ParallelStyle, _where, plan_root
+from torch_tp.style.base import ParallelStyle, plan_root, style_at
 
 __all__ = ["ContextParallel", "sequence_positions", "shard_sequence", "unshard_sequence"]
 
@@ -251,7 +251,7 @@ def _check_inputs(
             )
     # the longest and (negated) the shortest length: equal when every rank has the same
     flags = torch.tensor([padding, wrong, length, -length], dtype=torch.int64)
-    flags = flags.to(_regions._flag_device(group))
+    flags = flags.to(_regions.flag_device(group))
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
     padding, wrong, longest, shortest = flags.tolist()
     shortest = -shortest
@@ -494,7 +494,7 @@ class ContextParallel(ParallelStyle):
             # (called with no output when the forward raised: that error stands)
             if mode.calls == 0 and output is not None:
                 raise NotImplementedError(
-                    f"{_where(self, mod)}: the forward made no F.scaled_dot_product_attention "
+                    f"{style_at(self, mod)}: the forward made no F.scaled_dot_product_attention "
                     "call, so its attention saw this rank's tokens only; ContextParallel "
                     "follows attention computed by F.scaled_dot_product_attention"
                 )
@@ -547,7 +547,7 @@ class ContextParallel(ParallelStyle):
             # mask function of the model's own is refused
             if not _causal(attn_mask):
                 error = NotImplementedError(
-                    f"{_where(self, module)}: the model builds an attention mask other than "
+                    f"{style_at(self, module)}: the model builds an attention mask other than "
                     "the causal one (a mask function of its own: bidirectional spans, windows, "
                     "...), which cannot be followed over a split sequence; ContextParallel "
                     "follows causal attention"
@@ -555,25 +555,25 @@ class ContextParallel(ParallelStyle):
             attn_mask, is_causal = None, True
         if attn_mask is not None:
             error = NotImplementedError(
-                f"{_where(self, module)}: an attention mask (attn_mask) cannot be followed "
+                f"{style_at(self, module)}: an attention mask (attn_mask) cannot be followed "
                 "over a split sequence: it is laid out for this rank's tokens; pass "
                 "is_causal=True (causal) or no mask (full attention)"
             )
         elif dropout_p:
             error = NotImplementedError(
-                f"{_where(self, module)}: dropout inside attention (dropout_p={dropout_p}) is "
+                f"{style_at(self, module)}: dropout inside attention (dropout_p={dropout_p}) is "
                 "not supported under context parallelism"
             )
         if query.shape[-3] != key.shape[-3] and not enable_gqa:
             raise ValueError(
-                f"{_where(self, module)}: {query.shape[-3]} query heads and "
+                f"{style_at(self, module)}: {query.shape[-3]} query heads and "
                 f"{key.shape[-3]} key heads without enable_gqa=True"
             )
         cp = torch.distributed.get_world_size(group)
         try:  # the same shapes on every rank: every rank raises alike, before any message
             _ring._chunks(query.shape[-2] * cp, cp, _layout(self.load_balance))
         except ValueError as err:
-            raise ValueError(f"{_where(self, module)}: {err}") from None
+            raise ValueError(f"{style_at(self, module)}: {err}") from None
         try:
             return _ring.ring_attention(
                 query,

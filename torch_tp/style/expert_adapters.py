@@ -43,7 +43,7 @@ from torch_tp import _torch_compat as compat
 from torch_tp import runtime
 from torch_tp._torch_compat import StridedShard
 from torch_tp.style import adapters as _adapters
-from torch_tp.style.base import MODULE_PATH_ATTR, _distribute_parameters
+from torch_tp.style.base import MODULE_PATH_ATTR, distribute_parameters
 
 __all__: list[str] = []
 
@@ -153,8 +153,8 @@ def host(style: Any, wrapper: nn.Module, base: nn.Module, rt: runtime.DTensorRun
             continue
         A_places, B_places = placements_of(style, w, base)
         for name in list(w.lora_A):
-            _distribute_parameters(w.lora_A[name], rt, A_places, style.src_data_rank)
-            _distribute_parameters(w.lora_B[name], rt, B_places, style.src_data_rank)
+            distribute_parameters(w.lora_A[name], rt, A_places, style.src_data_rank)
+            distribute_parameters(w.lora_B[name], rt, B_places, style.src_data_rank)
         _adapters.mark_hosted(w, style, base, rt)
         # the factor every rank holds whole: its gradient is a partial sum
         whole = "A" if isinstance(A_places["weight"], Replicate) else "B"

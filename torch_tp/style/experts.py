@@ -22,13 +22,13 @@ from torch_tp.style import adapters as _adapters
 from torch_tp.style import expert_adapters as _expert_adapters
 from torch_tp.style.base import (
     ParallelStyle,
-    _check_not_distributed,
-    _distribute_and_wrap,
-    _run_on_local_parameters,
-    _where,
+    check_not_distributed,
+    distribute_and_wrap,
     in_partial_region,
     plan_root,
+    run_on_local_parameters,
     short_repr,
+    style_at,
 )
 
 __all__ = [
@@ -163,7 +163,7 @@ class TensorParallelExperts(ParallelStyle):
                     f"the experts' hidden size {hidden} does not divide by the "
                     f"{device_mesh.size()} ranks"
                 )
-            _check_not_distributed(module)
+            check_not_distributed(module)
             return
         gate_up = getattr(module, "gate_up_proj", None)
         down = getattr(module, "down_proj", None)
@@ -189,14 +189,14 @@ class TensorParallelExperts(ParallelStyle):
                 f"the experts' hidden size {hidden} does not divide by the {n} ranks: "
                 "each rank must hold the same slice of every expert's gate and up rows"
             )
-        _check_not_distributed(module)
+        check_not_distributed(module)
 
     # PEFT's LoRA on the stacked weights (target_parameters=): see style/expert_adapters.py
     _hosts_parameter_adapters = True
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported module must not be half-applied
-        module = _distribute_and_wrap(
+        module = distribute_and_wrap(
             self, module, device_mesh, self.contract.parameters(self, module)
         )
         # hosts PEFT's LoRA on the weights, now or when PEFT wraps the experts later
@@ -229,7 +229,7 @@ class TensorParallelExperts(ParallelStyle):
     ) -> torch.Tensor:
         if len(routing) not in (0, 2):
             raise TypeError(
-                f"{_where(self, module)}: expected experts(hidden_states, top_k_index, "
+                f"{style_at(self, module)}: expected experts(hidden_states, top_k_index, "
                 "top_k_weights), or experts(hidden_states) for tokens routed already, found "
                 f"{1 + len(routing)} positional inputs"
             )
@@ -252,7 +252,7 @@ class TensorParallelExperts(ParallelStyle):
             own_forward = functools.partial(
                 _expert_adapters.adapted_forward, own_forward, rt, adapters
             )
-        partial = _run_on_local_parameters(module, rt, False, own_forward, hidden_states, *routing)
+        partial = run_on_local_parameters(module, rt, False, own_forward, hidden_states, *routing)
         if partial_output:
             return partial
         return rt.reduce_partial(partial, Replicate(), True)
@@ -393,12 +393,12 @@ class ExpertParallel(ParallelStyle):
                 f"{experts} experts do not split over {n} ranks: each rank must hold the same "
                 f"number of whole experts (use an expert-parallel degree that divides {experts})"
             )
-        _check_not_distributed(module)
+        check_not_distributed(module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported module must not be half-applied
         n_experts = next(module.parameters()).shape[0]
-        return _distribute_and_wrap(
+        return distribute_and_wrap(
             self, module, device_mesh, self.contract.parameters(self, module), n_experts
         )
 
@@ -456,7 +456,7 @@ class ExpertParallel(ParallelStyle):
                 out = out + anchor * 0
             return out
 
-        return _run_on_local_parameters(module, rt, False, compute, rows, ids)
+        return run_on_local_parameters(module, rt, False, compute, rows, ids)
 
 
 def _route(
@@ -496,7 +496,7 @@ def _route(
         # ids out of range are agreed over the mesh (one all-reduce of one number), so
         # that one rank's bad routing is an error on all, not a wait in the reduction
         group = mesh.get_group()
-        flag = counts[-1:].to(_regions._flag_device(group), copy=True)
+        flag = counts[-1:].to(_regions.flag_device(group), copy=True)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
         sent = torch.cat([counts, flag.to(counts.device)]).tolist()
         if sent[-1]:
@@ -512,11 +512,11 @@ def _route(
         out_of_range = counts[-1:]
         if agree_over is not None and agree_over.size() > 1:  # (over one rank: agreed)
             group = agree_over.get_group()
-            flag = out_of_range.to(_regions._flag_device(group), copy=True)
+            flag = out_of_range.to(_regions.flag_device(group), copy=True)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
             out_of_range = flag.to(counts.device)
         outgoing = torch.cat([counts[:-1].view(n, local_experts), out_of_range.expand(n, 1)], dim=1)
-        incoming = _regions._all_to_all(
+        incoming = _regions.all_to_all(
             outgoing.reshape(-1), mesh, [local_experts + 1] * n, [local_experts + 1] * n
         )
         both = torch.cat([counts[:-1], incoming]).tolist()
@@ -529,7 +529,7 @@ def _route(
         bad = bad_ranks and f" (on rank {', '.join(bad_ranks)} of the expert-parallel group{also})"
     if bad:
         raise ValueError(
-            f"{_where(style, module)}: the router gave expert ids outside [0, {n_experts})"
+            f"{style_at(style, module)}: the router gave expert ids outside [0, {n_experts})"
             f"{bad}; top_k_index must hold ids of the module's experts"
         )
     top_k = top_k_index.shape[-1]
@@ -558,7 +558,7 @@ def _route(
 def _refuse_dtensor_tokens(style: ParallelStyle, module: nn.Module, inputs: tuple) -> None:
     if any(isinstance(t, DTensor) for t in inputs):
         raise ValueError(
-            f"{_where(style, module)}: expected this rank's tokens as local tensors, found a "
+            f"{style_at(style, module)}: expected this rank's tokens as local tensors, found a "
             "DTensor (give the module local tensors, e.g. with use_local_output=True)"
         )
 
@@ -734,7 +734,7 @@ class ExpertTensorParallel(ParallelStyle):
         n_experts = (module.up_proj if ungated else module.gate_up_proj).shape[0]
         ep, tp = device_mesh[names[0]], runtime.for_mesh(device_mesh[names[1]])
         placements = self.contract.parameters(self, module)
-        return _distribute_and_wrap(self, module, device_mesh, placements, ep, tp, n_experts)
+        return distribute_and_wrap(self, module, device_mesh, placements, ep, tp, n_experts)
 
     def _forward(
         self,
@@ -794,7 +794,7 @@ def _refuse_whole_in_partial_region(
     partial sums would be counted once per rank: refused, on every rank alike."""
     if isinstance(style.output_layouts, Replicate) and in_partial_region(hidden_states):
         raise ValueError(
-            f"{_where(style, module)}: the tokens come from a block whose input gradients are "
+            f"{style_at(style, module)}: the tokens come from a block whose input gradients are "
             "partial sums and whose output is reduced after it (PrepareModuleInputOutput("
             "partial_input_gradients=True, output_layouts=Partial()), as moe_llama_plan("
             "experts='tp', sequence_parallel=True) plans the feed-forward): the experts must "
@@ -836,7 +836,7 @@ def _check_expert_ids(
         return
     bad = ((top_k_index < 0) | (top_k_index >= n_experts)).any().reshape(1)
     group = rt.mesh.get_group()
-    flag = bad.to(device=_regions._flag_device(group), dtype=torch.int32)
+    flag = bad.to(device=_regions.flag_device(group), dtype=torch.int32)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
     if flag.item():
         error = _bad_expert_ids(style, module, n_experts) if bad.item() else None
@@ -845,7 +845,7 @@ def _check_expert_ids(
 
 def _bad_expert_ids(style: ParallelStyle, module: nn.Module, n_experts: int) -> ValueError:
     return ValueError(
-        f"{_where(style, module)}: the router gave expert ids outside [0, {n_experts}); "
+        f"{style_at(style, module)}: the router gave expert ids outside [0, {n_experts}); "
         "top_k_index must hold ids of the module's experts"
     )
 

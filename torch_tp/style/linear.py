@@ -27,32 +27,32 @@ from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
 from torch_tp.style import adapters as _adapters
 from torch_tp.style.base import (
     ParallelStyle,
-    _check_flag,
-    _check_int,
-    _check_not_distributed,
-    _check_whole_not_distributed,
-    _conv1d_base,
-    _distribute_parameters,
-    _in_features,
-    _in_module,
-    _out_features,
-    _project,
-    _replicate_parameters,
-    _single,
-    _swap_back,
-    _swap_in_local_parameters,
-    _unstyled_submodules,
-    _uses_stock_forward,
-    _where,
+    check_flag,
+    check_int,
+    check_not_distributed,
+    check_single_layout,
+    check_whole_not_distributed,
+    conv1d_base,
+    distribute_parameters,
+    error_in_module,
+    in_features_of,
     in_partial_region,
+    out_features_of,
+    replicate_parameters,
     short_repr,
+    stock_projection,
+    style_at,
+    swap_back,
+    swap_in_local_parameters,
+    unstyled_submodules,
+    uses_stock_forward,
 )
 
 __all__ = ["ColwiseParallel", "RowwiseParallel", "PackedColwiseParallel", "PackedRowwiseParallel"]
 
 
 def _own_forward_caveat(style: ParallelStyle, module: nn.Module) -> str | None:
-    if _uses_stock_forward(module) or _own_lookups(style, module):
+    if uses_stock_forward(module) or _own_lookups(style, module):
         return None  # an embedding's own forward computes on local tensors (_OwnLookups)
     return (
         f"{type(module).__name__} overrides forward, which then runs on DTensors: the "
@@ -66,7 +66,7 @@ def _own_lookups(style: ParallelStyle, module: nn.Module) -> bool:
     output is a local tensor whole in its features (replicated, or a sequence shard), which
     whatever the forward does next (a norm) may read as on one device. Otherwise it runs on
     DTensors."""
-    if not isinstance(module, nn.Embedding) or _uses_stock_forward(module):
+    if not isinstance(module, nn.Embedding) or uses_stock_forward(module):
         return False
     layout = style.output_layouts[0]
     whole = isinstance(layout, Replicate) or type(layout) is Shard and layout.dim in (0, 1)
@@ -103,21 +103,25 @@ class _ShardLinearEmbedding(ParallelStyle):
         use_local_output: bool = True,
     ) -> None:
         super().__init__()
-        self.input_layouts = _single(input_layouts, self._default_input, "input_layouts")
-        self.output_layouts = _single(output_layouts, self._default_output, "output_layouts")
-        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        self.input_layouts = check_single_layout(
+            input_layouts, self._default_input, "input_layouts"
+        )
+        self.output_layouts = check_single_layout(
+            output_layouts, self._default_output, "output_layouts"
+        )
+        self.use_local_output = check_flag(use_local_output, "use_local_output")
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         self._check_kind(module)
-        if not isinstance(module, (nn.Linear, nn.Embedding)) and _conv1d_base(module) is None:
+        if not isinstance(module, (nn.Linear, nn.Embedding)) and conv1d_base(module) is None:
             raise NotImplementedError(
                 f"{type(self).__name__}: {type(module).__qualname__} is named Conv1D but is "
                 "not transformers' Conv1D (a 2-D weight of shape (nx, nf))"
             )
-        if _uses_stock_forward(module):
-            _check_not_distributed(module)
+        if uses_stock_forward(module):
+            check_not_distributed(module)
         else:
-            _check_whole_not_distributed(module)
+            check_whole_not_distributed(module)
         _check_parameter_placements(module, self._parameter_placements(module))
         if isinstance(module, nn.Embedding):
             if module.sparse:
@@ -144,8 +148,8 @@ class _ShardLinearEmbedding(ParallelStyle):
         self._validate(module, device_mesh)  # an unsupported type must not be half-applied
         rt = runtime.for_mesh(device_mesh)
         params = self._parameter_placements(module)
-        _distribute_parameters(module, rt, params, self.src_data_rank)
-        if _uses_stock_forward(module):
+        distribute_parameters(module, rt, params, self.src_data_rank)
+        if uses_stock_forward(module):
             forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
             module.forward = functools.partial(forward, module, rt)
             if forward == self._linear:
@@ -154,15 +158,15 @@ class _ShardLinearEmbedding(ParallelStyle):
             # its own forward on local tensors, with the lookups of its weight done by the
             # style; the submodules it calls (a norm after the lookup: transformers' normed
             # embeddings) are replicated
-            inner = _unstyled_submodules(module)
-            _replicate_parameters(inner, rt, self.src_data_rank)
+            inner = unstyled_submodules(module)
+            replicate_parameters(inner, rt, self.src_data_rank)
             module.forward = functools.partial(
                 self._own_embedding_forward, module, rt, type(module).forward, inner
             )
         else:
             # its own forward runs on DTensors, and so do the submodules it calls: their
             # parameters become replicated DTensors, whose gradients DTensor computes
-            _replicate_parameters(_unstyled_submodules(module), rt, self.src_data_rank)
+            replicate_parameters(unstyled_submodules(module), rt, self.src_data_rank)
             _hook_dtensor_forward(
                 self,
                 module,
@@ -181,7 +185,7 @@ class _ShardLinearEmbedding(ParallelStyle):
 
     def _check_adapters(self, wrapper: nn.Module, base: nn.Module) -> None:
         """Raise unless this style can host ``wrapper``'s LoRA adapters on ``base``."""
-        if isinstance(base, nn.Embedding) or not _uses_stock_forward(base):
+        if isinstance(base, nn.Embedding) or not uses_stock_forward(base):
             raise NotImplementedError(
                 f"{type(self).__name__} hosts LoRA adapters on a stock nn.Linear or Conv1D, "
                 f"found {type(base).__qualname__}"
@@ -207,12 +211,12 @@ class _ShardLinearEmbedding(ParallelStyle):
         compute on replicated parameters (whose gradients are partial sums when the lookup's
         output is sharded: a sequence shard)."""
         partial = not isinstance(self.output_layouts[0], Replicate)
-        swapped = _swap_in_local_parameters(inner, rt, partial)
+        swapped = swap_in_local_parameters(inner, rt, partial)
         try:
             with _OwnLookups(module, functools.partial(self._embedding, module, rt)):
                 return own_forward(module, *args, **kwargs)
         finally:
-            _swap_back(swapped)
+            swap_back(swapped)
 
 
 class _OwnLookups(TorchFunctionMode):
@@ -264,7 +268,7 @@ def _hook_dtensor_forward(
         try:
             x = rt.prepare(inputs[0], input_layout, desired_input, False)
         except runtime.ShardDimError as err:
-            raise _in_module(style, mod, err) from None
+            raise error_in_module(style, mod, err) from None
         return (x, *inputs[1:])
 
     def leave(mod: nn.Module, inputs: Any, output: Any) -> Any:
@@ -273,7 +277,7 @@ def _hook_dtensor_forward(
         try:
             out = rt.redistribute(output, runtime.normalize(output_layout, output.ndim))
         except runtime.ShardDimError as err:
-            raise _in_module(style, mod, err) from None
+            raise error_in_module(style, mod, err) from None
         return out.to_local() if use_local_output else out
 
     module.register_forward_pre_hook(enter)
@@ -365,12 +369,12 @@ class ColwiseParallel(_ShardLinearEmbedding):
             else:
                 x = rt.enter_replicated(input, self.input_layouts[0])
             weight = rt.local_parameter(module, "weight")
-            y = _project(self, module, x, weight, rt.local_parameter(module, "bias"))
+            y = stock_projection(self, module, x, weight, rt.local_parameter(module, "bias"))
             if adapters:  # PEFT's LoRA (torch_tp.style.adapters): this rank's columns too
                 y = _adapters.column_terms(adapters, x, y, rt)
-            return self._leave(y, rt, _out_features(module))
+            return self._leave(y, rt, out_features_of(module))
         except runtime.ShardDimError as err:
-            raise _in_module(self, module, err) from None
+            raise error_in_module(self, module, err) from None
 
     def _embedding(
         self, module: nn.Embedding, rt: runtime.DTensorRuntime, input: torch.Tensor
@@ -378,7 +382,7 @@ class ColwiseParallel(_ShardLinearEmbedding):
         try:
             ids = rt.enter_replicated(input, self.input_layouts[0])
         except runtime.ShardDimError as err:
-            raise _in_module(self, module, err) from None
+            raise error_in_module(self, module, err) from None
         try:
             # the whole vocabulary on every rank: F.embedding checks the ids itself (on a
             # GPU, with a device-side assert, as on one device)
@@ -390,12 +394,13 @@ class ColwiseParallel(_ShardLinearEmbedding):
             )
         except IndexError as err:
             raise IndexError(
-                f"{_where(self, module)}: {err}: token ids must be in [0, {module.num_embeddings})"
+                f"{style_at(self, module)}: {err}: token ids must be in "
+                f"[0, {module.num_embeddings})"
             ) from err
         try:
             return self._leave(y, rt, module.embedding_dim)
         except runtime.ShardDimError as err:
-            raise _in_module(self, module, err) from None
+            raise error_in_module(self, module, err) from None
 
     def _leave(self, y: torch.Tensor, rt: runtime.DTensorRuntime, features: int) -> torch.Tensor:
         """``y``, computed sharded on its last dim (``features`` in all), as the output."""
@@ -562,24 +567,24 @@ class RowwiseParallel(_ShardLinearEmbedding):
             if isinstance(x, DTensor) or not last:  # else the local shard it computes with
                 layout = runtime.normalize(layout, x.ndim)
                 x = rt.enter_sharded(x, layout, self._shard(x.ndim - 1))
-            partial = _project(self, module, x, rt.local_parameter(module, "weight"), None)
+            partial = stock_projection(self, module, x, rt.local_parameter(module, "weight"), None)
             if adapters:
                 # PEFT's LoRA (torch_tp.style.adapters): lora_A's partial sums, reduced with
                 # the base's in its one collective
                 out = self.output_layouts[0]
                 if isinstance(out, Shard) and runtime.normalize(out, x.ndim).dim == x.ndim - 1:
                     raise ValueError(
-                        f"{_where(self, module)}: " + _FEATURE_SHARDED_ADAPTER.format(layout=out)
+                        f"{style_at(self, module)}: " + _FEATURE_SHARDED_ADAPTER.format(layout=out)
                     )
                 inner = _adapters.row_inputs(
-                    adapters, x, rt, self._shard(x.ndim - 1), _in_features(module)
+                    adapters, x, rt, self._shard(x.ndim - 1), in_features_of(module)
                 )
                 reduce = functools.partial(self._reduce, rt=rt, module=module)
                 y, inner = _adapters.reduce_with(partial, inner, reduce)
             else:
                 y = self._reduce(partial, rt, module)
         except runtime.ShardDimError as err:
-            raise _in_module(self, module, err) from None
+            raise error_in_module(self, module, err) from None
         sharded = isinstance(self.output_layouts[0], Shard)
         if module.bias is not None:
             # added after the reduction, so that it is added once
@@ -602,7 +607,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         try:
             ids = rt.enter_replicated(input, self.input_layouts[0])
         except runtime.ShardDimError as err:
-            raise _in_module(self, module, err) from None
+            raise error_in_module(self, module, err) from None
         if not ids.is_meta and not torch.compiler.is_compiling():
             # Ids out of the vocabulary would be foreign to every rank: rows of zeros, where
             # one device raises. Ids gathered from sequence shards are the same on every
@@ -629,7 +634,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         try:
             return self._reduce(y, rt, module)
         except runtime.ShardDimError as err:
-            raise _in_module(self, module, err) from None
+            raise error_in_module(self, module, err) from None
 
     def _check_ids(
         self, module: nn.Embedding, rt: runtime.DTensorRuntime, ids: torch.Tensor, gathered: bool
@@ -643,7 +648,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
             bad = (low < 0) | (high >= size)
         else:
             bad = torch.zeros((), dtype=torch.bool, device=ids.device)
-        if gathered or _regions._size(rt.mesh) == 1:  # the same ids on every rank, or one rank
+        if gathered or _regions.mesh_size(rt.mesh) == 1:  # the same ids on every rank, or one rank
             if bad.item():
                 raise self._ids_out_of_range(module, ids)
             return
@@ -652,7 +657,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         # rank's shape code is the same and no rank's ids are out of range (a rank with a
         # greater code raises the first, one with a lesser code the second)
         group = rt.mesh.get_group()
-        device = _regions._flag_device(group)
+        device = _regions.flag_device(group)
         code = 2 * _shape_code(ids.shape)
         agreed = bad.to(device) + torch.tensor([code, -code], dtype=torch.long, device=device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -683,7 +688,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
             for shape, on in by_shape.items()
         )
         return ValueError(
-            f"{_where(self, module)}: the ranks of its tensor-parallel group were given ids "
+            f"{style_at(self, module)}: the ranks of its tensor-parallel group were given ids "
             f"of different shapes: {found}. The ids are replicated over the group: give each "
             "of its ranks the same batch (ranks of other mesh dimensions, data parallelism, "
             "may differ)"
@@ -696,7 +701,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         values = torch.unique(bad).tolist()
         shown = ", ".join(map(str, values[:5])) + (", ..." if len(values) > 5 else "")
         return IndexError(
-            f"{_where(self, module)}: index out of range: token ids must be in [0, {size}), "
+            f"{style_at(self, module)}: index out of range: token ids must be in [0, {size}), "
             f"found {shown} ({bad.numel()} of {ids.numel()} ids out of range)"
         )
 
@@ -712,7 +717,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
             # uneven local shards cannot be annotated back into a DTensor downstream (from a
             # local tensor alone the global size is unknown): fail here, clearly
             raise ValueError(
-                f"{_where(self, module)}: the output is sharded on dim {layout.dim} of size "
+                f"{style_at(self, module)}: the output is sharded on dim {layout.dim} of size "
                 f"{partial.shape[layout.dim]}, which does not divide by the {rt.mesh.size()} "
                 "ranks; make it divisible (e.g. the sequence length, for sequence "
                 "parallelism) or pass use_local_output=False"
@@ -726,7 +731,7 @@ class _Packed:
     parts: int
 
     def _check_parts(self, parts: int) -> int:
-        if _check_int(parts, "parts") < 1:
+        if check_int(parts, "parts") < 1:
             raise ValueError(f"parts must be a positive int, found {parts}")
         return parts
 
@@ -739,7 +744,7 @@ class _Packed:
         self._check_kind(module)
         # a module with its own forward would run on DTensors, which have no rule for a
         # strided-shard weight in a matmul
-        if (isinstance(module, nn.Linear) or _conv1d_base(module)) and not _uses_stock_forward(
+        if (isinstance(module, nn.Linear) or conv1d_base(module)) and not uses_stock_forward(
             module
         ):
             raise NotImplementedError(
@@ -833,7 +838,7 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         self._check_module(module)
         super()._validate(module, device_mesh)
-        self._validate_parts(_out_features(module), "the output features", device_mesh)
+        self._validate_parts(out_features_of(module), "the output features", device_mesh)
 
     def _leave(self, y: torch.Tensor, rt: runtime.DTensorRuntime, features: int) -> torch.Tensor:
         computed = StridedShard(y.ndim - 1, split_factor=self.parts)
@@ -892,4 +897,4 @@ class PackedRowwiseParallel(_Packed, RowwiseParallel):
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         self._check_module(module)
         super()._validate(module, device_mesh)
-        self._validate_parts(_in_features(module), "the input features", device_mesh)
+        self._validate_parts(in_features_of(module), "the input features", device_mesh)

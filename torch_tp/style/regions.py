@@ -21,18 +21,18 @@ from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.style.base import (
     ParallelStyle,
-    _check_direct_placements,
-    _check_not_distributed,
-    _check_whole_not_distributed,
-    _distribute_and_wrap,
-    _distribute_whole,
-    _placements_argument,
-    _run_on_local_parameters,
-    _swap_back,
-    _swap_in_local_parameters,
-    _unstyled_submodules,
-    _where,
+    check_direct_placements,
+    check_not_distributed,
+    check_placements_argument,
+    check_whole_not_distributed,
+    distribute_and_wrap,
+    distribute_whole,
+    run_on_local_parameters,
     short_repr,
+    style_at,
+    swap_back,
+    swap_in_local_parameters,
+    unstyled_submodules,
 )
 
 __all__ = ["LocalLinearParallel", "PartialSumParallel"]
@@ -120,16 +120,16 @@ class LocalLinearParallel(ParallelStyle):
         parts = 2 * n if self.shard == "packed_rowwise" else n
         if size % parts:
             raise ValueError(f"its {size} {what} do not split evenly into {parts} parts")
-        _check_not_distributed(module)
+        check_not_distributed(module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
-        return _distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
+        return distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
 
     def _forward(
         self, module: nn.Module, rt: runtime.DTensorRuntime, own_forward, *inputs, **kwargs
     ):
-        return _run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
+        return run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
 
 
 def _forward_inputs(module: nn.Module) -> tuple[list[str], bool]:
@@ -201,7 +201,7 @@ class PartialSumParallel(ParallelStyle):
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
         super().__init__()
         # no entries: the default
-        self.placements = _placements_argument(placements) or None
+        self.placements = check_placements_argument(placements) or None
 
     def _parameter_placements(self, module: nn.Module) -> dict[str, Placement]:
         """Each direct parameter's placement: its entry's, else replicated."""
@@ -220,7 +220,7 @@ class PartialSumParallel(ParallelStyle):
             (name, module) for name, p in placements.items() if isinstance(p, Replicate)
         ]
         paths = {id(sub): path for path, sub in module.named_modules()}
-        for sub in _unstyled_submodules(module):
+        for sub in unstyled_submodules(module):
             found += [((paths[id(sub)], n), sub) for n, _ in sub.named_parameters(recurse=False)]
         return found
 
@@ -231,15 +231,15 @@ class PartialSumParallel(ParallelStyle):
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
-        _check_direct_placements(module, self.placements or {}, device_mesh)
-        _check_whole_not_distributed(module)
+        check_direct_placements(module, self.placements or {}, device_mesh)
+        check_whole_not_distributed(module)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
         placements = self._parameter_placements(module)
         # its own replicated parameters: partial gradients, like those of the inner modules
         replicated = frozenset(n for n, p in placements.items() if isinstance(p, Replicate))
-        return _distribute_whole(self, module, device_mesh, placements, replicated)
+        return distribute_whole(self, module, device_mesh, placements, replicated)
 
     def _forward(
         self,
@@ -264,7 +264,7 @@ class PartialSumParallel(ParallelStyle):
         args = tuple(values[: len(args)])
         kwargs = dict(zip(names[len(args) :], values[len(args) :], strict=True))
         # the replicated parameters inside, as local tensors with partial gradients
-        swapped = _swap_in_local_parameters(inner, rt, True)
+        swapped = swap_in_local_parameters(inner, rt, True)
         try:
             params = compat.direct_parameters(module)
             local = {
@@ -277,7 +277,7 @@ class PartialSumParallel(ParallelStyle):
             finally:
                 compat.swap_direct_parameters(module, params)
         finally:
-            _swap_back(swapped)
+            swap_back(swapped)
         return self._leave(module, rt, output)
 
     def _leave(self, module: nn.Module, rt: runtime.DTensorRuntime, output: Any) -> Any:
@@ -286,7 +286,7 @@ class PartialSumParallel(ParallelStyle):
             return rt.reduce_partial(output, Replicate(), True)
         if not isinstance(output, tuple) or not output or not isinstance(output[0], torch.Tensor):
             raise TypeError(
-                f"{_where(self, module)}: expected the module to return a tensor, or a tuple "
+                f"{style_at(self, module)}: expected the module to return a tensor, or a tuple "
                 f"whose first element is one (the partial sum), found {short_repr(output)}"
             )
         first, *rest = output

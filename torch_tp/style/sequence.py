@@ -24,25 +24,25 @@ from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.random import sequence_parallel_dropout
 from torch_tp.style.base import (
     ParallelStyle,
-    _arguments,
-    _as_kwarg_layouts,
-    _as_tuple,
-    _check_flag,
-    _check_int,
-    _check_not_distributed,
-    _check_whole_not_distributed,
-    _distribute_and_wrap,
-    _distribute_whole,
-    _in_module,
-    _run_on_local_parameters,
-    _swap_back,
-    _swap_in_local_parameters,
-    _unstyled_submodules,
-    _where,
+    check_flag,
+    check_int,
+    check_kwarg_layouts,
+    check_layouts,
+    check_not_distributed,
+    check_whole_not_distributed,
     close_partial_region,
+    distribute_and_wrap,
+    distribute_whole,
     enter_partial_region,
+    error_in_module,
     in_partial_region,
     open_partial_region,
+    run_on_local_parameters,
+    style_arguments,
+    style_at,
+    swap_back,
+    swap_in_local_parameters,
+    unstyled_submodules,
 )
 
 __all__ = [
@@ -62,7 +62,7 @@ class _ReplicatedParameters(ParallelStyle):
         return {name: Replicate() for name, _ in module.named_parameters(recurse=False)}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return _distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
+        return distribute_and_wrap(self, module, device_mesh, self._parameter_placements(module))
 
     @abstractmethod
     def _forward(
@@ -147,8 +147,8 @@ class SequenceParallel(_ReplicatedParameters):
         output_layouts: Placement | None = None,
     ) -> None:
         super().__init__()
-        self.sequence_sharding = (Shard(_check_int(sequence_dim, "sequence_dim")),)
-        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        self.sequence_sharding = (Shard(check_int(sequence_dim, "sequence_dim")),)
+        self.use_local_output = check_flag(use_local_output, "use_local_output")
         if output_layouts == self.sequence_sharding[0]:
             output_layouts = None  # the default, stated
         if output_layouts is not None and not isinstance(output_layouts, Replicate):
@@ -174,7 +174,7 @@ class SequenceParallel(_ReplicatedParameters):
                 "whose parameters are per-feature scales and shifts (1-D), found "
                 f"{[tuple(p.shape) for p in module.parameters(recurse=False)]}"
             )
-        unstyled = {id(sub) for sub in _unstyled_submodules(module)}
+        unstyled = {id(sub) for sub in unstyled_submodules(module)}
         inner = [
             f"{path}.{name}"
             for path, sub in module.named_modules()
@@ -189,7 +189,7 @@ class SequenceParallel(_ReplicatedParameters):
                 f"own parameters replicated, found parameters of submodules no style plans: "
                 f"{inner}"
             )
-        _check_not_distributed(module)
+        check_not_distributed(module)
 
     def _forward(
         self, module: nn.Module, rt: runtime.DTensorRuntime, own_forward, *inputs, **kwargs
@@ -197,14 +197,14 @@ class SequenceParallel(_ReplicatedParameters):
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             found = type(inputs[0]).__name__ if inputs else "no input"
             raise ValueError(
-                f"{_where(self, module)}: expecting the first input to be a torch.Tensor or "
+                f"{style_at(self, module)}: expecting the first input to be a torch.Tensor or "
                 f"DTensor, found {found}"
             )
         x = inputs[0]
         try:
             layout = runtime.normalize(self.sequence_sharding[0], x.ndim)
         except runtime.ShardDimError as err:
-            raise _in_module(self, module, err) from None
+            raise error_in_module(self, module, err) from None
         global_shape = None  # a local input: even shards, as everywhere
         if isinstance(x, DTensor):
             x = rt.redistribute(x, layout)
@@ -212,7 +212,7 @@ class SequenceParallel(_ReplicatedParameters):
             if self.gathers_output and global_shape[layout.dim] % rt.mesh.size():
                 # the same global shape on every rank: every rank raises alike
                 raise ValueError(
-                    f"{_where(self, module)}: the sequence (dim {layout.dim}) of length "
+                    f"{style_at(self, module)}: the sequence (dim {layout.dim}) of length "
                     f"{global_shape[layout.dim]} does not split evenly over the "
                     f"{rt.mesh.size()} ranks; make it a multiple of {rt.mesh.size()}"
                 )
@@ -235,7 +235,7 @@ class SequenceParallel(_ReplicatedParameters):
         else:
             # the module's own forward, on the local sequence shard: a norm treats every
             # position alike, so the shard's result is the shard of the whole result
-            out = _run_on_local_parameters(module, rt, True, own_forward, x, *inputs[1:], **kwargs)
+            out = run_on_local_parameters(module, rt, True, own_forward, x, *inputs[1:], **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
         if self.gathers_output:
@@ -317,7 +317,7 @@ class ReplicateParallel(_ReplicatedParameters):
         self, *, sum_gradients: bool = False, whole_gradient_outputs: tuple[int, ...] = ()
     ) -> None:
         super().__init__()
-        self.sum_gradients = _check_flag(sum_gradients, "sum_gradients")
+        self.sum_gradients = check_flag(sum_gradients, "sum_gradients")
         outputs = (
             tuple(whole_gradient_outputs)
             if isinstance(whole_gradient_outputs, (tuple, list))
@@ -339,7 +339,7 @@ class ReplicateParallel(_ReplicatedParameters):
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
-        inner = {id(sub) for sub in _unstyled_submodules(module)}
+        inner = {id(sub) for sub in unstyled_submodules(module)}
         styled = [
             path
             for path, sub in module.named_modules()
@@ -352,14 +352,14 @@ class ReplicateParallel(_ReplicatedParameters):
                 "are replicated with the module), or give the module's own parameters a "
                 "style that leaves its submodules alone"
             )
-        _check_whole_not_distributed(module)
+        check_whole_not_distributed(module)
 
     def _whole_placements(self, module: nn.Module) -> dict[str, Placement]:
         """Every parameter the style replicates: the module's own, and those of its
         submodules without a style of their own (``"w1.weight"``), which ``_apply``
         replicates with it."""
         placements = self._parameter_placements(module)
-        inner = {id(sub) for sub in _unstyled_submodules(module)}
+        inner = {id(sub) for sub in unstyled_submodules(module)}
         for path, sub in module.named_modules():
             if path and id(sub) in inner:
                 for name, _ in sub.named_parameters(recurse=False):
@@ -368,7 +368,7 @@ class ReplicateParallel(_ReplicatedParameters):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)
-        return _distribute_whole(self, module, device_mesh, self._parameter_placements(module))
+        return distribute_whole(self, module, device_mesh, self._parameter_placements(module))
 
     def _forward(
         self,
@@ -379,19 +379,19 @@ class ReplicateParallel(_ReplicatedParameters):
         *inputs,
         **kwargs,
     ):
-        swapped = _swap_in_local_parameters(inner, rt, self.sum_gradients)
+        swapped = swap_in_local_parameters(inner, rt, self.sum_gradients)
         try:
-            out = _run_on_local_parameters(
+            out = run_on_local_parameters(
                 module, rt, self.sum_gradients, own_forward, *inputs, **kwargs
             )
         finally:
-            _swap_back(swapped)
+            swap_back(swapped)
         if not self.whole_gradient_outputs:
             return out
         outputs = out if isinstance(out, tuple) else (out,)
         if max(self.whole_gradient_outputs) >= len(outputs):
             raise ValueError(
-                f"{_where(self, module)}: whole_gradient_outputs {self.whole_gradient_outputs} "
+                f"{style_at(self, module)}: whole_gradient_outputs {self.whole_gradient_outputs} "
                 f"names outputs the module does not return (it returns {len(outputs)})"
             )
         outputs = tuple(
@@ -477,10 +477,10 @@ class PrepareModuleInput(ParallelStyle):
         use_local_output: bool = False,
         partial_input_gradients: bool = False,
     ) -> None:
-        self.input_layouts = _as_tuple(input_layouts, "input_layouts")
-        self.desired_input_layouts = _as_tuple(desired_input_layouts, "desired_input_layouts")
-        self.use_local_output = _check_flag(use_local_output, "use_local_output")
-        self.partial_input_gradients = _check_flag(
+        self.input_layouts = check_layouts(input_layouts, "input_layouts")
+        self.desired_input_layouts = check_layouts(desired_input_layouts, "desired_input_layouts")
+        self.use_local_output = check_flag(use_local_output, "use_local_output")
+        self.partial_input_gradients = check_flag(
             partial_input_gradients, "partial_input_gradients"
         )
         if self.input_layouts is not None:
@@ -493,8 +493,8 @@ class PrepareModuleInput(ParallelStyle):
                     f"found {len(self.input_layouts)} and {len(self.desired_input_layouts)}"
                 )
         self.with_kwargs = input_kwarg_layouts is not None
-        self.input_kwarg_layouts = _as_kwarg_layouts(input_kwarg_layouts, "input_kwarg_layouts")
-        self.desired_input_kwarg_layouts = _as_kwarg_layouts(
+        self.input_kwarg_layouts = check_kwarg_layouts(input_kwarg_layouts, "input_kwarg_layouts")
+        self.desired_input_kwarg_layouts = check_kwarg_layouts(
             desired_input_kwarg_layouts, "desired_input_kwarg_layouts"
         )
         if self.with_kwargs and len(self.input_kwarg_layouts) != len(
@@ -589,7 +589,7 @@ class PrepareModuleInput(ParallelStyle):
             return inputs
         if len(inputs) != len(self.input_layouts):
             raise ValueError(
-                f"{_where(self, module)}: module inputs and input_layouts should have same "
+                f"{style_at(self, module)}: module inputs and input_layouts should have same "
                 f"length! found {len(inputs)} inputs for {len(self.input_layouts)} layouts"
             )
         return tuple(
@@ -613,7 +613,7 @@ class PrepareModuleInput(ParallelStyle):
             what = f"input {where}" if isinstance(where, int) else f"keyword input {where!r}"
             # AssertionError, as upstream raises
             raise AssertionError(
-                f"{_where(self, module)}: expecting {what} to be a torch.Tensor for layout "
+                f"{style_at(self, module)}: expecting {what} to be a torch.Tensor for layout "
                 f"{layouts[0]}, found {type(value).__name__}"
             )
         try:
@@ -621,7 +621,7 @@ class PrepareModuleInput(ParallelStyle):
                 return self._enter_partial(rt, value, layouts[0])
             return rt.prepare(value, *layouts, self.use_local_output)
         except runtime.ShardDimError as err:
-            raise _in_module(self, module, err) from None
+            raise error_in_module(self, module, err) from None
 
     def _enter_partial(self, rt: runtime.DTensorRuntime, value: torch.Tensor, layout: Placement):
         """One whole input whose gradient comes back a partial sum (``partial_input_gradients``)."""
@@ -636,7 +636,7 @@ class PrepareModuleInput(ParallelStyle):
             return local
         # a replicated local input of an enclosing partial-gradient region (which sums the
         # gradients where it began): handed back as it is
-        return value if self.use_local_output else runtime._replicated(value, rt.mesh)
+        return value if self.use_local_output else runtime.replicated_from_local(value, rt.mesh)
 
 
 # set on a module once PrepareModuleOutput found every parameter inside its partial sum planned
@@ -711,9 +711,11 @@ class PrepareModuleOutput(ParallelStyle):
         desired_output_layouts: Placement | tuple[Placement, ...],
         use_local_output: bool = True,
     ) -> None:
-        self.output_layouts = _as_tuple(output_layouts, "output_layouts")
-        self.desired_output_layouts = _as_tuple(desired_output_layouts, "desired_output_layouts")
-        self.use_local_output = _check_flag(use_local_output, "use_local_output")
+        self.output_layouts = check_layouts(output_layouts, "output_layouts")
+        self.desired_output_layouts = check_layouts(
+            desired_output_layouts, "desired_output_layouts"
+        )
+        self.use_local_output = check_flag(use_local_output, "use_local_output")
         if self.output_layouts is None or self.desired_output_layouts is None:
             raise AssertionError("output_layouts and desired_output_layouts must be given!")
         if len(self.output_layouts) != len(self.desired_output_layouts):
@@ -748,7 +750,7 @@ class PrepareModuleOutput(ParallelStyle):
                 if mesh is None or not (mesh is rt.mesh or ranks <= _mesh_ranks(mesh)):
                     where = f"{path}.{name}" if path else name
                     raise ValueError(
-                        f"{_where(self, module)}: its output is a partial sum over the "
+                        f"{style_at(self, module)}: its output is a partial sum over the "
                         f"{rt.mesh.size()} ranks, summed once at its end, but parameter "
                         f"{where!r} ({type(sub).__name__}) inside it is distributed by no "
                         "style over those ranks: computed whole on every rank, its share of "
@@ -765,7 +767,7 @@ class PrepareModuleOutput(ParallelStyle):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if len(outputs) != len(self.output_layouts):
             raise ValueError(
-                f"{_where(self, module)}: module outputs and output_layouts should have same "
+                f"{style_at(self, module)}: module outputs and output_layouts should have same "
                 f"length! found {len(outputs)} outputs for {len(self.output_layouts)} layouts"
             )
         prepared = []
@@ -774,13 +776,13 @@ class PrepareModuleOutput(ParallelStyle):
         ):
             if layout is not None and not isinstance(value, torch.Tensor):
                 raise TypeError(
-                    f"{_where(self, module)}: expecting output {i} to be a torch.Tensor for "
+                    f"{style_at(self, module)}: expecting output {i} to be a torch.Tensor for "
                     f"layout {layout}, found {type(value).__name__}"
                 )
             try:
                 prepared.append(rt.prepare(value, layout, desired, self.use_local_output))
             except runtime.ShardDimError as err:
-                raise _in_module(self, module, err) from None
+                raise error_in_module(self, module, err) from None
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
 
@@ -834,9 +836,9 @@ class PrepareModuleInputOutput(ParallelStyle):
         arguments=lambda s: {
             **{
                 ("use_local_input" if k == "use_local_output" else k): v
-                for k, v in _arguments(s.prepare_module_input).items()
+                for k, v in style_arguments(s.prepare_module_input).items()
             },
-            **_arguments(s.prepare_module_output),
+            **style_arguments(s.prepare_module_output),
         },
         inputs=lambda s, m: s.prepare_module_input._boundary(),
         outputs=lambda s, m: PrepareModuleOutput.contract.outputs(s.prepare_module_output, m),
@@ -855,7 +857,7 @@ class PrepareModuleInputOutput(ParallelStyle):
         use_local_output: bool = True,
         partial_input_gradients: bool = False,
     ) -> None:
-        _check_flag(use_local_input, "use_local_input")
+        check_flag(use_local_input, "use_local_input")
         self.prepare_module_input = PrepareModuleInput(
             input_layouts=input_layouts,
             desired_input_layouts=desired_input_layouts,
