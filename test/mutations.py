@@ -89,6 +89,16 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        name="rowwise_contract_disagrees_with_its_forward",
+        file="torch_tp/style/linear.py",
+        old="(Layout(Partial(), s.output_layouts[0], s.use_local_output),)",
+        new="(Layout(s.output_layouts[0], s.output_layouts[0], s.use_local_output),)",
+        tests=("test/test_report.py::test_predicted_collectives_equal_measured[llama]",),
+        description="RowwiseParallel's contract says its output is computed already reduced, "
+        "while its forward all-reduces the partial sums: the layouts a style states twice "
+        "(contract, forward) no longer agree",
+    ),
+    Mutation(
         name="partial_gradients_not_reduced",
         file="torch_tp/runtime.py",
         old="flat = _regions.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)",
