@@ -59,7 +59,7 @@ def _gather(dp: int, tp: int, sequence_parallel: bool) -> None:
     # rank0_only: the other ranks drop each gathered tensor before the next one is gathered
     gathered: list[weakref.ref] = []
     most_alive = 0
-    full_tensor = torch_tp.checkpoint.full._full_tensor  # DTensor.full_tensor, or by pieces
+    full_tensor = torch_tp.checkpoint.full.full_tensor  # DTensor.full_tensor, or by pieces
 
     def spy(value):
         nonlocal most_alive
@@ -68,7 +68,7 @@ def _gather(dp: int, tp: int, sequence_parallel: bool) -> None:
         gathered.append(weakref.ref(out))
         return out
 
-    with mock.patch.object(torch_tp.checkpoint.full, "_full_tensor", spy):
+    with mock.patch.object(torch_tp.checkpoint.full, "full_tensor", spy):
         state = checkpoint.full_state_dict(model, rank0_only=True)
     assert len(gathered) == sum(isinstance(v, DTensor) for v in model.state_dict().values())
     if dist.get_rank() == 0:

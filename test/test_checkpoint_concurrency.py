@@ -128,7 +128,7 @@ def _patched_point(point: str, paused: _Paused, final: Path):
             dcp.FileSystemWriter, "write_data", paused.hook(dcp.FileSystemWriter.write_data)
         )
     if point == "staged":  # every file written, not yet published
-        return mock.patch.object(tp_dcp, "_publish", paused.hook(tp_dcp._publish))
+        return mock.patch.object(tp_dcp, "publish", paused.hook(tp_dcp.publish))
     # between the two renames: the old step-N moved aside, the new one not yet in place
     rename = os.rename
 
@@ -171,7 +171,7 @@ def test_second_save_pretrained_is_refused(tmp_path):
     tp_hf.save_pretrained(_hf_llama(0), path)
     a, b = _hf_llama(1), _hf_llama(2)
     paused = _Paused(lambda: tp_hf.save_pretrained(a, path, max_shard_size="20KB"))
-    with mock.patch.object(tp_hf, "_publish", paused.hook(tp_hf._publish)):
+    with mock.patch.object(tp_hf, "publish", paused.hook(tp_hf.publish)):
         paused.start()  # A's shards, index and config are staged
         with pytest.raises(CheckpointError) as info:
             tp_hf.save_pretrained(b, path)
@@ -191,7 +191,7 @@ def _die_before_publishing(root: str, record: str) -> None:
         Path(record).write_text(str(partial))  # where this job's files are
         os._exit(17)  # every file written, claim held, nothing published
 
-    with mock.patch.object(tp_dcp, "_publish", die):
+    with mock.patch.object(tp_dcp, "publish", die):
         checkpoint.save(root, _llama(1), step=1)
 
 
@@ -211,14 +211,14 @@ def _started(target, *args) -> multiprocessing.Process:
 def _save_with_a_late_write(root: Path, model: torch.nn.Module, late: Path) -> None:
     """Save ``model`` as step 1 while a rank of a dead job, which has not noticed its rank 0
     die, writes its shard file late into ``late``, where that job staged."""
-    publish = tp_dcp._publish
+    publish = tp_dcp.publish
 
     def late_write_then_publish(partial, final):
         with pytest.raises(FileNotFoundError):  # removed with the dead job's claim
             (late / "__0_0.distcp").write_bytes(b"rank 1 of the dead job, late")
         return publish(partial, final)
 
-    with mock.patch.object(tp_dcp, "_publish", late_write_then_publish):
+    with mock.patch.object(tp_dcp, "publish", late_write_then_publish):
         checkpoint.save(root, model, step=1)
 
 

@@ -128,7 +128,7 @@ def _save_and_die(ckpt_dir: str, out_dir: str, point: str) -> None:
 
         patches.append(mock.patch.object(os, "rename", rename_and_die))
     elif point == "agree" and rank == 3:
-        agree = tp_dcp._agree
+        agree = tp_dcp.agree
         calls = []
 
         def agree_or_die(*args, **kwargs):
@@ -137,7 +137,7 @@ def _save_and_die(ckpt_dir: str, out_dir: str, point: str) -> None:
                 _die()
             return agree(*args, **kwargs)
 
-        patches.append(mock.patch.object(tp_dcp, "_agree", agree_or_die))
+        patches.append(mock.patch.object(tp_dcp, "agree", agree_or_die))
     try:
         for patch in patches:
             patch.start()
@@ -456,7 +456,7 @@ def _save_pretrained_and_die(path: str, out_dir: str, point: str) -> None:
 
         patches.append(mock.patch.object(os, "rename", rename_and_die))
     elif point == "agree" and rank == 1:
-        agree, calls = hf_checkpoint._agree, []
+        agree, calls = hf_checkpoint.agree, []
 
         def agree_or_die(*args, **kwargs):
             calls.append(1)
@@ -464,7 +464,7 @@ def _save_pretrained_and_die(path: str, out_dir: str, point: str) -> None:
                 _die()
             return agree(*args, **kwargs)
 
-        patches.append(mock.patch.object(hf_checkpoint, "_agree", agree_or_die))
+        patches.append(mock.patch.object(hf_checkpoint, "agree", agree_or_die))
     try:
         for patch in patches:
             patch.start()

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torch_tp import ExpertTensorParallel, checkpoint, parallelize_module
 from torch_tp._torch_compat import StridedShard
-from torch_tp.checkpoint._staging import _full_tensor
+from torch_tp.checkpoint._staging import full_tensor
 from torch_tp.models import MoEConfig, MoELlama
 from torch_tp.plans.moe import moe_llama_plan
 from torch_tp.testing import device_type, run_distributed
@@ -156,7 +156,7 @@ def _snapshot(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> d
     if optim is not None:
         _, state = get_state_dict(model, optim)
         out["optim"] = {  # gathered as full_state_dict gathers (torch's fails on fsdp-etp)
-            f"{fqn}.{key}": _full_tensor(value) if isinstance(value, DTensor) else value
+            f"{fqn}.{key}": full_tensor(value) if isinstance(value, DTensor) else value
             for fqn, entry in state["state"].items()
             for key, value in entry.items()
         }

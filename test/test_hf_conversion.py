@@ -30,7 +30,7 @@ from transformers.core_model_loading import (  # noqa: E402
 )
 
 from torch_tp.checkpoint._hf_conversion import CheckpointLayout  # noqa: E402
-from torch_tp.checkpoint._staging import _runs  # noqa: E402
+from torch_tp.checkpoint._staging import consecutive_runs  # noqa: E402
 
 
 def _whole(converter, sources, model, layer_name=""):
@@ -73,7 +73,7 @@ def _read_shards(layout, name, full, sources):
     """Every shard layout of ``name``: read it, compare with ``full``, count the elements read."""
     shape = full.shape
     for held in itertools.product(*(_held_sets(n) for n in shape)):
-        runs = [_runs(h) for h in held]
+        runs = [consecutive_runs(h) for h in held]
         pieces = [
             (tuple(w for w, _ in c), tuple(m for _, m in c)) for c in itertools.product(*runs)
         ]

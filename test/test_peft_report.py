@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch_tp import parallelize_module
 from torch_tp.__main__ import main as cli
 from torch_tp.report import plan_report
-from torch_tp.report.trace import _generalize
+from torch_tp.report.trace import generalize_path
 from torch_tp.testing import run_distributed
 
 peft = pytest.importorskip("peft", reason="the adapter tests need peft (pip install -e '.[peft]')")
@@ -79,7 +79,7 @@ def _family_lora(family: str) -> peft.LoraConfig:
 def _adapter_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Each LoRA factor's local shape on this rank, by generalized name."""
     return {
-        _generalize(name): tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+        generalize_path(name): tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
         for name, p in model.named_parameters()
         if ".lora_" in name
     }

@@ -37,11 +37,13 @@ from torch_tp import (
     parallelize_module,
 )
 from torch_tp.__main__ import main as cli
+from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract
 from torch_tp.models import Llama, LlamaConfig, MoEConfig, MoELlama, tiny_config
 from torch_tp.plan import to_dict
 from torch_tp.plans.llama import llama_plan
 from torch_tp.plans.moe import moe_llama_plan
+from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.report import PlanReport, plan_report
 from torch_tp.testing import (
     RankError,
@@ -354,6 +356,119 @@ def test_predicted_collectives_equal_measured(name):
         del measured["forward (CommDebugMode)"], measured["backward (CommDebugMode)"]
     assert predicted == measured
     assert not report.errors
+
+
+# --------------------------------------------------------------------------- every plan name
+# A style states its layouts twice: in its contract, which the report reads, and in its
+# forward, which runs. Each plan name of a style that takes a bare Linear or Embedding (the
+# registry's, so a new name is a new case), alone on such a module: the collectives the report
+# predicts from the contract are those the forward issues.
+
+
+_BARE_MODULES = {
+    "linear": lambda: nn.Linear(12, 24),
+    "embedding": lambda: nn.Embedding(36, 12),
+}
+
+
+class _FakeMesh:
+    """What a style's ``_validate`` reads of a 1-D mesh: its size (and that it has no
+    dimension names)."""
+
+    ndim = 1
+    mesh_dim_names = None
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self, dim: int | None = None) -> int:
+        return self._size
+
+
+def _takes_alone(style: ParallelStyle, module: nn.Module) -> bool:
+    """Whether ``style`` takes ``module`` alone, called with one input, on a 1-D mesh."""
+    contract = style.contract
+    if contract.mesh_ndim != 1 or contract.mesh_dims is not None or not contract.accepts(module):
+        return False
+    try:
+        style._validate(module, _FakeMesh(2))
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    inputs = style.contract.inputs(style, module)
+    return inputs is None or len(inputs.args) <= 1  # not the experts (tokens and routing)
+
+
+def _bare_cases() -> list[str]:
+    """``name-kind`` for each plan name of a built-in style and each bare module it takes
+    (sizes every style divides: packed parts of two or three, over two ranks)."""
+    cases = []
+    for name in STYLE_REGISTRY.names():
+        style = STYLE_REGISTRY.style(name)
+        if not type(style).__module__.startswith("torch_tp."):
+            continue  # a style a test module defines (the workers may not have imported it)
+        for kind, make in _BARE_MODULES.items():
+            with torch.device("meta"):
+                if _takes_alone(style, make()):
+                    cases.append(f"{name}-{kind}")
+    return cases
+
+
+def _bare_case(case: str) -> tuple[nn.Module, ParallelStyle, torch.Tensor]:
+    """The module, the style and the whole input of one case."""
+    name, _, kind = case.rpartition("-")
+    torch.manual_seed(0)
+    module = _BARE_MODULES[kind]()
+    if isinstance(module, nn.Embedding):
+        x = torch.randint(0, module.num_embeddings, (BATCH, 4), device="cpu")
+    else:
+        x = torch.randn(BATCH, 4, module.in_features, device="cpu")
+    return module, STYLE_REGISTRY.style(name), x
+
+
+def _local_input(style: ParallelStyle, module: nn.Module, x: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's part of the whole input ``x``, as the style's contract says it arrives."""
+    inputs = style.contract.inputs(style, module)
+    given = inputs.args[0].given if inputs is not None and inputs.args[0] is not None else None
+    if not isinstance(given, (Shard, StridedShard)):
+        return x
+    dim, n, rank = given.dim % x.ndim, mesh.size(), mesh.get_local_rank()
+    # a strided shard (a packed row-parallel layer): this rank's part of each block
+    blocks = x.chunk(getattr(given, "split_factor", 1), dim)
+    return torch.cat([block.chunk(n, dim)[rank] for block in blocks], dim).contiguous()
+
+
+def _measure_bare(case: str) -> dict[str, dict[str, int]]:
+    mesh = init_device_mesh(device_type(), (2,))
+    module, style, x = _bare_case(case)
+    x = _local_input(style, module, x, mesh)
+    module = parallelize_module(module, mesh, style)
+    if x.is_floating_point():
+        x.requires_grad_()
+    with _CollectiveBytes() as forward:
+        out = module(x)
+    with _CollectiveBytes() as backward:
+        (out.to_local() if isinstance(out, DTensor) else out).sum().backward()
+    return {"forward": dict(forward.counts), "backward": dict(backward.counts)}
+
+
+@pytest.mark.fast_runtime  # the report predicts the default runtime's collectives
+@pytest.mark.parametrize("case", _bare_cases())
+def test_each_plan_names_contract_agrees_with_its_forward(case):
+    measured = run_distributed(_measure_bare, 2, case)[0]
+    with torch.device("meta"):
+        module, style, x = _bare_case(case)
+    report = plan_report(
+        module,
+        style,
+        2,
+        batch_size=BATCH,
+        seq_len=4,
+        # a float input requires grad, as in the measured run
+        example_inputs=(torch.empty_like(x, device="meta").requires_grad_(x.is_floating_point()),),
+        device_type=device_type(),
+    )
+    predicted = {"forward": report.counts("forward"), "backward": report.counts("backward")}
+    assert predicted == measured, (case, style)
 
 
 def test_reference_counts():

@@ -1,6 +1,6 @@
 """The style kit is what the built-in styles compute with, and a user style gets it whole.
 
-The guide's "Writing your own style" example, :class:`GatheredColwise`, is written with the
+The guide's "Writing your own style" example, :class:`GatherColumns`, is written with the
 public kit only (``torch_tp.runtime`` and ``torch_tp.style.base``). Here it runs as the
 guide's block defines it: at parity with one device, issuing the collectives of the built-in
 ``ColwiseParallel(output_layouts=Replicate())``, and through the same runtime path: under the
@@ -32,9 +32,9 @@ MODULE = "_guide_style_kit_example"
 
 
 def _example_path(tmp_path: Path) -> str:
-    """The guide's block that defines ``GatheredColwise``, written to a file."""
+    """The guide's block that defines ``GatherColumns``, written to a file."""
     blocks = re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(encoding="utf-8"), re.M | re.S)
-    (code,) = [block for block in blocks if "class GatheredColwise" in block]
+    (code,) = [block for block in blocks if "class GatherColumns" in block]
     path = tmp_path / f"{MODULE}.py"
     path.write_text(code, encoding="utf-8")
     return str(path)
@@ -77,9 +77,9 @@ def _guide_example(path: str) -> None:
     made_by = {}
     for mode in ("fast", "dtensor"):
         with _runtime_mode(mode):
-            mine = _output_function(example.GatheredColwise(), mesh)
+            mine = _output_function(example.GatherColumns(), mesh)
             builtin = _output_function(ColwiseParallel(output_layouts=Replicate()), mesh)
-            counts = example.collectives(example.GatheredColwise(), mesh)
+            counts = example.collectives(example.GatherColumns(), mesh)
         assert mine == builtin, (mode, mine, builtin)
         assert sum(counts.values()) == 2, counts  # the gather forward, the all-reduce back
         made_by[mode] = mine

@@ -172,19 +172,24 @@ def _takes_split_activations(contract: Any, entry: PlanEntry) -> bool:
     """The style takes an input split over another dimension than the features (sequence
     parallelism, ``input_layouts=Shard(1)``). Such an input may come from outside the plan,
     each rank given its part: the trace, which reads the inputs it is given as one device's,
-    cannot tell, so such plans are not checked."""
+    cannot tell, so such plans are not checked. So is a sharded input of the module the plan
+    is applied to (the call's own inputs, then each rank's part) or of an embedding (ids)."""
     try:
         boundary = contract.inputs(entry.style, entry.module)
     except Exception:  # noqa: BLE001 - a module type the style refuses: validation says so
         return True
     if boundary is None:
         return False
-    layouts = [*boundary.args, *boundary.kwargs.values()]
-    return any(
-        isinstance(layout.given, (Shard, StridedShard)) and layout.given.dim != -1
-        for layout in layouts
-        if layout is not None
-    )
+    sharded = [
+        layout.given
+        for layout in (*boundary.args, *boundary.kwargs.values())
+        if layout is not None and isinstance(layout.given, (Shard, StridedShard))
+    ]
+    # the module parallelized itself, or an embedding (whose ids have no feature dimension):
+    # a shard of its input is a part of the data each rank was given, whatever its dim
+    if entry.path == "" or isinstance(entry.module, nn.Embedding):
+        return bool(sharded)
+    return any(given.dim != -1 for given in sharded)
 
 
 def _own_forward(module: nn.Module) -> bool:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 __all__: list[str] = []
 
-# A region of the parameter and where it goes in the rank's buffer (see checkpoint._Piece).
+# A region of the parameter and where it goes in the rank's buffer (see _staging.Piece).
 _Piece = tuple[tuple[slice, ...], tuple[slice, ...]]
 # One dim of a request: the indices wanted along a dim of the tensor at some stage of the
 # conversion, the buffer dim they are copied to, and the positions there.

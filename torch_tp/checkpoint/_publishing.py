@@ -1,15 +1,16 @@
 """Publishing: the one routine every writer of :mod:`torch_tp.checkpoint` (DCP steps and
 Hugging Face directories) goes through.
 
-A save claims ``final`` (:func:`_begin`: one live writer at a time, a crashed one's claim
+A save claims ``final`` (:func:`begin_save`: one live writer at a time, a crashed one's claim
 broken), writes it whole into a staging directory of its own, its files and directories
-fsynced, and makes it visible by one rename (:func:`_publish`); a ``final`` it replaces is
+fsynced, and makes it visible by one rename (:func:`publish`); a ``final`` it replaces is
 first moved aside to ``final.old`` and deleted only once the new one is visible. So at any
 point ``final``, or ``final.old`` while ``final`` is missing, is a complete checkpoint:
-readers look there (:func:`_visible`), and the next save finishes what a crash left
+readers look there (:func:`visible_checkpoint`), and the next save finishes what a crash left
 (:func:`_recover_one`).
 
-Private: no public names.
+A private module: its names without an underscore are what the writers of
+:mod:`torch_tp.checkpoint` use, none of them torch_tp's API (``__all__`` is empty).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ __all__: list[str] = []
 
 # ------------------------------------------------------------------------------------------
 # Publishing. One save of a checkpoint ``final`` (a DCP step, a Hugging Face directory) at a
-# time: the save's rank 0 first claims ``final`` (:func:`_begin`), writing
+# time: the save's rank 0 first claims ``final`` (:func:`begin_save`), writing
 # ``<final>.claim`` exclusively, with its identity, and holding an ``flock`` on it until the
-# save is over (:func:`_end`), so that another writer learns who holds it and whether that
+# save is over (:func:`end_save`), so that another writer learns who holds it and whether that
 # writer still lives. Every save stages under a name of its own, ``<final>.<save id>.partial``
 # (the ranks of the save agree on the id): a rank of a job whose rank 0 died, and that has
 # not noticed yet, still writes only into its own job's directory, never into the next
@@ -52,7 +53,7 @@ __all__: list[str] = []
 # ------------------------------------------------------------------------------------------
 
 _PARTIAL = ".partial"  # a save in progress, or one that failed: never read
-_OLD = ".old"  # the previous checkpoint being replaced, until the new one is in
+OLD_SUFFIX = ".old"  # the previous checkpoint being replaced, until the new one is in
 _CLAIM = ".claim"  # who is saving the checkpoint now
 # a claim file created but never filled in: its writer died within moments of creating it,
 # once the file is this old (while it is younger, the writer may be filling it in now)
@@ -66,19 +67,19 @@ def _staged_name(final: Path, save_id: str) -> Path:
     return final.with_name(f"{final.name}.{save_id}{_PARTIAL}")
 
 
-def _old_name(final: Path) -> Path:
-    return final.with_name(final.name + _OLD)
+def old_name(final: Path) -> Path:
+    return final.with_name(final.name + OLD_SUFFIX)
 
 
 def _claim_name(final: Path) -> Path:
     return final.with_name(final.name + _CLAIM)
 
 
-def _target_name(name: str) -> str | None:
+def target_name(name: str) -> str | None:
     """The checkpoint an entry beside it belongs to (``step-3.old``, ``step-3.claim``,
     ``step-3.<id>.partial``, and this module's older ``step-3.partial``: ``step-3``), or
     ``None`` for the checkpoints themselves and any other entry."""
-    for suffix in (_OLD, _CLAIM):
+    for suffix in (OLD_SUFFIX, _CLAIM):
         if name.endswith(suffix):
             return name.removesuffix(suffix)
     if name.endswith(_PARTIAL):
@@ -97,11 +98,11 @@ class _Claim:
     fd: int
 
 
-def _begin(
+def begin_save(
     final: Path, complete: Callable[[Path], bool], failed: Callable[[str], str]
 ) -> tuple[_Claim, Path]:
     """Claim ``final`` for one save and return the claim and the save's own, empty staging
-    directory (one rank only; :func:`_end` releases them). What a crashed save of ``final``
+    directory (one rank only; :func:`end_save` releases them). What a crashed save of ``final``
     left is finished first (:func:`_recover_one`), and every staging directory of ``final``
     removed: their writers are gone, or they would hold the claim.
 
@@ -116,12 +117,12 @@ def _begin(
         _tidy(final, complete)
         partial.mkdir()
     except BaseException:
-        _end(claim, partial)
+        end_save(claim, partial)
         raise
     return claim, partial
 
 
-def _end(claim: _Claim, partial: Path) -> None:
+def end_save(claim: _Claim, partial: Path) -> None:
     """Remove what is left of this save's staging directory (all of it, unless it was
     published) and release its claim on ``final`` (one rank only)."""
     try:
@@ -130,7 +131,7 @@ def _end(claim: _Claim, partial: Path) -> None:
         _release(claim)
 
 
-def _recover_idle(final: Path, complete: Callable[[Path], bool]) -> None:
+def recover_if_idle(final: Path, complete: Callable[[Path], bool]) -> None:
     """Finish what crashed saves of ``final`` left, unless a live writer is saving it now:
     another save's work in progress is never touched (one rank only)."""
     try:
@@ -147,7 +148,7 @@ def _tidy(final: Path, complete: Callable[[Path], bool]) -> None:
     # holding the claim on ``final``: whoever wrote these is gone
     _recover_one(final, complete)
     for entry in final.parent.iterdir():
-        if entry.name.endswith(_PARTIAL) and _target_name(entry.name) == final.name:
+        if entry.name.endswith(_PARTIAL) and target_name(entry.name) == final.name:
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -305,7 +306,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _publish(partial: Path, final: Path) -> None:
+def publish(partial: Path, final: Path) -> None:
     """Make the complete checkpoint in ``partial`` visible as ``final`` (one rank only,
     holding the claim on ``final``).
 
@@ -315,7 +316,7 @@ def _publish(partial: Path, final: Path) -> None:
     full disk, say), the previous ``final`` is put back before the error is raised.
     """
     _fsync_tree(partial)
-    old = _old_name(final)
+    old = old_name(final)
     moved = final.exists()
     if moved:
         shutil.rmtree(old, ignore_errors=True)
@@ -337,7 +338,7 @@ def _recover_one(final: Path, complete: Callable[[Path], bool]) -> None:
     """Finish what a save of ``final`` that crashed while publishing left (one rank, holding
     the claim on ``final``): an old checkpoint whose replacement never arrived goes back in
     place; one whose replacement did is deleted."""
-    old = _old_name(final)
+    old = old_name(final)
     if not old.exists():
         return
     if complete(final):
@@ -347,10 +348,10 @@ def _recover_one(final: Path, complete: Callable[[Path], bool]) -> None:
         _fsync_dir(final.parent)
 
 
-def _visible(final: Path, complete: Callable[[Path], bool]) -> Path | None:
+def visible_checkpoint(final: Path, complete: Callable[[Path], bool]) -> Path | None:
     """The complete checkpoint published as ``final``: ``final``, or, while a save of it is
     being published (or crashed while publishing), the ``.old`` one it replaces."""
-    for path in (final, _old_name(final)):
+    for path in (final, old_name(final)):
         if complete(path):
             return path
     return None

@@ -2,15 +2,16 @@
 (publishing, the one routine every writer goes through, is
 :mod:`torch_tp.checkpoint._publishing`'s).
 
-* **Staging**: a load reads into buffers (:func:`_stage_local`, :func:`_stage_broadcast`)
-  after checking every key, shape and dtype (:func:`_check_keys`), and copies them into the
-  model (:func:`_copy_staged`) only once every rank has read everything.
-* **Pieces**: the regions of a whole tensor a rank's shard holds (:func:`_local_pieces`),
+* **Staging**: a load reads into buffers (:func:`stage_local`) after checking every key,
+  shape and dtype (:func:`check_keys`), and copies them into the model
+  (:func:`copy_staged`) only once every rank has read everything.
+* **Pieces**: the regions of a whole tensor a rank's shard holds (:func:`local_pieces`),
   strided-shard (packed) placements included.
-* **Agreement**: :class:`CheckpointError`, and :func:`_agree`, by which every rank learns
+* **Agreement**: :class:`CheckpointError`, and :func:`agree`, by which every rank learns
   whether any failed before anything changes, over a gloo group of the checkpoints' own.
 
-Private: no public names.
+A private module: its names without an underscore are what the other modules of
+:mod:`torch_tp.checkpoint` use, none of them torch_tp's API (``__all__`` is empty).
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ __all__: list[str] = []
 _WRAPPER_PARTS = (compat.COMPILED_MODULE_NAME,)
 
 
-def _stage_local(
+def stage_local(
     source: _Source,
     targets: Mapping[str, Tensor],
     result: IncompatibleKeys,
     threads: int = 1,
-    mapped: Callable[[str, list[_Piece] | None, Tensor], Tensor | None] | None = None,
+    mapped: Callable[[str, list[Piece] | None, Tensor], Tensor | None] | None = None,
 ) -> dict[str, Tensor]:
     """Read this rank's part of every present tensor into new buffers; raise naming every
     tensor that could not be read. With ``threads`` > 1, that many tensors are read at a
@@ -64,11 +65,11 @@ def _stage_local(
         if name in skip:
             continue
         local = target.to_local() if isinstance(target, DTensor) else target
-        pieces = _local_pieces(name, target) if isinstance(target, DTensor) else None
+        pieces = local_pieces(name, target) if isinstance(target, DTensor) else None
         work.append((name, pieces, local))
     staged: dict[str, Tensor] = {}
 
-    def read(item: tuple[str, list[_Piece] | None, Tensor]) -> str | None:
+    def read(item: tuple[str, list[Piece] | None, Tensor]) -> str | None:
         name, pieces, local = item
         try:
             view = None if mapped is None else mapped(name, pieces, local)
@@ -78,7 +79,7 @@ def _stage_local(
             staged[name] = view
         except Exception as exc:  # noqa: BLE001 - collected, raised below with every key
             found = getattr(source, "describe", lambda name: "")(name)
-            return f"{name!r}{f' ({found})' if found else ''}: {_first_line(exc)}"
+            return f"{name!r}{f' ({found})' if found else ''}: {first_line(exc)}"
         return None
 
     if threads > 1 and len(work) > 1:
@@ -97,7 +98,7 @@ def _stage_local(
     return {name: staged[name] for name, _, _ in work}
 
 
-def _copy_staged(
+def copy_staged(
     targets: Mapping[str, Tensor], staged: dict[str, Tensor], mapped: Container[str] = ()
 ) -> None:
     """Put every staged tensor into the model, freeing each once in (so that the peak stays
@@ -134,7 +135,7 @@ def _alone(tensor: Tensor) -> bool:
     )
 
 
-def _check_keys(
+def check_keys(
     model: nn.Module, targets: Mapping[str, Tensor], source: _Source, strict: bool
 ) -> IncompatibleKeys:
     """Compare the names, shapes and dtypes of ``source`` with the model's; raise naming
@@ -166,7 +167,7 @@ def _check_keys(
             )
         elif not _convertible(dtype, target.dtype):
             unreadable.append(f"{where(name)}: {dtype} cannot be converted to {target.dtype}")
-        elif _lossy(dtype, target.dtype):
+        elif is_lossy(dtype, target.dtype):
             lossy.append(f"{name} ({dtype} to {target.dtype})")
     errors = []
     if strict and missing:
@@ -177,11 +178,11 @@ def _check_keys(
         errors.append("Size mismatch: " + "; ".join(mismatched) + ".")
     if unreadable:
         errors.append("Unreadable dtype: " + "; ".join(unreadable) + ".")
-    _raise_or_warn(errors, lossy, source.description, type(model).__name__)
+    raise_or_warn(errors, lossy, source.description, type(model).__name__)
     return IncompatibleKeys(missing, unexpected)
 
 
-def _raise_or_warn(errors: list[str], lossy: list[str], source: str, model_name: str) -> None:
+def raise_or_warn(errors: list[str], lossy: list[str], source: str, model_name: str) -> None:
     """Raise one error naming everything wrong with ``source``, or warn once of the lossy
     conversions it needs."""
     if errors:
@@ -204,7 +205,7 @@ def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
     return True
 
 
-def _lossy(src: torch.dtype, dst: torch.dtype) -> bool:
+def is_lossy(src: torch.dtype, dst: torch.dtype) -> bool:
     """Whether converting ``src`` values to ``dst`` can lose precision or range."""
     if src == dst or src == torch.bool:
         return False
@@ -228,15 +229,15 @@ def _lossy(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 # A piece: a region of the whole tensor and the region of the local shard it is copied to.
-_Piece = tuple[tuple[slice, ...], tuple[slice, ...]]
+Piece = tuple[tuple[slice, ...], tuple[slice, ...]]
 
 
-def _local_pieces(name: str, target: DTensor) -> list[_Piece]:
+def local_pieces(name: str, target: DTensor) -> list[Piece]:
     """The regions of the whole tensor that this rank's shard of ``target`` holds, and where.
 
     One piece for a shard that is one block of the whole tensor; for a packed parameter
     (a strided shard, e.g. a packed part's slice or each expert's gate and up slices), one
-    piece per block of the index sets it holds along each dim (see :func:`_held_indices`).
+    piece per block of the index sets it holds along each dim (see :func:`held_indices`).
     """
     if any(isinstance(p, Partial) for p in target.placements):
         raise NotImplementedError(
@@ -246,7 +247,7 @@ def _local_pieces(name: str, target: DTensor) -> list[_Piece]:
     coordinate = target.device_mesh.get_coordinate()
     if coordinate is None:  # not in the mesh: nothing to hold
         return []
-    held = _held_indices(target, coordinate)
+    held = held_indices(target, coordinate)
     runs_per_dim: list[list[tuple[slice, slice]]] = []
     for dim, indices in enumerate(held):
         if len(indices) != local_shape[dim]:
@@ -254,14 +255,14 @@ def _local_pieces(name: str, target: DTensor) -> list[_Piece]:
                 f"{name}: the local shard of shape {list(local_shape)} does not match the "
                 f"{list(target.shape)} tensor with placements {target.placements}"
             )
-        runs_per_dim.append(_runs(indices.tolist()))
+        runs_per_dim.append(consecutive_runs(indices.tolist()))
     return [
         (tuple(whole for whole, _ in runs), tuple(mine for _, mine in runs))
         for runs in itertools.product(*runs_per_dim)
     ]
 
 
-def _held_indices(target: DTensor, coordinate: list[int]) -> list[Tensor]:
+def held_indices(target: DTensor, coordinate: list[int]) -> list[Tensor]:
     """The indices of the whole tensor, along each dim, that the rank at ``coordinate`` of
     ``target``'s mesh holds: its shard is their product.
 
@@ -275,7 +276,7 @@ def _held_indices(target: DTensor, coordinate: list[int]) -> list[Tensor]:
     * any other strided shard (a packed parameter's) is applied in mesh order as DTensor
       splits it: one slice of each of its ``sf`` parts.
 
-    Each dim's split is independent of the others' (:func:`_refuse_nested_packed` refuses a
+    Each dim's split is independent of the others' (:func:`refuse_nested_packed` refuses a
     packed dim that another mesh dim splits too).
     """
     mesh = target.device_mesh
@@ -314,14 +315,14 @@ def _is_fsdp_strided(target: DTensor, mesh_dim: int) -> bool:
     return bool(later) and placements[mesh_dim].split_factor == math.prod(later)
 
 
-def _full_tensor(value: DTensor) -> Tensor:
+def full_tensor(value: DTensor) -> Tensor:
     """``value.full_tensor()`` (a collective over ``value``'s mesh), gathered here where a
     placement is a strided shard.
 
     torch's redistribution cannot gather every strided layout (torch 2.13: experts split
     over ``ep`` and sharded by FSDP2 over ``dp`` fail its unpadding check), so each rank's
     shard is all-gathered over each mesh dim that splits the tensor and put in place by the
-    indices it holds (:func:`_held_indices`): what ``distribute_tensor`` would have given it.
+    indices it holds (:func:`held_indices`): what ``distribute_tensor`` would have given it.
     """
     placements = value.placements
     mesh = value.device_mesh
@@ -337,7 +338,7 @@ def _full_tensor(value: DTensor) -> Tensor:
     # every coordinate along the mesh dims that split the tensor (its own along the others)
     ranges = [range(mesh.size(d)) if split[d] else [coordinate[d]] for d in range(mesh.ndim)]
     coordinates = [list(c) for c in itertools.product(*ranges)]
-    held = [[ix.to(local.device) for ix in _held_indices(value, c)] for c in coordinates]
+    held = [[ix.to(local.device) for ix in held_indices(value, c)] for c in coordinates]
     padded = [max(len(h[dim]) for h in held) for dim in range(value.ndim)]
     gathered = local.new_zeros(padded)
     gathered[tuple(slice(0, n) for n in local.shape)] = local
@@ -356,7 +357,7 @@ def _full_tensor(value: DTensor) -> Tensor:
     return full
 
 
-def _runs(indices: list[int]) -> list[tuple[slice, slice]]:
+def consecutive_runs(indices: list[int]) -> list[tuple[slice, slice]]:
     """The runs of consecutive values in ``indices``: ``(whole, mine)`` slices, ``whole`` of
     the values and ``mine`` of their positions."""
     runs = []
@@ -369,7 +370,7 @@ def _runs(indices: list[int]) -> list[tuple[slice, slice]]:
     return runs  # none for an empty shard: nothing to read
 
 
-def _packed_mesh_dim(value: DTensor) -> int | None:
+def packed_mesh_dim(value: DTensor) -> int | None:
     """The mesh dim of a packed parameter's strided-shard placement, or ``None``.
 
     FSDP2 on top of tensor parallelism also uses strided shards: ``StridedShard(d)`` on
@@ -389,13 +390,13 @@ def _packed_mesh_dim(value: DTensor) -> int | None:
     return None
 
 
-def _packed_placement(value: DTensor) -> StridedShard | None:
+def packed_placement(value: DTensor) -> StridedShard | None:
     """The strided-shard placement of a packed parameter, or ``None``."""
-    mesh_dim = _packed_mesh_dim(value)
+    mesh_dim = packed_mesh_dim(value)
     return None if mesh_dim is None else value.placements[mesh_dim]
 
 
-def _refuse_nested_packed(state: Any, path: str = "") -> None:
+def refuse_nested_packed(state: Any, path: str = "") -> None:
     """Raise ``NotImplementedError`` for a packed parameter whose packed dim another mesh dim
     splits too.
 
@@ -406,8 +407,8 @@ def _refuse_nested_packed(state: Any, path: str = "") -> None:
     placements nest two strided shards that do not describe what each rank holds: values
     read or written through them would be scrambled.
     """
-    for name, value in _dtensors(state, path):
-        packed = _packed_mesh_dim(value)
+    for name, value in named_dtensors(state, path):
+        packed = packed_mesh_dim(value)
         if packed is None:
             continue
         dim = value.placements[packed].dim % value.ndim
@@ -427,16 +428,16 @@ def _refuse_nested_packed(state: Any, path: str = "") -> None:
             )
 
 
-def _dtensors(state: Any, path: str = "") -> Iterator[tuple[str, DTensor]]:
+def named_dtensors(state: Any, path: str = "") -> Iterator[tuple[str, DTensor]]:
     """Every DTensor in a nested state dict (dicts and lists), with its dotted path."""
     if isinstance(state, DTensor):
         yield path, state
     elif isinstance(state, Mapping):
         for key, value in state.items():
-            yield from _dtensors(value, f"{path}.{key}" if path else str(key))
+            yield from named_dtensors(value, f"{path}.{key}" if path else str(key))
     elif isinstance(state, (list, tuple)):
         for i, value in enumerate(state):
-            yield from _dtensors(value, f"{path}.{i}" if path else str(i))
+            yield from named_dtensors(value, f"{path}.{i}" if path else str(i))
 
 
 class CheckpointError(RuntimeError):
@@ -450,18 +451,18 @@ class CheckpointError(RuntimeError):
     """
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """``Type: first line of the message``, at most 500 characters (a DCP exception holds
     every rank's traceback; only its first failure is worth repeating)."""
     if isinstance(exc, dcp.api.CheckpointException) and exc.failures:
         rank, (inner, _) = next(iter(sorted(exc.failures.items())))
-        return f"on rank {rank}, {_first_line(inner)}"
+        return f"on rank {rank}, {first_line(inner)}"
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
     return line if len(line) <= 500 else line[:500] + "..."
 
 
-def _agree(
+def agree(
     error: Exception | None,
     failed: Callable[[str], str],
     *,
@@ -477,13 +478,13 @@ def _agree(
     ``same`` (what the values are, for the message), values that differ between ranks are a
     :class:`CheckpointError` on every rank: a check that guards a collective is agreed over
     every rank that will enter it, so one rank's bad input is the same error everywhere."""
-    if not _distributed():
+    if not is_distributed():
         if error is not None:
             raise error
         return [value]
     mine = (None if error is None else _sendable(error), value)
     every: list[Any] = [None] * dist.get_world_size()
-    _coordinate(dist.all_gather_object, every, mine, failed=failed, group=_group())
+    run_coordinated(dist.all_gather_object, every, mine, failed=failed, group=coordination_group())
     if error is not None:
         raise error
     for other, _ in every:
@@ -496,16 +497,16 @@ def _agree(
     return values
 
 
-def _agree_identity(identity: str, source: str, group: dist.ProcessGroup | None = None) -> None:
+def agree_identity(identity: str, source: str, group: dist.ProcessGroup | None = None) -> None:
     """Raise :class:`CheckpointError` on every rank of ``group`` (default: every rank) unless
     all read the same checkpoint: ``identity`` is what this rank opened (a fingerprint of
     its bytes), ``source`` names it. One small collective, before anything changes."""
-    if not _distributed():
+    if not is_distributed():
         return
-    group = _group() if group is None else group
-    failed = _load_failed(f"loading {source}")
+    group = coordination_group() if group is None else group
+    failed = load_failed(f"loading {source}")
     every: list[Any] = [None] * dist.get_world_size(group)
-    _coordinate(dist.all_gather_object, every, identity, failed=failed, group=group)
+    run_coordinated(dist.all_gather_object, every, identity, failed=failed, group=group)
     if any(other != identity for other in every):
         found = ", ".join(f"rank {rank}: {str(other)[:16]}" for rank, other in enumerate(every))
         raise CheckpointError(
@@ -517,12 +518,12 @@ def _agree_identity(identity: str, source: str, group: dist.ProcessGroup | None 
         )
 
 
-def _raise(error: Exception | None) -> None:
+def raise_if_error(error: Exception | None) -> None:
     if error is not None:
         raise error
 
 
-def _meta_error(model: nn.Module, what: str) -> ValueError | None:
+def meta_error(model: nn.Module, what: str) -> ValueError | None:
     """The error for a model with tensors on the meta device (nothing to read into or
     write from), naming the first few, or ``None``."""
     seen: set[int] = set()
@@ -532,7 +533,7 @@ def _meta_error(model: nn.Module, what: str) -> ValueError | None:
     ):
         if value.is_meta and id(value) not in seen:
             seen.add(id(value))
-            names.append(_single_device_name(name))
+            names.append(single_device_name(name))
     if not names:
         return None
     shown = ", ".join(map(repr, names[:4])) + (
@@ -568,7 +569,7 @@ def _sendable(error: Exception) -> Exception:
 _coordination: dict[str, dist.ProcessGroup] = {}
 
 
-def _group() -> dist.ProcessGroup:
+def coordination_group() -> dist.ProcessGroup:
     """The coordination group (every rank of the default group; a collective to create)."""
     group = _coordination.get("group")
     if group is not None:
@@ -582,7 +583,7 @@ def _group() -> dist.ProcessGroup:
     return group
 
 
-def _coordinate(
+def run_coordinated(
     collective: Callable[..., Any], *args: Any, failed: Callable[[str], str], **kwargs: Any
 ) -> Any:
     """Run ``collective`` (a collective, or DCP's save or load) over the coordination group;
@@ -592,11 +593,11 @@ def _coordinate(
     try:
         return collective(*args, **kwargs)
     except dcp.api.CheckpointException as exc:  # agreed on every rank: the group is fine
-        raise CheckpointError(failed(_first_line(exc))) from exc
+        raise CheckpointError(failed(first_line(exc))) from exc
     except Exception as exc:  # noqa: BLE001 - any failure of the collectives themselves
-        if not _distributed():
-            raise CheckpointError(failed(_first_line(exc))) from exc
-        cause = _first_line(exc)
+        if not is_distributed():
+            raise CheckpointError(failed(first_line(exc))) from exc
+        cause = first_line(exc)
         # the traceback's frames (DCP's among them) hold the group: let them go first
         exc.__traceback__ = None
         _drop_group()
@@ -616,7 +617,7 @@ def _drop_group() -> None:
         del group
 
 
-def _model_tensors(model: nn.Module) -> dict[str, Any]:
+def model_tensors(model: nn.Module) -> dict[str, Any]:
     """``model.state_dict()`` with the model's own tensors: ``state_dict(keep_vars=True)``,
     each tensor detached as ``state_dict()`` detaches it (so it shares the model's memory).
 
@@ -631,17 +632,17 @@ def _model_tensors(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _single_device_name(name: str) -> str:
+def single_device_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+def global_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
 
 
-def _load_failed(what: str) -> Callable[[str], str]:
+def load_failed(what: str) -> Callable[[str], str]:
     return lambda cause: f"{what} failed: {cause}. Nothing was changed."

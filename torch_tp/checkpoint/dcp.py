@@ -29,34 +29,34 @@ from torch_tp import random as tp_random
 from torch_tp._buffers import put_buffers, stale_buffers
 from torch_tp._torch_compat import StridedShard, compute_local_shape_and_global_offset
 from torch_tp.checkpoint._publishing import (
-    _OLD,
-    _begin,
-    _end,
-    _publish,
-    _recover_idle,
-    _target_name,
-    _visible,
+    OLD_SUFFIX,
+    begin_save,
+    end_save,
+    publish,
+    recover_if_idle,
+    target_name,
+    visible_checkpoint,
 )
 from torch_tp.checkpoint._staging import (
     CheckpointError,
-    _agree,
-    _agree_identity,
-    _coordinate,
-    _distributed,
-    _dtensors,
-    _first_line,
-    _group,
-    _held_indices,
-    _load_failed,
-    _lossy,
-    _meta_error,
-    _model_tensors,
-    _packed_mesh_dim,
-    _packed_placement,
-    _raise,
-    _raise_or_warn,
-    _rank,
-    _refuse_nested_packed,
+    agree,
+    agree_identity,
+    coordination_group,
+    first_line,
+    global_rank,
+    held_indices,
+    is_distributed,
+    is_lossy,
+    load_failed,
+    meta_error,
+    model_tensors,
+    named_dtensors,
+    packed_mesh_dim,
+    packed_placement,
+    raise_if_error,
+    raise_or_warn,
+    refuse_nested_packed,
+    run_coordinated,
 )
 
 __all__ = ["latest_step", "load", "save"]
@@ -126,31 +126,31 @@ def save(
     try:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, found {step!r}")
-        _raise(_meta_error(model, "save"))
-        own = _model_tensors(model)  # no gather before the agreement (hosted adapters)
-        _refuse_nested_packed(own)
+        raise_if_error(meta_error(model, "save"))
+        own = model_tensors(model)  # no gather before the agreement (hosted adapters)
+        refuse_nested_packed(own)
         _refuse_misplaced_chunks(own)
     except (ValueError, NotImplementedError) as exc:
         error = exc
     failed = lambda cause: _save_failed(what, root, cause)  # noqa: E731
-    _agree(error, failed, value=repr(step), same="the step")
+    agree(error, failed, value=repr(step), same="the step")
     # rank 0 claims the step (refused while another save of it is in progress), and every
     # rank learns the staging directory of this save alone
     claim, partial = None, None
-    if _rank() == 0:
+    if global_rank() == 0:
         try:
-            claim, partial = _begin(final, _complete, failed)
+            claim, partial = begin_save(final, _complete, failed)
             _recover(root, final)
         except (OSError, CheckpointError) as exc:
             if claim is not None:
-                _end(claim, partial)
+                end_save(claim, partial)
                 claim = None
             error = (
                 exc
                 if isinstance(exc, CheckpointError)
                 else CheckpointError(failed(f"cannot prepare it: {exc}"))
             )
-    partial = root / _agree(error, failed, value=partial and partial.name)[0]
+    partial = root / agree(error, failed, value=partial and partial.name)[0]
     try:
         model_state, optim_state = get_state_dict(model, [] if optimizer is None else optimizer)
         state: dict[str, Any] = {"model": model_state}
@@ -162,26 +162,26 @@ def save(
         if rng is not None:
             state["rng"] = rng
         with _single_process_is_intended():
-            _coordinate(
+            run_coordinated(
                 dcp.save,
                 state,
                 storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                process_group=_group() if _distributed() else None,
-                no_dist=not _distributed(),
+                process_group=coordination_group() if is_distributed() else None,
+                no_dist=not is_distributed(),
                 failed=failed,
             )
         if claim is not None:
             try:
-                _publish(partial, final)
+                publish(partial, final)
             except OSError as exc:
                 error = CheckpointError(failed(f"publishing it: {exc}"))
             finally:  # before the last agreement: whoever saves next finds the step free
-                _end(claim, partial)
+                end_save(claim, partial)
                 claim = None
-        _agree(error, failed)
+        agree(error, failed)
     finally:
         if claim is not None:  # a collective failed: nothing of this save is left behind
-            _end(claim, partial)
+            end_save(claim, partial)
     return final
 
 
@@ -198,11 +198,11 @@ def _save_failed(what: str, root: Path, cause: str) -> str:
 def _recover(root: Path, final: Path) -> None:
     """Finish what crashed DCP saves of other steps than ``final`` (claimed) left in
     ``root``: a publication cut short, staging directories. A step another live job is
-    saving now is left alone (see :func:`_recover_idle`)."""
-    steps = {_target_name(entry.name) for entry in root.iterdir()} - {None, final.name}
+    saving now is left alone (see :func:`recover_if_idle`)."""
+    steps = {target_name(entry.name) for entry in root.iterdir()} - {None, final.name}
     for name in sorted(steps):
         if _STEP_DIR.match(name):
-            _recover_idle(root / name, _complete)
+            recover_if_idle(root / name, _complete)
 
 
 def _complete(path: Path) -> bool:
@@ -213,7 +213,7 @@ def _complete(path: Path) -> bool:
 def _step_dir(root: Path, step: int) -> Path | None:
     """The complete checkpoint of ``step``: ``step-<step>``, or, while a save of the same
     step is being published (or crashed while publishing), the ``.old`` one it replaces."""
-    return _visible(root / f"step-{step}", _complete)
+    return visible_checkpoint(root / f"step-{step}", _complete)
 
 
 def load(
@@ -285,9 +285,9 @@ def load(
     # a rank that cannot see the checkpoint, or sees another step, fails every rank alike
     error, path = None, None
     try:
-        _raise(_meta_error(model, "load"))
-        own = _model_tensors(model)  # no gather before the agreement (hosted adapters)
-        _refuse_nested_packed(own)
+        raise_if_error(meta_error(model, "load"))
+        own = model_tensors(model)  # no gather before the agreement (hosted adapters)
+        refuse_nested_packed(own)
         _refuse_misplaced_chunks(own)
         if not root.is_dir():
             raise FileNotFoundError(
@@ -302,9 +302,9 @@ def load(
                 raise FileNotFoundError(f"no complete checkpoint for step {step} in {str(root)!r}")
     except (ValueError, NotImplementedError, OSError) as exc:
         error = exc
-    _agree(
+    agree(
         error,
-        _load_failed(f"loading from {str(root)!r}"),
+        load_failed(f"loading from {str(root)!r}"),
         value=step,
         same="the step to load (the latest complete checkpoint each rank sees)",
     )
@@ -355,7 +355,7 @@ def _load_dcp(
 
         def stage(value: Tensor) -> Tensor:
             # packed tensors are read into plain Shard DTensors (the layout save wrote)
-            if isinstance(value, DTensor) and _packed_placement(value) is not None:
+            if isinstance(value, DTensor) and packed_placement(value) is not None:
                 plain = dtensor_empty(
                     value.shape,
                     dtype=value.dtype,
@@ -380,29 +380,29 @@ def _load_dcp(
         except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
             error = exc
     # one small collective: nobody reads unless all can
-    moves = _agree(error, _load_failed(what), value=moved)
+    moves = agree(error, load_failed(what), value=moved)
     # every rank reads the same save: ranks given different directories (or a step saved
     # again between two ranks' reads of its metadata) would load a mixture
-    _agree_identity(identity, repr(str(path)))
+    agree_identity(identity, repr(str(path)))
     # the RNG streams continue only where each rank stands where it stood when they were
     # saved; refused on every rank alike, before anything is read
     moves = [f"rank {rank}: {move}" for rank, move in enumerate(moves) if move is not None]
     if moves:
         raise _RNGLayoutError(
-            _load_failed(what)(
+            load_failed(what)(
                 "the RNG streams were saved on another arrangement of the mesh ("
                 + "; ".join(moves)
                 + "): they cannot continue here; pass rng=False to keep the current ones"
             )
         )
     with _single_process_is_intended():
-        _coordinate(
+        run_coordinated(
             dcp.load,
             staged,
             storage_reader=dcp.FileSystemReader(path),
-            process_group=_group() if _distributed() else None,
-            no_dist=not _distributed(),
-            failed=_load_failed(what),
+            process_group=coordination_group() if is_distributed() else None,
+            no_dist=not is_distributed(),
+            failed=load_failed(what),
         )
     # every rank has read everything (DCP gathered every rank's result): apply it
     with torch.no_grad():
@@ -444,7 +444,7 @@ def _read_metadata(path: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - unpickling a damaged file fails many ways
         raise CheckpointError(
             f"{str(path / '.metadata')!r} is not a readable DCP metadata file: "
-            f"{_first_line(exc)}. Nothing was changed."
+            f"{first_line(exc)}. Nothing was changed."
         ) from exc
 
 
@@ -469,10 +469,10 @@ def _flat_for_dcp(state: dict[str, Any], metadata: Any) -> dict[str, Any]:
 
 def _loaded_anywhere(keys: set[str]) -> set[str]:
     """The keys some rank loads (this rank's alone without a process group)."""
-    if not _distributed():
+    if not is_distributed():
         return keys
-    every: list[Any] = [None] * dist.get_world_size(_group())
-    dist.all_gather_object(every, sorted(keys), group=_group())
+    every: list[Any] = [None] * dist.get_world_size(coordination_group())
+    dist.all_gather_object(every, sorted(keys), group=coordination_group())
     return {key for part in every for key in part}
 
 
@@ -508,7 +508,7 @@ def _check_metadata(
                     f"{key}: the checkpoint has shape {list(entry.size)}, the model "
                     f"{list(value.shape)}"
                 )
-            elif _lossy(entry.properties.dtype, value.dtype):
+            elif is_lossy(entry.properties.dtype, value.dtype):
                 lossy.append(f"{key} ({entry.properties.dtype} to {value.dtype})")
     errors = []
     if missing:
@@ -522,7 +522,7 @@ def _check_metadata(
     if mismatched:
         errors.append("Size mismatch: " + "; ".join(mismatched) + ".")
     errors += _unreadable_data(path, metadata, set(flat))
-    _raise_or_warn(errors, lossy, f"the checkpoint {str(path)!r}", model_name)
+    raise_or_warn(errors, lossy, f"the checkpoint {str(path)!r}", model_name)
 
 
 def _unreadable_data(path: Path, metadata: Any, keys: set[str]) -> list[str]:
@@ -560,7 +560,7 @@ def _plain_placements(value: DTensor) -> tuple[Placement, ...]:
     """The placements of a packed DTensor with its packed (strided) placement made a plain
     ``Shard``. FSDP2's strided shards (a strided shard that a later ``Shard`` of its dim
     follows) stay: with them each rank's shard is one block already."""
-    packed = _packed_mesh_dim(value)
+    packed = packed_mesh_dim(value)
     return tuple(
         Shard(p.dim % value.ndim) if i == packed else p for i, p in enumerate(value.placements)
     )
@@ -576,14 +576,14 @@ def _refuse_misplaced_chunks(state: Any) -> None:
     saving would overlap chunks and loading would read the wrong rows. Called on every rank;
     the caller agrees the error.
     """
-    for name, value in _dtensors(state):
+    for name, value in named_dtensors(state):
         if not any(isinstance(p, StridedShard) for p in value.placements):
             continue
         coordinate = value.device_mesh.get_coordinate()
         if coordinate is None:
             continue
         plain = _plain_placements(value)
-        held = _held_indices(value, coordinate)
+        held = held_indices(value, coordinate)
         shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, plain)
         for dim, indices in enumerate(held):
             if len(indices) == 0:
@@ -593,8 +593,9 @@ def _refuse_misplaced_chunks(state: Any) -> None:
                 continue  # a packed dim: saved through the plain placements
             if (offset[dim], shape[dim]) != (int(indices[0]), len(indices)):
                 raise NotImplementedError(
-                    f"{name}: rank {_rank()} holds indices {int(indices[0])}..{int(indices[-1])} "
-                    f"of dim {dim} of the {list(value.shape)} tensor (placements "
+                    f"{name}: rank {global_rank()} holds indices "
+                    f"{int(indices[0])}..{int(indices[-1])} of dim {dim} of the "
+                    f"{list(value.shape)} tensor (placements "
                     f"{value.placements}), but torch {torch.__version__} would save and load "
                     f"{shape[dim]} from index {offset[dim]}: a dim split unevenly by FSDP2 "
                     "on top of tensor parallelism is not placed right by DCP. Make its size "
@@ -606,7 +607,7 @@ def _refuse_misplaced_chunks(state: Any) -> None:
 def _as_plain_shard(name: str, value: DTensor) -> DTensor:
     """A packed DTensor as the plain ``Shard`` DTensor with the same global value, which DCP
     can save: DCP takes each rank's shard for one block, which a strided shard is not."""
-    if _packed_placement(value) is None:
+    if packed_placement(value) is None:
         return value
     return value.redistribute(value.device_mesh, _plain_placements(value))
 
@@ -651,7 +652,7 @@ def latest_step(checkpoint_dir: str | os.PathLike) -> int | None:
     steps = {
         int(match.group(1))
         for entry in root.iterdir()
-        if (match := _STEP_DIR.match(entry.name.removesuffix(_OLD)))
+        if (match := _STEP_DIR.match(entry.name.removesuffix(OLD_SUFFIX)))
     }
     return max((step for step in steps if _step_dir(root, step) is not None), default=None)
 
@@ -671,14 +672,14 @@ def _layout() -> str | None:
     tracker = tp_random.get_rng_tracker()
     if tracker is None:
         return None
-    world = dist.get_world_size() if _distributed() else 1
+    world = dist.get_world_size() if is_distributed() else 1
     tp_size = tracker.tp_size
     return f"{world}x{tp_size}"
 
 
 def _rng_key() -> str | None:
     layout = _layout()
-    return None if layout is None else f"{layout}.rank{_rank()}"
+    return None if layout is None else f"{layout}.rank{global_rank()}"
 
 
 def _where() -> str:

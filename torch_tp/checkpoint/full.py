@@ -19,24 +19,24 @@ from torch_tp._buffers import put_buffers, stale_buffers
 from torch_tp._torch_compat import IncompatibleKeys
 from torch_tp.checkpoint._staging import (
     CheckpointError,
-    _agree,
-    _agree_identity,
-    _check_keys,
-    _coordinate,
-    _copy_staged,
-    _distributed,
-    _first_line,
-    _full_tensor,
-    _group,
-    _load_failed,
-    _local_pieces,
-    _meta_error,
-    _model_tensors,
-    _raise,
-    _rank,
-    _refuse_nested_packed,
-    _single_device_name,
-    _stage_local,
+    agree,
+    agree_identity,
+    check_keys,
+    coordination_group,
+    copy_staged,
+    first_line,
+    full_tensor,
+    global_rank,
+    is_distributed,
+    load_failed,
+    local_pieces,
+    meta_error,
+    model_tensors,
+    raise_if_error,
+    refuse_nested_packed,
+    run_coordinated,
+    single_device_name,
+    stage_local,
 )
 from torch_tp.checkpoint.safetensors import _Source
 
@@ -83,27 +83,27 @@ def full_state_dict(
         >>> if dist.get_rank() == 0:
         ...     safetensors.torch.save_file(state, "model.safetensors")
     """
-    keep = not rank0_only or _rank() == 0
+    keep = not rank0_only or global_rank() == 0
     out: dict[str, Tensor] = {}
-    state = _model_tensors(model)  # hosted adapters' DTensors too: gathered one at a time
-    _refuse_nested_packed(state)
+    state = model_tensors(model)  # hosted adapters' DTensors too: gathered one at a time
+    refuse_nested_packed(state)
     # agreed before any gather (it must be called on every rank): one rank's model on the
     # meta device fails every rank alike
-    error = _meta_error(model, "full_state_dict")
-    if _distributed() and any(isinstance(t, DTensor) for t in state.values()):
-        _agree(error, lambda cause: f"full_state_dict failed: {cause}")
+    error = meta_error(model, "full_state_dict")
+    if is_distributed() and any(isinstance(t, DTensor) for t in state.values()):
+        agree(error, lambda cause: f"full_state_dict failed: {cause}")
     else:
-        _raise(error)
+        raise_if_error(error)
     for name, value in state.items():
         if isinstance(value, DTensor):
-            value = _full_tensor(value)  # a collective: every rank, in the same order
+            value = full_tensor(value)  # a collective: every rank, in the same order
         if not keep:
             continue
         if isinstance(value, Tensor):
             value = value.detach()
             if cpu_offload:
                 value = value.cpu()
-        out[_single_device_name(name)] = value
+        out[single_device_name(name)] = value
     return out
 
 
@@ -170,31 +170,31 @@ def load_full_state_dict(
         >>> torch_tp.checkpoint.load_full_state_dict(model, "llama.safetensors")
     """
     # the model's own tensors, hosted adapters' DTensors included: what the load copies into
-    targets = {_single_device_name(k): v for k, v in _model_tensors(model).items()}
-    _refuse_nested_packed(targets)  # on every rank, before any communication
+    targets = {single_device_name(k): v for k, v in model_tensors(model).items()}
+    refuse_nested_packed(targets)  # on every rank, before any communication
     if broadcast_from_rank0:
         result, staged, buffers = _stage_broadcast(model, targets, state_dict, strict)
     else:
         result, staged, buffers, error, identity = None, {}, [], None, ""
-        agreed = _distributed() and any(isinstance(t, DTensor) for t in targets.values())
+        agreed = is_distributed() and any(isinstance(t, DTensor) for t in targets.values())
         try:
-            _raise(_meta_error(model, "load_full_state_dict"))  # before reading anything
+            raise_if_error(meta_error(model, "load_full_state_dict"))  # before reading anything
             buffers = stale_buffers(model, "load_full_state_dict")  # to_empty()'s garbage
             source = _Source(state_dict)
-            result = _check_keys(model, targets, source, strict)
+            result = check_keys(model, targets, source, strict)
             if agreed:
                 identity = source.identity()
-            staged = _stage_local(source, targets, result)
+            staged = stage_local(source, targets, result)
         except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
             error = exc
         if agreed:
-            _agree(error, _load_failed("loading a full state dict"))
+            agree(error, load_failed("loading a full state dict"))
             # every rank slices the same tensors: a different file or dict on some rank
             # would load a mixture of two models
-            _agree_identity(identity, source.description)
+            agree_identity(identity, source.description)
         elif error is not None:
             raise error
-    _copy_staged(targets, staged)
+    copy_staged(targets, staged)
     put_buffers(buffers)
     return result
 
@@ -205,28 +205,28 @@ def _stage_broadcast(
     state_dict: Mapping[str, Tensor] | str | os.PathLike | None,
     strict: bool,
 ) -> tuple[IncompatibleKeys, dict[str, Tensor], list[tuple[Tensor, Tensor]]]:
-    rank = _rank()
+    rank = global_rank()
     what = "loading a full state dict broadcast from rank 0"
     # rank 0 opens and checks the source; every rank checks its model; every rank then
     # raises the same error, or none does (one small collective)
     error, verdict, buffers = None, None, []
     try:
-        _raise(_meta_error(model, "load_full_state_dict"))
+        raise_if_error(meta_error(model, "load_full_state_dict"))
         buffers = stale_buffers(model, "load_full_state_dict")  # on every rank: its own model
         if rank == 0:
             source = _Source(state_dict)
-            verdict = tuple(_check_keys(model, targets, source, strict))
+            verdict = tuple(check_keys(model, targets, source, strict))
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = exc
     # the broadcasts below follow each rank's own names: they must be the same everywhere
     layout = hashlib.sha256(
         repr([(k, tuple(v.shape), str(v.dtype)) for k, v in targets.items()]).encode()
     ).hexdigest()
-    values = _agree(error, _load_failed(what), value=(layout, verdict))
+    values = agree(error, load_failed(what), value=(layout, verdict))
     differ = [r for r, (other, _) in enumerate(values) if other != values[0][0]]
     if differ:
         raise CheckpointError(
-            _load_failed(what)(
+            load_failed(what)(
                 f"the model's names, shapes or dtypes on rank(s) {differ} differ from rank 0's"
             )
         )
@@ -247,25 +247,26 @@ def _stage_broadcast(
                 full = source.read(name).to(device=local.device, dtype=local.dtype)
             except Exception as exc:  # noqa: BLE001 - agreed on below
                 error = CheckpointError(
-                    f"could not read {name!r} from {source.description}: {_first_line(exc)}. "
+                    f"could not read {name!r} from {source.description}: {first_line(exc)}. "
                     "The model is unchanged."
                 )
         if full is None:
             full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
-        if _distributed():
+        if is_distributed():
             # one whole tensor at a time
-            group = _group() if full.device.type == "cpu" else None  # gloo moves CPU tensors
-            _coordinate(dist.broadcast, full, src=0, group=group, failed=_load_failed(what))
+            # gloo moves CPU tensors
+            group = coordination_group() if full.device.type == "cpu" else None
+            run_coordinated(dist.broadcast, full, src=0, group=group, failed=load_failed(what))
         buffer = torch.empty_like(local)
         if isinstance(target, DTensor):
-            for whole, mine in _local_pieces(name, target):
+            for whole, mine in local_pieces(name, target):
                 buffer[mine].copy_(full[whole])
         else:
             buffer.copy_(full)
         staged[name] = buffer
         del full
-    if _distributed():
-        _agree(error, _load_failed(what))
+    if is_distributed():
+        agree(error, load_failed(what))
     elif error is not None:
         raise error
     return result, staged, buffers

@@ -34,29 +34,29 @@ from torch_tp.checkpoint._hf_conversion import (
     save_groups,
 )
 from torch_tp.checkpoint._publishing import (
-    _begin,
-    _end,
-    _old_name,
-    _publish,
-    _visible,
+    begin_save,
+    end_save,
+    old_name,
+    publish,
+    visible_checkpoint,
 )
 from torch_tp.checkpoint._staging import (
     CheckpointError,
-    _agree,
-    _agree_identity,
-    _check_keys,
-    _copy_staged,
-    _distributed,
-    _first_line,
-    _load_failed,
-    _meta_error,
-    _model_tensors,
-    _Piece,
-    _raise,
-    _rank,
-    _refuse_nested_packed,
-    _single_device_name,
-    _stage_local,
+    Piece,
+    agree,
+    agree_identity,
+    check_keys,
+    copy_staged,
+    first_line,
+    global_rank,
+    is_distributed,
+    load_failed,
+    meta_error,
+    model_tensors,
+    raise_if_error,
+    refuse_nested_packed,
+    single_device_name,
+    stage_local,
 )
 from torch_tp.checkpoint.safetensors import (
     _SAFETENSORS_DTYPES,
@@ -99,7 +99,7 @@ def _weight_map(data: bytes, where: Path) -> dict[str, str]:
     except RecursionError as exc:
         raise refused("its JSON is nested too deeply") from exc
     except ValueError as exc:  # invalid JSON, or bytes that are not UTF-8
-        raise refused(_first_line(exc)) from exc
+        raise refused(first_line(exc)) from exc
     if not isinstance(index, dict):
         raise refused(f"it is {_kind(index)}, not an object holding a 'weight_map'")
     if "weight_map" not in index:
@@ -141,7 +141,7 @@ def _pin(directory: Path) -> _Pinned:
     """The published version of ``directory`` (or, while it is being replaced, the ``.old``
     one), held open. Its rename between our look and our open is retried."""
     for _ in range(3):
-        root = _visible(directory, _complete)
+        root = visible_checkpoint(directory, _complete)
         try:
             pinned = _Pinned(root or directory)
         except (FileNotFoundError, NotADirectoryError):
@@ -229,7 +229,7 @@ class _PretrainedSource:
                         )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
                 raise CheckpointError(
-                    f"{str(root / name)!r} is not a readable safetensors file: {_first_line(exc)}"
+                    f"{str(root / name)!r} is not a readable safetensors file: {first_line(exc)}"
                 ) from exc
         self._identity = identity.hexdigest()
         self._check_files(index, found)
@@ -325,7 +325,7 @@ class _PretrainedSource:
                 return file.get_tensor(key)
             return tensor_slice[region] if region else tensor_slice[:]
 
-    def copy_to(self, name: str, pieces: list[_Piece] | None, dst: Tensor) -> None:
+    def copy_to(self, name: str, pieces: list[Piece] | None, dst: Tensor) -> None:
         """``dst[mine] = name[whole]`` for each piece (the whole tensor: ``pieces=None``),
         reading only those bytes."""
         if pieces is None:
@@ -342,7 +342,7 @@ class _PretrainedSource:
             for whole, mine in pieces:
                 dst[mine].copy_(tensor_slice[whole])
 
-    def mapped(self, name: str, pieces: list[_Piece] | None, local: Tensor) -> Tensor | None:
+    def mapped(self, name: str, pieces: list[Piece] | None, local: Tensor) -> Tensor | None:
         """This rank's part of ``name`` as a view of its file, mapped copy-on-write (pages are
         read when first touched; a write copies the page, never reaching the file), where it
         is one piece of ``local``'s shape, dtype and strides as the file holds it: a
@@ -381,7 +381,7 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     aliases = {}
     for name, value in model.state_dict(keep_vars=True).items():
-        name = _single_device_name(name)
+        name = single_device_name(name)
         if id(value) in first:
             aliases[name] = first[id(value)]
         else:
@@ -448,16 +448,16 @@ def load_pretrained(
         >>> torch_tp.checkpoint.load_pretrained(model, "path/to/checkpoint")
     """
     # the model's own tensors (not detached copies): a staged buffer becomes a tensor's memory
-    # where nothing else sees it (see _copy_staged)
+    # where nothing else sees it (see copy_staged)
     state = model.state_dict(keep_vars=True)
-    targets = {_single_device_name(k): v for k, v in state.items()}
+    targets = {single_device_name(k): v for k, v in state.items()}
     del state
-    _refuse_nested_packed(targets)  # on every rank, before any communication
+    refuse_nested_packed(targets)  # on every rank, before any communication
     error: Exception | None = None
     result, staged = IncompatibleKeys([], []), {}
     source = None
     try:
-        _raise(_meta_error(model, "load_pretrained"))  # before reading anything
+        raise_if_error(meta_error(model, "load_pretrained"))  # before reading anything
         buffers = stale_buffers(model, "load_pretrained")  # what to_empty() left in them
         source = _PretrainedSource(directory, model, targets)
         aliases = _tied_aliases(model)
@@ -466,23 +466,23 @@ def load_pretrained(
             for k, v in targets.items()
             if not (k in aliases and k not in source.shapes and aliases[k] in source.shapes)
         }
-        result = _check_keys(model, wanted, source, strict)
+        result = check_keys(model, wanted, source, strict)
         mapped = source.mapped if mmap else None
-        staged = _stage_local(source, wanted, result, threads=_READERS, mapped=mapped)
+        staged = stage_local(source, wanted, result, threads=_READERS, mapped=mapped)
         source.verify()
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = exc
     finally:
         if source is not None:
             source.close()  # everything is staged (a mapped tensor keeps its mapping)
-    if _distributed() and any(isinstance(t, DTensor) for t in targets.values()):
-        _agree(error, _load_failed(f"loading {str(directory)!r}"))
+    if is_distributed() and any(isinstance(t, DTensor) for t in targets.values()):
+        agree(error, load_failed(f"loading {str(directory)!r}"))
         # the same version on every rank: paths that differ, or a directory replaced
         # between two ranks' opens, would load a mixture
-        _agree_identity(source.identity(), source.description)
+        agree_identity(source.identity(), source.description)
     elif error is not None:
         raise error
-    _copy_staged(targets, staged, source.views if source is not None else ())
+    copy_staged(targets, staged, source.views if source is not None else ())
     put_buffers(buffers)
     if source is not None and source.layout.mapping is not None:
         # as transformers' from_pretrained: the conversions applied, reverted on save
@@ -576,9 +576,9 @@ def _save_pretrained(
     model: nn.Module, directory: str | os.PathLike, max_shard_size: int | str, layout: str
 ) -> None:
     final = Path(directory)
-    writer = _rank() == 0
+    writer = global_rank() == 0
     what = f"saving {str(final)!r}"
-    state = _model_tensors(model)  # gathered below one group at a time, adapters too
+    state = model_tensors(model)  # gathered below one group at a time, adapters too
 
     def failed(cause: str) -> str:
         return _save_failed(what, final, cause)
@@ -593,38 +593,38 @@ def _save_pretrained(
             raise ValueError(
                 f"layout must be one of {', '.join(map(repr, _LAYOUTS))}, found {layout!r}"
             )
-        _raise(_meta_error(model, "save_pretrained"))
-        _refuse_nested_packed(state)
+        raise_if_error(meta_error(model, "save_pretrained"))
+        refuse_nested_packed(state)
         aliases = _tied_aliases(model)
-        names = [n for n in map(_single_device_name, state) if n not in aliases]
+        names = [n for n in map(single_device_name, state) if n not in aliases]
         groups = save_groups(model, names) if layout == "transformers" else [[n] for n in names]
         if layout == "transformers":
             _check_revert(model, state, groups)
     except (ValueError, NotImplementedError, CheckpointError) as exc:
         error = exc
-    _agree(error, failed)  # nothing is written unless every rank can go on
+    agree(error, failed)  # nothing is written unless every rank can go on
     # rank 0 claims the directory (refused while another save of it is in progress) and
     # writes into a staging directory of this save alone
     claim, partial = None, final
     if writer:
         try:
-            claim, partial = _begin(final, _complete, failed)
+            claim, partial = begin_save(final, _complete, failed)
         except OSError as exc:
             error = CheckpointError(failed(f"cannot prepare a staging directory: {exc}"))
         except CheckpointError as exc:
             error = exc
-    _agree(error, failed)
+    agree(error, failed)
     try:
         error = _write_pretrained(model, state, groups, layout, limit, partial, final, failed)
         if claim is not None:
             # before the last agreement: whoever saves next finds the directory free, and a
             # failed save leaves nothing behind
-            _end(claim, partial)
+            end_save(claim, partial)
             claim = None
     finally:
         if claim is not None:  # a collective failed: nothing of this save is left behind
-            _end(claim, partial)
-    _agree(error, failed)
+            end_save(claim, partial)
+    agree(error, failed)
 
 
 def _write_pretrained(
@@ -643,7 +643,7 @@ def _write_pretrained(
     gather raises on every rank (no rank is left to agree with)."""
     from safetensors.torch import save_file
 
-    writer = _rank() == 0
+    writer = global_rank() == 0
     error: Exception | None = None
 
     @contextlib.contextmanager
@@ -653,7 +653,7 @@ def _write_pretrained(
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
-            raise CheckpointError(failed(f"cannot {what}: {_first_line(exc)}")) from exc
+            raise CheckpointError(failed(f"cannot {what}: {first_line(exc)}")) from exc
 
     shard: dict[str, Tensor] = {}
     shard_bytes, files, weight_map, total = 0, [], {}, 0
@@ -677,7 +677,7 @@ def _write_pretrained(
         shard_bytes += nbytes
         total += nbytes
 
-    values = {_single_device_name(k): v for k, v in state.items()}
+    values = {single_device_name(k): v for k, v in state.items()}
     for group in groups:
         gathered: dict[str, Tensor] = {}
         for name in group:
@@ -688,7 +688,7 @@ def _write_pretrained(
                 except Exception as exc:  # noqa: BLE001 - a rank died, or the network failed
                     raise CheckpointError(
                         failed(f"gathering {name!r} failed, a rank has probably died "
-                               f"({_first_line(exc)})")
+                               f"({first_line(exc)})")
                     ) from exc  # fmt: skip
             if writer and error is None:
                 gathered[name] = value
@@ -723,7 +723,7 @@ def _write_pretrained(
                 with doing(f"write {str(partial / (attribute + '.json'))!r}"):
                     config.save_pretrained(partial)
         with doing(f"publish {str(partial)!r} as {str(final)!r}"):
-            _publish(partial, final)
+            publish(partial, final)
     except CheckpointError as exc:
         return exc
     return None
@@ -735,7 +735,7 @@ _LAYOUTS = ("transformers", "model")
 def _check_revert(model: nn.Module, state: dict[str, Tensor], groups: list[list[str]]) -> None:
     """Revert every group on meta tensors of its global shapes, before anything is gathered:
     a conversion that cannot be reverted, or two that write one key, is refused by name."""
-    values = {_single_device_name(k): v for k, v in state.items()}
+    values = {single_device_name(k): v for k, v in state.items()}
     written: dict[str, str] = {}
     for group in groups:
         meta = {
@@ -746,7 +746,7 @@ def _check_revert(model: nn.Module, state: dict[str, Tensor], groups: list[list[
         except Exception as exc:  # noqa: BLE001 - transformers' ops raise various types
             raise CheckpointError(
                 f"cannot write {', '.join(map(repr, group))} in transformers' layout: "
-                f"{_first_line(exc)} (layout='model' writes the model's own names)"
+                f"{first_line(exc)} (layout='model' writes the model's own names)"
             ) from exc
         for key in keys:
             if key in written:
@@ -760,7 +760,7 @@ def _check_revert(model: nn.Module, state: dict[str, Tensor], groups: list[list[
 def _save_failed(what: str, final: Path, cause: str) -> str:
     """The message of a failed save_pretrained: what failed, and where the previous
     checkpoint is, intact (as the disk shows it now)."""
-    old = _old_name(final)
+    old = old_name(final)
     if _complete(final):
         kept = (
             f"the checkpoint at {str(final)!r} is intact (the previous one, or this save's if it "

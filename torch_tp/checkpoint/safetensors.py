@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from torch_tp.checkpoint._staging import (
     CheckpointError,
-    _first_line,
-    _Piece,
-    _runs,
+    Piece,
+    consecutive_runs,
+    first_line,
 )
 
 __all__: list[str] = []
@@ -76,7 +76,7 @@ class _Source:
                     }
             except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
                 raise CheckpointError(
-                    f"{str(self._path)!r} is not a readable safetensors file: {_first_line(exc)}"
+                    f"{str(self._path)!r} is not a readable safetensors file: {first_line(exc)}"
                 ) from exc
         elif isinstance(state_dict, Mapping):
             self.description = "the state dict"
@@ -97,7 +97,7 @@ class _Source:
 
         return safe_open(str(self._path), framework="pt", device="cpu")
 
-    def copy_to(self, name: str, pieces: list[_Piece] | None, dst: Tensor) -> None:
+    def copy_to(self, name: str, pieces: list[Piece] | None, dst: Tensor) -> None:
         """Copy the whole tensor ``name`` (``pieces=None``) into ``dst``, or just some
         regions of it (each ``(whole, mine)`` piece: ``dst[mine] = name[whole]``)."""
         if self._dict is not None:
@@ -155,7 +155,7 @@ class _Source:
                     continue
                 begin = start + header[name]["data_offsets"][0]
                 size = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
-                for run, _ in _runs(at):  # consecutive positions: one read each
+                for run, _ in consecutive_runs(at):  # consecutive positions: one read each
                     file.seek(begin + run.start * size)
                     digest.update(file.read((run.stop - run.start) * size))
         return digest.hexdigest()
@@ -225,7 +225,7 @@ class _Pinned:
                 f"{where!r} is missing (if the directory was being replaced, load again)"
             ) from exc
         except OSError as exc:
-            raise CheckpointError(f"{where!r} cannot be opened: {_first_line(exc)}") from exc
+            raise CheckpointError(f"{where!r} cannot be opened: {first_line(exc)}") from exc
         self._fds[name] = fd
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -31,9 +31,9 @@ def with_context_parallel(
         raise ValueError(f"cp_degree must be a positive int, found {cp_degree!r}")
     if cp_degree == 1:
         return dict(plan)
-    from torch_tp.plans.auto.blocks import _find_blocks  # (auto imports this module)
+    from torch_tp.plans.auto.blocks import find_blocks  # (auto imports this module)
 
-    path, names, _ = _find_blocks(model)
+    path, names, _ = find_blocks(model)
     prefix = f"{path}." if path else ""
     blocks = {f"{prefix}*", *(f"{prefix}{name}" for name in names)}
     taken = sorted(key for key in plan if key in blocks)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard
 from torch.overrides import TorchFunctionMode
 
 from torch_tp._torch_compat import tree_leaves
-from torch_tp.report.render import Problem, _size, _table
+from torch_tp.report.render import Problem, format_bytes, format_table
 
 __all__ = ["PipelineReport", "StageRow", "pipeline_report"]
 
@@ -119,7 +119,7 @@ class PipelineReport:
             "",
             "Stages",
         ]
-        lines += _table(
+        lines += format_table(
             [
                 "stage",
                 "rank",
@@ -135,11 +135,11 @@ class PipelineReport:
                     str(s.index),
                     str(s.rank),
                     s.modules,
-                    _size(s.parameter_bytes),
-                    _size(s.activation_bytes),
+                    format_bytes(s.parameter_bytes),
+                    format_bytes(s.activation_bytes),
                     str(s.in_flight),
-                    _size(s.peak_activation_bytes),
-                    _size(s.output_bytes) if s.output_bytes else "-",
+                    format_bytes(s.peak_activation_bytes),
+                    format_bytes(s.output_bytes) if s.output_bytes else "-",
                 ]
                 for s in self.stages
             ],
@@ -148,7 +148,7 @@ class PipelineReport:
         lines += [
             "",
             f"Bubble: {self.bubble:.1%} of the step idle",
-            f"Point-to-point: {_size(self.p2p_bytes)} per step",
+            f"Point-to-point: {format_bytes(self.p2p_bytes)} per step",
             "",
             "Problems" if self.problems else "Problems: none",
         ]

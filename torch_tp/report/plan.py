@@ -66,24 +66,24 @@ from torch_tp.plan_checks import (
 )
 from torch_tp.report.adapters import adapter_layouts
 from torch_tp.report.render import (
-    _SEVERITIES,
+    SEVERITIES,
     ParameterGroup,
     PlanEntryRow,
     PlanReport,
     Problem,
-    _shape,
-    _size,
+    format_bytes,
+    format_shape,
 )
 from torch_tp.report.trace import (
-    _backward,
-    _contract,
-    _generalize,
-    _group,
-    _Node,
-    _run,
-    _Trace,
+    DTensorNode,
+    Trace,
+    generalize_path,
+    group_collectives,
     mesh_ndim,
+    style_contract,
     style_dims,
+    trace_backward,
+    trace_forward,
 )
 from torch_tp.shapes import MeshOfSize, ShapeCheckError, check_shapes
 from torch_tp.style import adapters as _adapters
@@ -191,7 +191,7 @@ def plan_report(
     valid = [e for e in entries if id(e.module) not in invalid]
 
     inputs = _inputs(example_inputs, batch_size, local_seq_len)
-    trace = _Trace(valid, n, cpu=device_type == "cpu", mesh_shape=mesh_shape)
+    trace = Trace(valid, n, cpu=device_type == "cpu", mesh_shape=mesh_shape)
     trace.watch_unplanned(model)
     with torch.enable_grad(), planning(model, styled):
         refused_entries = [e for e in entries if id(e.module) in invalid]
@@ -209,7 +209,7 @@ def plan_report(
         for e in valid
         if id(e.module) not in trace.called
     ]
-    order = {severity: i for i, severity in enumerate(_SEVERITIES)}
+    order = {severity: i for i, severity in enumerate(SEVERITIES)}
     problems.sort(key=lambda p: order[p.severity])
 
     styles = _names.resolve_names(plan) if isinstance(plan, Mapping) else {"": plan}
@@ -223,7 +223,7 @@ def plan_report(
         dtype=Counter(floating).most_common(1)[0][0] if floating else torch.get_default_dtype(),
         plan=[PlanEntryRow(key, _names.describe(styles[key]), matched[key]) for key in keys],
         parameters=parameters,
-        collectives=_group(trace.events),
+        collectives=group_collectives(trace.events),
         problems=problems,
         mesh_shape=mesh_shape,
         tokens_per_rank=local_seq_len if split else None,
@@ -259,9 +259,9 @@ def _check_mesh(
         raise NotImplementedError(
             f"{err}; or give plan_report the mesh's shape as tp_degree, e.g. {{'ep': 2, 'tp': 2}}"
         ) from None
-    named = [e for e in entries if getattr(_contract(e), "mesh_dims", None) is not None]
+    named = [e for e in entries if getattr(style_contract(e), "mesh_dims", None) is not None]
     if named:
-        dims = _contract(named[0]).mesh_dims
+        dims = style_contract(named[0]).mesh_dims
         raise NotImplementedError(
             f"{_names.describe(named[0].style)} on {named[0].path!r} runs on the mesh "
             f"dimension(s) {list(dims)} beside tp: give plan_report the mesh's shape as "
@@ -287,18 +287,18 @@ def _unmatched_keys(
 
 def _train_step(
     model: nn.Module,
-    trace: _Trace,
+    trace: Trace,
     inputs: Any,
     input_layout: Placement | None,
     refused_entries: list[PlanEntry],
 ) -> None:
     """Trace one forward, then the backward of a loss that takes the output as it is."""
-    output = _run(model, trace, inputs, input_layout, refused_entries)
+    output = trace_forward(model, trace, inputs, input_layout, refused_entries)
     for t in tree_leaves(output):
-        if isinstance(t, torch.Tensor) and isinstance(trace.states.get(id(t)), _Node):
+        if isinstance(t, torch.Tensor) and isinstance(trace.states.get(id(t)), DTensorNode):
             node = trace.states[id(t)]
             node.grads.append(node.placement)
-    _backward(trace)
+    trace_backward(trace)
 
 
 def _own_code_problems(
@@ -337,7 +337,7 @@ def _sequence_split(
     checked against each such style's chunks."""
     split: dict[str, int] = {}
     for entry in entries:
-        chunks_of = getattr(_contract(entry), "sequence_chunks", None)
+        chunks_of = getattr(style_contract(entry), "sequence_chunks", None)
         if chunks_of is None or mesh_shape is None:
             continue
         dim = style_dims(entry, mesh_shape)[0]
@@ -354,7 +354,7 @@ def _sequence_split(
     return seq_len // math.prod(split.values()), split
 
 
-def _sequence_split_notes(split: dict[str, int], trace: _Trace) -> list[Problem]:
+def _sequence_split_notes(split: dict[str, int], trace: Trace) -> list[Problem]:
     """What a report under context parallelism says once: what the numbers are per rank."""
     if not split:
         return []
@@ -418,7 +418,7 @@ def _check_mesh_shape(entries: list[PlanEntry], shape: dict[str, int]) -> None:
     dimension is used by some style."""
     dims = list(shape)
     if "tp" not in shape:
-        tp_styles = [e for e in entries if getattr(_contract(e), "mesh_dims", None) is None]
+        tp_styles = [e for e in entries if getattr(style_contract(e), "mesh_dims", None) is None]
         if tp_styles:
             raise ValueError(
                 f"the mesh's shape {shape} must end with the dimension 'tp', the one the "
@@ -428,7 +428,7 @@ def _check_mesh_shape(entries: list[PlanEntry], shape: dict[str, int]) -> None:
     missing = {
         dim: e
         for e in entries
-        for dim in getattr(_contract(e), "mesh_dims", None) or ()
+        for dim in getattr(style_contract(e), "mesh_dims", None) or ()
         if dim not in shape
     }
     if missing:
@@ -488,7 +488,7 @@ def _shape_problems(model: nn.Module, plan: Any, n: int, inputs: tuple[tuple, di
         return [Problem("note", "", str(err))]
     except ValueError:  # the plan does not apply: the problems above say why
         return []
-    return [Problem("error", _generalize(p.module), str(p)) for p in found]
+    return [Problem("error", generalize_path(p.module), str(p)) for p in found]
 
 
 def _inputs(example_inputs: Any, batch_size: int, seq_len: int) -> tuple[tuple, dict]:
@@ -553,7 +553,7 @@ def _accept(module: nn.Module, mesh: Any) -> None:
     """The check of a style that has none."""
 
 
-def _unsummed_gradients(entries: list[PlanEntry], trace: _Trace) -> list[Problem]:
+def _unsummed_gradients(entries: list[PlanEntry], trace: Trace) -> list[Problem]:
     """What :func:`torch_tp.plan_checks.validate_plan` refuses as replicated parameters left with
     partial gradients (:func:`~torch_tp.plan_checks.unsummed_gradients`), where the trace did
     not already find those parameters computing on a shard (it says more: the op and where
@@ -627,11 +627,11 @@ def _parameter_groups(
             seen.add(id(param))
             placement = placements.get(name)
             if adapter is not None:  # model.layers.*.self_attn.q_proj.lora_A.default.weight
-                full = _generalize(f"{path}.{name}")
+                full = generalize_path(f"{path}.{name}")
             elif entry is not None:
                 full = f"{entry.key}.{name}" if entry.key else name
             else:
-                full = _generalize(f"{path}.{name}" if path else name)
+                full = generalize_path(f"{path}.{name}" if path else name)
             shape = tuple(param.shape)
             if entry is not None and mesh_ndim(entry) > 1:
                 sizes: Any = tuple(mesh_shape[d] for d in style_dims(entry, mesh_shape))
@@ -655,7 +655,7 @@ def _parameter_groups(
 def _divisibility(
     model: nn.Module,
     parameters: list[ParameterGroup],
-    trace: _Trace,
+    trace: Trace,
     n: int,
 ) -> list[Problem]:
     problems = []
@@ -712,18 +712,19 @@ def _unsharded(model: nn.Module, entries: list[PlanEntry]) -> list[Problem]:
             continue
         params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for p in params)
-        name = _generalize(path)
+        name = generalize_path(path)
         groups.setdefault(name, []).append(sum(p.numel() * p.element_size() for p in params))
         weight = module.weight
-        shapes[name] = f"{type(module).__name__} {_shape(tuple(weight.shape))}"
+        shapes[name] = f"{type(module).__name__} {format_shape(tuple(weight.shape))}"
     return [
         Problem(
             "note",
             name,
             f"{shapes[name]} is not sharded: every rank holds all of it "
-            f"({len(sizes)} x {_size(sizes[0])})"
+            f"({len(sizes)} x {format_bytes(sizes[0])})"
             if len(sizes) > 1
-            else f"{shapes[name]} is not sharded: every rank holds all of it ({_size(sizes[0])})",
+            else f"{shapes[name]} is not sharded: every rank holds all of it "
+            f"({format_bytes(sizes[0])})",
         )
         for name, sizes in groups.items()
     ]

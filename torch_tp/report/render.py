@@ -14,7 +14,7 @@ __all__ = ["Collective", "ParameterGroup", "PlanEntryRow", "PlanReport", "Proble
 FORWARD, BACKWARD = "forward", "backward"
 # where the end-of-backward reduction of partial parameter gradients is reported
 REPLICATED_PARAMETERS = "(replicated parameters)"
-_SEVERITIES = ("error", "warning", "note")
+SEVERITIES = ("error", "warning", "note")
 
 
 # ------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class PlanReport:
         return [
             "",
             "Plan",
-            *_table(
+            *format_table(
                 ["key", "modules", "style"],
                 [[row.key or '""', str(row.modules), row.style] for row in self.plan],
                 right={1},
@@ -234,14 +234,14 @@ class PlanReport:
                 g.name,
                 str(g.count),
                 g.placement or "-",
-                _shape(g.global_shape),
-                _shape(g.local_shape),
-                _size(g.local_bytes),
-                _size(g.global_bytes),
+                format_shape(g.global_shape),
+                format_shape(g.local_shape),
+                format_bytes(g.local_bytes),
+                format_bytes(g.global_bytes),
             ]
             for g in self.parameters
         ]
-        table = _table(
+        table = format_table(
             ["parameter", "count", "placement", "global", "per rank", "bytes/rank", "unsharded"],
             [*rows, *self._parameter_totals()],
             right={1, 5, 6},
@@ -259,8 +259,8 @@ class PlanReport:
                 "",
                 "",
                 "",
-                _size(self.per_rank_bytes),
-                _size(self.unsharded_bytes),
+                format_bytes(self.per_rank_bytes),
+                format_bytes(self.unsharded_bytes),
             ]
         ]
         adapters = self.adapter_parameters
@@ -276,8 +276,8 @@ class PlanReport:
                     "",
                     "",
                     "",
-                    _size(rank),
-                    _size(whole),
+                    format_bytes(rank),
+                    format_bytes(whole),
                 ]
             )
         return rows
@@ -290,9 +290,9 @@ class PlanReport:
         rank, whole = self.attention_activations
         return [
             "",
-            f"Attention activations saved for backward: {_size(rank)} per rank (q, k, v, "
+            f"Attention activations saved for backward: {format_bytes(rank)} per rank (q, k, v, "
             "output, log-sum-exp of its tokens); one device, unsplit: "
-            f"{_size(whole)} (with a kernel that saves the log-sum-exp; the math "
+            f"{format_bytes(whole)} (with a kernel that saves the log-sum-exp; the math "
             "backend saves the S x S probabilities too). Other activations: 1/cp too",
         ]
 
@@ -306,7 +306,7 @@ class PlanReport:
             "",
             f"Collectives per step (model forward and backward, batch {self.batch_size} x "
             f"{self.seq_len}{self._split()}; the loss is not included)",
-            *_table(
+            *format_table(
                 ["pass", "collective", *over, "count", "bytes each", "bytes total", "from"],
                 rows,
                 right={2 + shift, 3 + shift, 4 + shift},
@@ -323,8 +323,8 @@ class PlanReport:
                 c.kind,
                 *([str(c.mesh_dim)] if over else []),
                 str(c.count),
-                _size(c.bytes),
-                _size(c.count * c.bytes),
+                format_bytes(c.bytes),
+                format_bytes(c.count * c.bytes),
                 c.where or '""',
             ]
             for c in mine
@@ -333,10 +333,12 @@ class PlanReport:
             on_dim = [c for c in mine if c.mesh_dim == dim]
             count = sum(c.count for c in on_dim)
             total = sum(c.count * c.bytes for c in on_dim)
-            rows.append([phase, "total", dim, str(count), "", _size(total), ""])
+            rows.append([phase, "total", dim, str(count), "", format_bytes(total), ""])
         count = sum(c.count for c in mine)
         total = sum(c.count * c.bytes for c in mine)
-        rows.append([phase, "total", *(["all"] if over else []), str(count), "", _size(total), ""])
+        rows.append(
+            [phase, "total", *(["all"] if over else []), str(count), "", format_bytes(total), ""]
+        )
         return rows
 
     def _problems_section(self) -> list[str]:
@@ -403,7 +405,7 @@ def _collapsed(problems: list[Problem]) -> list[tuple[str, str, str]]:
     return lines
 
 
-def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+def format_table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(row: list[str]) -> str:
@@ -416,11 +418,11 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
     return [line(header), *(line(row) for row in rows)]
 
 
-def _shape(shape: tuple[int, ...]) -> str:
+def format_shape(shape: tuple[int, ...]) -> str:
     return " x ".join(str(s) for s in shape) if shape else "scalar"
 
 
-def _size(n: int) -> str:
+def format_bytes(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"

@@ -131,7 +131,7 @@ class _Broken:
 
 
 @dataclass(eq=False)
-class _Node:
+class DTensorNode:
     """A DTensor in the parallel model, and how it was made.
 
     Either ``parent`` is the DTensor it was redistributed from, or ``origin`` is the layout of
@@ -144,7 +144,7 @@ class _Node:
     itemsize: int
     requires_grad: bool
     where: str
-    parent: _Node | None = None
+    parent: DTensorNode | None = None
     origin: Placement | None = None
     grads: list[Placement] = field(default_factory=list)
     # nodes of one group send their gradients back in one collective (Boundary.coalesced)
@@ -153,7 +153,7 @@ class _Node:
     handed_back: bool = False
 
 
-_State = _Local | _Node | _DTensorAfterOps | _Broken
+_State = _Local | DTensorNode | _DTensorAfterOps | _Broken
 
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
 # ops whose second input gives only a shape: the output is the first's data (expand_as is
@@ -177,12 +177,12 @@ _SPLITS = {
 _PARTS = _VIEWS | _LIKE | {torch.Tensor.__getitem__, torch.Tensor.narrow, torch.narrow}
 
 
-def _generalize(path: str) -> str:
+def generalize_path(path: str) -> str:
     """``layers.3.attention`` -> ``layers.*.attention``: one row for all layers."""
     return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
 
-class _Trace:
+class Trace:
     """Follows the unparallelized model's forward and predicts the parallel one's collectives."""
 
     def __init__(
@@ -201,7 +201,7 @@ class _Trace:
         self.entry_of = {id(e.module): e for e in entries}
         self.states: dict[int, _State] = {}
         self.alive: list[torch.Tensor] = []  # keeps ids unique while the trace runs
-        self.nodes: list[_Node] = []
+        self.nodes: list[DTensorNode] = []
         # (phase, kind, where, bytes, mesh dimension)
         self.events: list[tuple[str, str, str, int, str | None]] = []
         self.partial_params: dict[int, nn.Parameter] = {}
@@ -241,7 +241,7 @@ class _Trace:
         local tensor gets a partial gradient nothing sums (a silent wrong gradient)."""
         planned = set()
         for entry in self.entry_of.values():
-            contract = _contract(entry)
+            contract = style_contract(entry)
             placed = contract.parameters(entry.style, entry.module) if contract else None
             if contract is not None and contract.local_forward(entry.style, entry.module):
                 placed = dict(entry.module.named_parameters())  # computed inside, not traced
@@ -295,16 +295,16 @@ class _Trace:
         t: torch.Tensor,
         where: str,
         *,
-        parent: _Node | None = None,
+        parent: DTensorNode | None = None,
         origin: Placement | None = None,
-    ) -> _Node:
+    ) -> DTensorNode:
         """A DTensor made from ``parent`` (or from a local tensor laid out ``origin``), moved
         to ``placement``: the forward collective is issued now."""
         ndim = t.ndim
         placement = normalize(placement, ndim)
         source = parent.placement if parent is not None else normalize(origin, ndim)
         self.emit(FORWARD, where, self.move(source, placement, t))
-        node = _Node(
+        node = DTensorNode(
             placement,
             tuple(t.shape),
             t.element_size(),
@@ -316,7 +316,7 @@ class _Trace:
         self.nodes.append(node)
         return node
 
-    def redistribute(self, state: _Node, target: Placement, t: torch.Tensor, where: str):
+    def redistribute(self, state: DTensorNode, target: Placement, t: torch.Tensor, where: str):
         """The DTensor ``state`` moved to ``target``: itself when it is there already."""
         target = normalize(target, t.ndim)
         if state.placement == target:
@@ -401,7 +401,7 @@ class _Trace:
             annotated = moved or not layout.local
             state = self.arrive(entry, t, layout.given, what, annotated=annotated)
         grad = target if layout.grad is None else normalize(layout.grad, ndim)
-        if isinstance(state, _Node):
+        if isinstance(state, DTensorNode):
             node = self.redistribute(
                 state, state.placement if layout.to is None else target, t, entry.key
             )
@@ -467,7 +467,7 @@ class _Trace:
         return crossed
 
     def local_forward(self, entry: PlanEntry) -> bool:
-        contract = _contract(entry)
+        contract = style_contract(entry)
         return contract is not None and bool(contract.local_forward(entry.style, entry.module))
 
     # -- hooks -----------------------------------------------------------------------------
@@ -477,7 +477,7 @@ class _Trace:
         if entry is None:
             return
         self.called.add(id(module))
-        style, contract = entry.style, _contract(entry)
+        style, contract = entry.style, style_contract(entry)
         if getattr(contract, "attention_transfers", None) is not None:
             self.attention.append(entry)
         saved: list[tuple[torch.Tensor, _State | None]] = []
@@ -518,7 +518,7 @@ class _Trace:
             return
         for value, state in reversed(self.saved.pop()):
             self.set_state(value, state)
-        style, contract = entry.style, _contract(entry)
+        style, contract = entry.style, style_contract(entry)
         if self.attention and self.attention[-1] is entry:
             self.attention.pop()
         if contract is None:
@@ -577,7 +577,7 @@ class _Trace:
         rest = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:], strict=False))
         rest.update((name, value) for name, value in kwargs.items() if name not in names)
         local = [self.local_heads(t) for t in (q, k, v)]
-        style, contract = entry.style, _contract(entry)
+        style, contract = entry.style, style_contract(entry)
         transfers = contract.attention_transfers(
             style, entry.module, *local, rest, self.degree(entry)
         )
@@ -598,7 +598,7 @@ class _Trace:
         state = self.states.get(id(t))
         sharded = (
             isinstance(state, _Local) and isinstance(state.layout, (Shard, StridedShard))
-        ) or (isinstance(state, _Node) and isinstance(state.placement, (Shard, StridedShard)))
+        ) or (isinstance(state, DTensorNode) and isinstance(state.placement, (Shard, StridedShard)))
         if not sharded or self.n == 1 or t.ndim < 3:
             return t
         shape = list(t.shape)
@@ -643,7 +643,7 @@ class _Trace:
         if not sharded:
             return
         self.partial_found.add(found[0])
-        name = _generalize(found[0])
+        name = generalize_path(found[0])
         entry = self.unsummed.get(found[0])
         if entry is not None:
             own = found[0][len(entry.path) + 1 :] if entry.path else found[0]
@@ -686,7 +686,7 @@ class _Trace:
             if y.ndim == x.ndim + 1 and y.shape[-2] * y.shape[-1] == x.shape[-1]:
                 self.heads.setdefault(key, (y.shape[-2], y.shape[-1]))
         states = [self.states.get(id(t)) for t in inputs]
-        where = _generalize(self.scope[-1] if self.scope else "")
+        where = generalize_path(self.scope[-1] if self.scope else "")
         self.check_unplanned(func, inputs, outputs, states, where)
         if not any(states):
             return
@@ -704,7 +704,7 @@ class _Trace:
             return
         if dtensors:
             for state in dtensors:
-                if isinstance(state, _Node):
+                if isinstance(state, DTensorNode):
                     state.grads.append(state.placement)
             plain = [t for t, s in zip(inputs, states, strict=True) if t.ndim and s not in dtensors]
             if plain:
@@ -751,7 +751,7 @@ class _Trace:
 
 
 def _replicated_node(state: _State) -> bool:
-    return isinstance(state, _Node) and isinstance(state.placement, Replicate)
+    return isinstance(state, DTensorNode) and isinstance(state.placement, Replicate)
 
 
 def _broadcast_dropped(
@@ -781,7 +781,7 @@ def _broadcast_dropped(
 
 def mesh_ndim(entry: PlanEntry) -> int:
     """The dimensions of the mesh ``entry``'s style runs on (its contract's ``mesh_ndim``)."""
-    return getattr(_contract(entry), "mesh_ndim", 1)
+    return getattr(style_contract(entry), "mesh_ndim", 1)
 
 
 def style_dims(entry: PlanEntry, mesh_shape: Mapping[str, int]) -> list[str]:
@@ -789,13 +789,13 @@ def style_dims(entry: PlanEntry, mesh_shape: Mapping[str, int]) -> list[str]:
     last ``mesh_ndim`` (the 1-D styles on the last, ``tp``). The one place the report maps a
     style to its dimensions. A style whose contract names its dimensions (``mesh_dims``:
     ``("cp",)``) runs on those."""
-    named = getattr(_contract(entry), "mesh_dims", None)
+    named = getattr(style_contract(entry), "mesh_dims", None)
     if named is not None:
         return list(named)
     return list(mesh_shape)[-mesh_ndim(entry) :]
 
 
-def _contract(entry: PlanEntry) -> StyleContract | None:
+def style_contract(entry: PlanEntry) -> StyleContract | None:
     """The contract of ``entry``'s style (``None``: it declares none, or is duck-typed)."""
     return getattr(entry.style, "contract", None)
 
@@ -812,7 +812,7 @@ def _op_name(func: Callable) -> str:
 class _LayoutMode(TorchFunctionMode):
     """Hands every torch op to the trace (ops inside local-compute styles are replaced)."""
 
-    def __init__(self, trace: _Trace) -> None:
+    def __init__(self, trace: Trace) -> None:
         super().__init__()
         self.trace = trace
 
@@ -836,9 +836,9 @@ class _LayoutMode(TorchFunctionMode):
         return out
 
 
-def _run(
+def trace_forward(
     model: nn.Module,
-    trace: _Trace,
+    trace: Trace,
     inputs: tuple[tuple, dict],
     input_layout: Placement | None = None,
     refused: Sequence[PlanEntry] = (),
@@ -850,7 +850,7 @@ def _run(
     refused_of = {id(e.module): e for e in refused}
     for path, module in model.named_modules():
         entry = trace.entry_of.get(id(module)) or refused_of.get(id(module))
-        contract = None if entry is None else _contract(entry)
+        contract = None if entry is None else style_contract(entry)
         if contract is not None and contract.meta_output is not None:
             # a forward that reads its inputs' values (routing): its output's shapes instead
             module.forward = functools.partial(_meta_forward, contract, entry.style, module)
@@ -913,7 +913,7 @@ def _meta_forward(
 
 
 class _Restore:
-    """Removes the forward :func:`_run` put on a module's instance, like a hook handle."""
+    """Removes the forward :func:`trace_forward` put on a module's instance, like a hook handle."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -922,7 +922,7 @@ class _Restore:
         del self.module.forward
 
 
-def _backward(trace: _Trace) -> None:
+def trace_backward(trace: Trace) -> None:
     """Each DTensor's gradient goes back to the placement it was made from (latest first)."""
     grouped: dict[int, int] = {}  # group -> index of its one event
     transfers = list(trace.backward_transfers)
@@ -968,11 +968,11 @@ def _over(dims: list[str | None], mesh_dim: int | None) -> str | None:
     return dims[mesh_dim]
 
 
-def _group(events: list[tuple[str, str, str, int, str | None]]) -> list[Collective]:
+def group_collectives(events: list[tuple[str, str, str, int, str | None]]) -> list[Collective]:
     """Events counted per (phase, kind, generalized plan key, bytes, mesh dimension),
     forward first."""
     counts = Counter(  # insertion-ordered: in the order of the first occurrence
-        (phase, kind, _generalize(where), size, dim) for phase, kind, where, size, dim in events
+        (phase, kind, generalize_path(where), size, dim) for phase, kind, where, size, dim in events
     )
     return [
         Collective(phase, kind, where, count, size, dim)

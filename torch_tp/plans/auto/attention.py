@@ -1,6 +1,6 @@
 """Planning one attention or MLP group: its heads, and what its ``forward`` reads.
 
-:func:`_plan_group` plans a group that :func:`~torch_tp.plans.auto.groups._assign` found to be
+:func:`plan_group` plans a group that :func:`~torch_tp.plans.auto.groups.assign_styles` found to be
 an attention or MLP: an attention gets ``AttentionHeads`` (head counts found on the module or
 the config, checked against the shapes, and the attributes its ``forward`` reads that must
 become per-rank), ``LocalParamsParallel`` for attention sinks, or is computed whole, its
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from torch_tp.plans.auto.groups import _GATE_NAME, _Group, _where
+from torch_tp.plans.auto.groups import OUTPUT_GATE_NAME, LinearGroup, describe_group
 from torch_tp.style import (
     AttentionHeads,
     ColwiseParallel,
@@ -29,7 +29,7 @@ from torch_tp.style import (
 )
 
 if TYPE_CHECKING:
-    from torch_tp.plans.auto.blocks import _BlockPlan
+    from torch_tp.plans.auto.blocks import BlockPlan
 
 __all__: list[str] = []
 
@@ -101,11 +101,11 @@ _KEEP_NAMES = frozenset(
 )
 
 
-def _plan_group(
+def plan_group(
     model: nn.Module,
     members: list[nn.Module],
-    group: _Group,
-    result: _BlockPlan,
+    group: LinearGroup,
+    result: BlockPlan,
     whole: dict[str, str],
 ) -> None:
     if group.key in whole and group.kind in ("attention", "mlp"):
@@ -133,9 +133,9 @@ def _plan_group(
             if sinks:
                 if heads is not None and heads.divide:
                     raise ValueError(
-                        f"{_where(group)} has attention sinks and reads sizes that must become "
-                        f"per-rank ({', '.join(heads.divide)}): no style does both; write the "
-                        "plan by hand"
+                        f"{describe_group(group)} has attention sinks and reads sizes that must "
+                        f"become per-rank ({', '.join(heads.divide)}): no style does both; write "
+                        "the plan by hand"
                     )
                 result.styles[group.parent] = LocalParamsParallel({"sinks": Shard(0)})
             elif heads is not None:
@@ -149,10 +149,10 @@ def _plan_group(
 
 
 def _attention_heads(
-    model: nn.Module, blocks: nn.ModuleList, group: _Group
+    model: nn.Module, blocks: nn.ModuleList, group: LinearGroup
 ) -> AttentionHeads | None:
     attention = blocks[0].get_submodule(group.parent)
-    where = _where(group)
+    where = describe_group(group)
     heads = _count(model, attention, _HEAD_NAMES)
     kv_heads = _count(model, attention, _KV_HEAD_NAMES)
     fused = [layer for layer in group.columns if layer.parts > 1]
@@ -192,7 +192,7 @@ def _attention_heads(
     return AttentionHeads(heads[0], None if kv_heads is None else kv_heads[0], divide=divide)
 
 
-def _check_rope(model: nn.Module, attention: nn.Module, group: _Group, where: str) -> None:
+def _check_rope(model: nn.Module, attention: nn.Module, group: LinearGroup, where: str) -> None:
     """The key/value latent's last ``group.rope`` features must be its rotary part, as the
     attention (or the config) names it (``qk_rope_head_dim``), else refuse."""
     found = _count(model, attention, ("qk_rope_head_dim",))
@@ -209,7 +209,7 @@ def _check_rope(model: nn.Module, attention: nn.Module, group: _Group, where: st
         )
 
 
-def _full_width_norms(model: nn.Module, attention: nn.Module, group: _Group) -> bool:
+def _full_width_norms(model: nn.Module, attention: nn.Module, group: LinearGroup) -> bool:
     """Whether a norm inside the attention normalizes all the heads at once (OLMo-2's
     ``q_norm`` over the whole query width): it needs every head on every rank."""
     heads = _count(model, attention, _HEAD_NAMES)
@@ -228,7 +228,7 @@ def _full_width_norms(model: nn.Module, attention: nn.Module, group: _Group) -> 
     return False
 
 
-def _gather_attention(group: _Group) -> None:
+def _gather_attention(group: LinearGroup) -> None:
     """Attention computed whole on every rank, its projections' weights sharded (as
     transformers plans OLMo-2): q, k and v gather their outputs, o splits its input. A fused
     q/k/v is gathered whole too: its output on every rank is the single-device one, whatever
@@ -239,7 +239,7 @@ def _gather_attention(group: _Group) -> None:
     group.row.style = RowwiseParallel(input_layouts=Replicate())
 
 
-def _sinks(attention: nn.Module, group: _Group) -> bool:
+def _sinks(attention: nn.Module, group: LinearGroup) -> bool:
     """Whether the attention has sinks (one learned logit per head, ``sinks [heads]``), which
     shard with the heads; other parameters of its own are refused."""
     own = dict(attention.named_parameters(recurse=False))
@@ -249,14 +249,14 @@ def _sinks(attention: nn.Module, group: _Group) -> bool:
     if list(own) != ["sinks"] or heads is None or tuple(own["sinks"].shape) != (heads,):
         shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in own.items())
         raise ValueError(
-            f"{_where(group)} ({type(attention).__name__}) holds parameters of its own "
+            f"{describe_group(group)} ({type(attention).__name__}) holds parameters of its own "
             f"({shapes}): auto() knows attention sinks there (sinks [heads], with the head "
             "count found); write the plan by hand"
         )
     return True
 
 
-def _unsplittable_heads(model: nn.Module, attention: nn.Module, group: _Group) -> str | None:
+def _unsplittable_heads(model: nn.Module, attention: nn.Module, group: LinearGroup) -> str | None:
     """Why the heads of this attention cannot be split over the ranks by a per-rank attribute
     (:class:`AttentionHeads` ``divide``), or ``None``.
 
@@ -268,7 +268,7 @@ def _unsplittable_heads(model: nn.Module, attention: nn.Module, group: _Group) -
       with a dimension of the head count (Meta's KV cache ``cache_k [B, S, kv_heads, D]``):
       no style reshapes them.
     """
-    where = _where(group)
+    where = describe_group(group)
     source = _source(type(attention), where, "attention")
     width = _input_width(type(attention), source)
     if width is not None:
@@ -342,7 +342,7 @@ def _count(
     return None
 
 
-def _check_heads(group: _Group, where: str, heads: int, kv_heads: int) -> None:
+def _check_heads(group: LinearGroup, where: str, heads: int, kv_heads: int) -> None:
     wide = group.row.in_features
     problem = None
     if heads < 1 or kv_heads < 1 or wide % heads or heads % kv_heads:
@@ -358,7 +358,7 @@ def _check_heads(group: _Group, where: str, heads: int, kv_heads: int) -> None:
         for layer in group.columns:
             if layer.gated and layer.out_features == 2 * wide:
                 continue
-            if _GATE_NAME.search(layer.name) and layer.out_features == heads:
+            if OUTPUT_GATE_NAME.search(layer.name) and layer.out_features == heads:
                 continue  # an output gate per head
             if layer.parts == 1 and layer.out_features not in (wide, kv_heads * head_dim):
                 problem = (
@@ -377,7 +377,9 @@ def _check_heads(group: _Group, where: str, heads: int, kv_heads: int) -> None:
         )
 
 
-def _fused_split_sizes(attention: nn.Module, group: _Group, source: str, where: str) -> set[str]:
+def _fused_split_sizes(
+    attention: nn.Module, group: LinearGroup, source: str, where: str
+) -> set[str]:
     """The attributes by which forward splits a fused q/k/v (to be divided), or refuse.
 
     Only two layouts are recognized as ``[q | k | v]`` blocks (what
@@ -415,7 +417,7 @@ def _fused_split_sizes(attention: nn.Module, group: _Group, source: str, where: 
 
 def _sizes_to_divide(
     blocks: nn.ModuleList,
-    group: _Group,
+    group: LinearGroup,
     source: str,
     counts: tuple[int, int] | None,
     split: set[str],
@@ -448,10 +450,10 @@ def _sizes_to_divide(
     return tuple(divide)
 
 
-def _check_fused_mlp(blocks: nn.ModuleList, group: _Group) -> None:
+def _check_fused_mlp(blocks: nn.ModuleList, group: LinearGroup) -> None:
     """A fused gate/up must be split in two halves by forward, with no size read from an
     attribute (no style makes an MLP's attributes per-rank)."""
-    where = _where(group)
+    where = describe_group(group)
     module = blocks[0].get_submodule(group.parent)
     source = _source(type(module), where, "MLP")
     fused = next(layer for layer in group.columns if layer.parts > 1)

@@ -1,15 +1,15 @@
 """The repeated blocks: how they are found, grouped into kinds, and planned unit by unit.
 
-:func:`_find_blocks` finds the stack of repeated blocks; :func:`_block_kinds` groups the
-blocks by structure, each kind planned once by :func:`_plan_block`, which walks a block's
+:func:`find_blocks` finds the stack of repeated blocks; :func:`block_kinds` groups the
+blocks by structure, each kind planned once by :func:`plan_block`, which walks a block's
 children (its *units*) and sends each to its planner: a mixture of experts to
 :mod:`~torch_tp.plans.auto.experts`, a mixer it cannot split to
 :mod:`~torch_tp.plans.auto.mixers` (left whole), a router beside experts stays whole, and
 anything else is planned group by group (:mod:`~torch_tp.plans.auto.groups`, then
-:func:`~torch_tp.plans.auto.attention._plan_group`). :func:`_other_parameters` lays out (or
-refuses) the parameters outside the planned layers, :func:`_merged_paths` and :func:`_merge`
+:func:`~torch_tp.plans.auto.attention.plan_group`). :func:`_other_parameters` lays out (or
+refuses) the parameters outside the planned layers, :func:`merged_paths` and :func:`merged_styles`
 turn the kinds' plans into plan keys (``*`` where all blocks agree), and
-:func:`_check_degree` checks the sizes against a TP degree.
+:func:`check_tp_degree` checks the sizes against a TP degree.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from torch_tp.plans.auto.attention import _plan_group
+from torch_tp.plans.auto.attention import plan_group
 from torch_tp.plans.auto.experts import (
-    _STACKED_SHARED,
-    _expert_count,
-    _stacked_experts,
-    _stacked_experts_quiet,
+    STACKED_SHARED_PLACEMENTS,
+    expert_count,
+    stacked_experts,
+    stacked_experts_unchecked,
 )
 from torch_tp.plans.auto.groups import (
-    _assign,
-    _Group,
-    _has_linear,
-    _join,
-    _linear_groups,
-    _where,
+    LinearGroup,
+    assign_styles,
+    describe_group,
+    has_linear,
+    join_dotted,
+    linear_groups,
 )
-from torch_tp.plans.auto.mixers import _has_conv, _is_mixer
+from torch_tp.plans.auto.mixers import has_conv, mixer_reason
 from torch_tp.style import (
     ParallelStyle,
     PartialSumParallel,
@@ -49,7 +49,7 @@ __all__: list[str] = []
 # ------------------------------------------------------------------------------------------
 
 
-def _find_blocks(model: nn.Module) -> tuple[str, list[str], list[nn.Module]]:
+def find_blocks(model: nn.Module) -> tuple[str, list[str], list[nn.Module]]:
     """``(path, names, blocks)`` of the repeated blocks: the largest container of them."""
     lists = [(path, module) for path, module in model.named_modules() if _is_stack(module)]
     if not lists:
@@ -62,7 +62,7 @@ def _find_blocks(model: nn.Module) -> tuple[str, list[str], list[nn.Module]]:
     where = f"'{path}'" if path else "the root module"
     for other_path, other in lists:
         inside = other_path.startswith(f"{path}.") or path.startswith(f"{other_path}.")
-        if other is blocks or inside or not _has_linear(other):
+        if other is blocks or inside or not has_linear(other):
             continue
         raise ValueError(
             f"two stacks of blocks: '{other_path}' ({len(other)} x "
@@ -115,10 +115,10 @@ def _structure(block: nn.Module) -> list[tuple[str, str, tuple]]:
 
 
 @dataclass
-class _BlockPlan:
+class BlockPlan:
     styles: dict[str, ParallelStyle]  # path inside the block -> style, in plan order
     replicated: dict[str, str]  # paths inside the block of mixers left replicated -> why
-    groups: list[_Group]  # the planned groups (for the TP degree check)
+    groups: list[LinearGroup]  # the planned groups (for the TP degree check)
     experts: list[str]  # paths of stacked experts
     prefix: str = ""  # how errors name this kind of block
     indices: list[int] = field(default_factory=list)
@@ -127,7 +127,7 @@ class _BlockPlan:
     whole: dict[str, str] = field(default_factory=dict)
 
 
-def _block_kinds(blocks: list[nn.Module]) -> list[list[int]]:
+def block_kinds(blocks: list[nn.Module]) -> list[list[int]]:
     """The indices of the blocks, grouped by structure (types, paths, parameter shapes)."""
     kinds: dict[tuple, list[int]] = {}
     for i, block in enumerate(blocks):
@@ -136,10 +136,10 @@ def _block_kinds(blocks: list[nn.Module]) -> list[list[int]]:
     return list(kinds.values())
 
 
-def _kind_prefix(blocks_path: str, names: list[str], kinds: list[list[int]], k: int) -> str:
+def kind_prefix(blocks_path: str, names: list[str], kinds: list[list[int]], k: int) -> str:
     """How errors name a kind of block: ``layers.*`` when all are alike, else its first
     block's name."""
-    return _join(blocks_path, "*" if len(kinds) == 1 else names[kinds[k][0]])
+    return join_dotted(blocks_path, "*" if len(kinds) == 1 else names[kinds[k][0]])
 
 
 def _has_path(block: nn.Module, path: str) -> bool:
@@ -150,11 +150,11 @@ def _has_path(block: nn.Module, path: str) -> bool:
     return True
 
 
-def _merged_paths(
+def merged_paths(
     blocks_path: str,
     names: list[str],
     blocks: list[nn.Module],
-    planned: list[_BlockPlan],
+    planned: list[BlockPlan],
     what: str,
 ) -> list[tuple[str, str]]:
     """``(path inside the block, plan key)`` of each entry of the kinds' ``what``: a ``*`` key
@@ -170,17 +170,19 @@ def _merged_paths(
         covered = sorted(i for bp in owners for i in bp.indices)
         holding = [i for i, block in enumerate(blocks) if _has_path(block, path)]
         if all(v == values[0] for v in values) and covered == holding:
-            merged.append((path, _join(_join(blocks_path, "*"), path)))
+            merged.append((path, join_dotted(join_dotted(blocks_path, "*"), path)))
         else:
-            merged += [(path, _join(_join(blocks_path, names[i]), path)) for i in covered]
+            merged += [
+                (path, join_dotted(join_dotted(blocks_path, names[i]), path)) for i in covered
+            ]
     return merged
 
 
-def _merge(
-    blocks_path: str, names: list[str], blocks: list[nn.Module], planned: list[_BlockPlan]
+def merged_styles(
+    blocks_path: str, names: list[str], blocks: list[nn.Module], planned: list[BlockPlan]
 ) -> dict[str, ParallelStyle]:
     styles = {}
-    for path, key in _merged_paths(blocks_path, names, blocks, planned, "styles"):
+    for path, key in merged_paths(blocks_path, names, blocks, planned, "styles"):
         name = key[len(blocks_path) :].lstrip(".").partition(".")[0]
         owner = next(
             bp
@@ -191,13 +193,13 @@ def _merge(
     return styles
 
 
-def _plan_block(
+def plan_block(
     model: nn.Module,
     members: list[nn.Module],
     hidden: int,
     prefix: str,
     whole: dict[str, str],
-) -> _BlockPlan:
+) -> BlockPlan:
     """The plan of one kind of block (``members``, alike), as paths inside the block.
 
     Each child of the block holding Linear layers is planned on its own: a mixer auto()
@@ -206,43 +208,43 @@ def _plan_block(
     MLPs (its routers stay whole), and an attention or MLP is planned as before.
     """
     block = members[0]
-    groups = _linear_groups(block, prefix)
+    groups = linear_groups(block, prefix)
     # the units: the children of the block (and the block itself, for Linear layers right
     # in it) holding Linear layers or stacked experts, in registration order
     names = ["", *(name for name, _ in block.named_children())]
     units = {name: [g for g in groups if g.parent.partition(".")[0] == name] for name in names}
-    moe = {name for name in names if name and _stacked_experts_quiet(block, name)}
+    moe = {name for name in names if name and stacked_experts_unchecked(block, name)}
     units = {
         name: found
         for name, found in units.items()
-        if found or name in moe or name and _has_conv(block.get_submodule(name))
+        if found or name in moe or name and has_conv(block.get_submodule(name))
     }
-    result = _BlockPlan({}, {}, [], [], prefix)
+    result = BlockPlan({}, {}, [], [], prefix)
     counts = {
-        _expert_count(block.get_submodule(path))
+        expert_count(block.get_submodule(path))
         for name in moe
-        for path in _stacked_experts_quiet(block, name)
+        for path in stacked_experts_unchecked(block, name)
     }
     routers: set[str] = set()
     for name, unit_groups in units.items():
         unit = block.get_submodule(name)
         if name in moe:
-            experts, shared = _stacked_experts(unit, name, prefix, hidden)
+            experts, shared = stacked_experts(unit, name, prefix, hidden)
             result.experts += experts
             for path in shared:  # stacked shared experts: one partial sum
-                result.styles[path] = PartialSumParallel(_STACKED_SHARED)
+                result.styles[path] = PartialSumParallel(STACKED_SHARED_PLACEMENTS)
             for group in unit_groups:
                 try:
-                    _assign(group, hidden, block.get_submodule(group.parent))
+                    assign_styles(group, hidden, block.get_submodule(group.parent))
                 except ValueError:
                     continue  # a router or a gate: whole, on the replicated tokens
                 if group.kind != "mlp":
                     raise ValueError(
-                        f"{_where(group)} inside the mixture of experts '{_join(prefix, name)}' "
-                        f"looks like an {group.kind}: auto() knows shared-expert MLPs there; "
-                        "write the plan by hand"
+                        f"{describe_group(group)} inside the mixture of experts "
+                        f"'{join_dotted(prefix, name)}' looks like an {group.kind}: auto() knows "
+                        "shared-expert MLPs there; write the plan by hand"
                     )
-                _plan_group(model, members, group, result, whole)
+                plan_group(model, members, group, result, whole)
             for path in experts:
                 result.styles[path] = TensorParallelExperts()
             continue
@@ -253,7 +255,7 @@ def _plan_block(
         ):
             routers.add(name)  # a router beside experts (Gemma 4): whole, on whole tokens
             continue
-        mixer = _is_mixer(unit) if name else None
+        mixer = mixer_reason(unit) if name else None
         if mixer:
             result.replicated[name] = f"a mixer auto() cannot split ({mixer})"
             continue
@@ -269,11 +271,11 @@ def _plan_block(
             continue
         for group in unit_groups:
             try:
-                _assign(group, hidden, block.get_submodule(group.parent))
+                assign_styles(group, hidden, block.get_submodule(group.parent))
             except ValueError:
-                _refuse_spread(unit_groups, name, _join(prefix, name))
+                _refuse_spread(unit_groups, name, join_dotted(prefix, name))
                 raise
-            _plan_group(model, members, group, result, whole)
+            plan_group(model, members, group, result, whole)
     skipped = set(result.replicated) | moe | routers
     result.styles.update(_other_parameters(block, result.groups, hidden, prefix, skipped))
     return result
@@ -284,12 +286,12 @@ def _holds_mlp(block: nn.Module, name: str) -> bool:
     (``mlp``, ``feed_forward``, ``ffn``)."""
     child = block.get_submodule(name)
     words = f"{name} {type(child).__name__}".lower()
-    return bool(_stacked_experts_quiet(block, name)) or any(
+    return bool(stacked_experts_unchecked(block, name)) or any(
         w in words for w in ("mlp", "feed_forward", "feedforward", "ffn", "moe")
     )
 
 
-def _refuse_spread(groups: list[_Group], name: str, key: str) -> None:
+def _refuse_spread(groups: list[LinearGroup], name: str, key: str) -> None:
     """Refuse the child ``name`` of a block whose Linear layers all sit in several children of
     its own (transformers' BERT: q/k/v in ``attention.self``, the output projection in
     ``attention.output``), when they do not make a plan group by group: the real reason."""
@@ -313,7 +315,7 @@ def _refuse_spread(groups: list[_Group], name: str, key: str) -> None:
 
 
 def _other_parameters(
-    block: nn.Module, groups: list[_Group], hidden: int, prefix: str, skipped: set[str]
+    block: nn.Module, groups: list[LinearGroup], hidden: int, prefix: str, skipped: set[str]
 ) -> dict[str, ParallelStyle]:
     """Styles for the parameters of a block outside its planned Linear layers (as paths
     inside the block), or refuse.
@@ -341,7 +343,7 @@ def _other_parameters(
         params = list(module.named_parameters(recurse=False))
         if path in planned or not params:
             continue
-        key = _join(prefix, path)
+        key = join_dotted(prefix, path)
         shapes = ", ".join(f"{name} {list(p.shape)}" for name, p in params)
         inside = next(
             (g for g in parents if path == g.parent or path.startswith(f"{g.parent}.")), None
@@ -392,14 +394,14 @@ def _other_parameters(
             if heads is not None and any(heads[0] in p.shape for _, p in params):
                 raise ValueError(
                     f"'{key}' ({type(module).__name__}, {shapes}) holds one value per head "
-                    f"({heads[0]} heads) inside the attention {_where(inside)} (a "
+                    f"({heads[0]} heads) inside the attention {describe_group(inside)} (a "
                     "relative-position bias, say): its heads would have to be split with the "
                     "attention's, and auto() does not know how it is used; write the plan by "
                     "hand"
                 )
         raise ValueError(
             f"'{key}' ({type(module).__name__}, {shapes}) is inside the {inside.kind} "
-            f"{_where(inside)}, whose activations are split over the ranks: auto() only "
+            f"{describe_group(inside)}, whose activations are split over the ranks: auto() only "
             "knows per-head norms, attention sinks, latent norms and single-value parameters "
             "there; write the plan by hand"
         )
@@ -411,7 +413,7 @@ def _other_parameters(
 # ------------------------------------------------------------------------------------------
 
 
-def _check_degree(block_plan: _BlockPlan, block: nn.Module, n: int) -> None:
+def check_tp_degree(block_plan: BlockPlan, block: nn.Module, n: int) -> None:
     for group in block_plan.groups:
         if group.heads is not None:
             for what, count in zip(("query heads", "key/value heads"), group.heads, strict=True):
@@ -451,6 +453,6 @@ def _check_degree(block_plan: _BlockPlan, block: nn.Module, n: int) -> None:
         width = down[1] if transposed else down[2]
         if width % n:
             raise ValueError(
-                f"'{_join(block_plan.prefix, path)}': the experts' hidden size {width} does not "
-                f"divide by tp_degree {n}"
+                f"'{join_dotted(block_plan.prefix, path)}': the experts' hidden size {width} "
+                f"does not divide by tp_degree {n}"
             )

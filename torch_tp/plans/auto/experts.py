@@ -2,7 +2,7 @@
 
 A child of a block holding stacked experts (``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj``
 ``[E, H, I]``, both transposed, or ungated ``up_proj`` and ``down_proj``) is a mixture of
-experts: :func:`_stacked_experts` finds them and any shared experts stacked beside them
+experts: :func:`stacked_experts` finds them and any shared experts stacked beside them
 (``gate_proj``/``up_proj``/``down_proj`` ``[n, ...]``), and refuses other stacked parameters.
 :mod:`torch_tp.plans.auto.blocks` gives them their styles.
 """
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from torch_tp.plans.auto.groups import _join
+from torch_tp.plans.auto.groups import join_dotted
 
 __all__: list[str] = []
 
@@ -34,7 +34,7 @@ _GATED, _UNGATED = ("gate_up_proj", "down_proj"), ("up_proj", "down_proj")
 _SHARED = ("gate_proj", "up_proj", "down_proj")
 
 
-_STACKED_SHARED = {"gate_proj": Shard(1), "up_proj": Shard(1), "down_proj": Shard(2)}
+STACKED_SHARED_PLACEMENTS = {"gate_proj": Shard(1), "up_proj": Shard(1), "down_proj": Shard(2)}
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -45,16 +45,18 @@ def _is_experts(module: nn.Module) -> bool:
     )
 
 
-def _expert_count(module: nn.Module) -> int:
+def expert_count(module: nn.Module) -> int:
     return module.down_proj.shape[0]
 
 
-def _stacked_experts_quiet(block: nn.Module, name: str) -> list[str]:
+def stacked_experts_unchecked(block: nn.Module, name: str) -> list[str]:
+    """The paths (inside the block) of the stacked experts in its child ``name``, unchecked
+    (:func:`stacked_experts` checks them)."""
     unit = block.get_submodule(name)
-    return [_join(name, path) for path, module in unit.named_modules() if _is_experts(module)]
+    return [join_dotted(name, path) for path, module in unit.named_modules() if _is_experts(module)]
 
 
-def _stacked_experts(
+def stacked_experts(
     unit: nn.Module, name: str, prefix: str, hidden: int
 ) -> tuple[list[str], list[str]]:
     """The paths (inside the block) of the stacked experts in ``unit`` and of its stacked
@@ -67,7 +69,7 @@ def _stacked_experts(
     for path, module in unit.named_modules():
         if not _is_experts(module):
             continue
-        key = _join(prefix, _join(name, path))
+        key = join_dotted(prefix, join_dotted(name, path))
         names = _GATED if _stacked(module, _GATED) else _UNGATED
         others = sorted(n for n, _ in module.named_parameters() if n not in names)
         first, down = getattr(module, names[0]), module.down_proj
@@ -86,9 +88,9 @@ def _stacked_experts(
                 "[E, H, I], or both transposed, or ungated up_proj [E, I, H] and down_proj "
                 "[E, H, I]) with no other parameter; write the plan by hand"
             )
-        found.append(_join(name, path))
+        found.append(join_dotted(name, path))
     for path, module in unit.named_modules():
-        if _join(name, path) in found:
+        if join_dotted(name, path) in found:
             continue
         stacked = [n for n, p in module.named_parameters(recurse=False) if p.ndim >= 3]
         if not stacked:
@@ -97,11 +99,11 @@ def _stacked_experts(
         if sorted(stacked) == sorted(_SHARED) and not has_more:
             (n, i, h), (n2, i2, h2), (n3, h3, i3) = (getattr(module, p).shape for p in _SHARED)
             if n == n2 == n3 and i == i2 == i3 and h == h2 == h3 == hidden:
-                shared.append(_join(name, path))
+                shared.append(join_dotted(name, path))
                 continue
         raise ValueError(
-            f"'{_join(prefix, _join(name, path))}' ({type(module).__name__}) holds stacked "
-            f"parameters {stacked} beside the experts: auto() knows stacked experts "
+            f"'{join_dotted(prefix, join_dotted(name, path))}' ({type(module).__name__}) holds "
+            f"stacked parameters {stacked} beside the experts: auto() knows stacked experts "
             "(gate_up_proj or up_proj, and down_proj) and stacked shared experts (gate_proj, "
             "up_proj, down_proj); write the plan by hand"
         )

@@ -1,12 +1,12 @@
 """The Linear-like layers of a block, grouped by their parent module, and what each group is.
 
-:func:`_linear_groups` collects a block's ``nn.Linear`` (and transformers' ``Conv1D``) layers
-as :class:`_Layer` records in :class:`_Group` s (one per parent module);
-:func:`_hidden_size` finds the residual width every group reads and writes; :func:`_assign`
-matches a group's column-parallel layers to its row-parallel one by their shapes and gives
-each its style, telling an attention (q, k and v, fused or grouped-query, a gated query),
-multi-head latent attention and an MLP apart, or refuses. The rest of ``auto`` builds on
-these records; this module imports none of it.
+:func:`linear_groups` collects a block's ``nn.Linear`` (and transformers' ``Conv1D``) layers
+as :class:`_Layer` records in :class:`LinearGroup` s (one per parent module);
+:func:`find_hidden_size` finds the residual width every group reads and writes;
+:func:`assign_styles` matches a group's column-parallel layers to its row-parallel one by their
+shapes and gives each its style, telling an attention (q, k and v, fused or grouped-query, a
+gated query), multi-head latent attention and an MLP apart, or refuses. The rest of ``auto``
+builds on these records; this module imports none of it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__: list[str] = []
 # ------------------------------------------------------------------------------------------
 
 
-def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
+def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     """``(in_features, out_features)`` of an ``nn.Linear`` or transformers' ``Conv1D``.
 
     ``Conv1D`` (GPT-2's projections) is recognized as torch_tp's styles recognize it: by
@@ -50,8 +50,8 @@ def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def _has_linear(module: nn.Module) -> bool:
-    return any(_linear_shape(m) is not None for m in module.modules())
+def has_linear(module: nn.Module) -> bool:
+    return any(linear_shape(m) is not None for m in module.modules())
 
 
 @dataclass(eq=False)
@@ -66,7 +66,7 @@ class _Layer:
 
 
 @dataclass
-class _Group:
+class LinearGroup:
     parent: str  # path of the parent module inside the block ("" for the block itself)
     key: str  # plan key of the parent
     layers: list[_Layer]
@@ -78,28 +78,28 @@ class _Group:
     rope: int = 0  # multi-head latent attention: the rotary width of the key/value latent
 
 
-def _linear_groups(block: nn.Module, prefix: str) -> list[_Group]:
-    groups: dict[str, _Group] = {}
+def linear_groups(block: nn.Module, prefix: str) -> list[LinearGroup]:
+    groups: dict[str, LinearGroup] = {}
     for path, module in block.named_modules():
         if (
             path
             and isinstance(module, nn.ModuleList)
-            and _has_linear(module)
+            and has_linear(module)
             and len({type(child) for child in module}) == 1
         ):
             # (sublayers of different classes in a list, as T5's block.layer, are planned as
             # any other children)
             raise ValueError(
-                f"'{_join(prefix, path)}' is a nn.ModuleList of Linear layers inside the "
+                f"'{join_dotted(prefix, path)}' is a nn.ModuleList of Linear layers inside the "
                 "repeated blocks (experts, or several attentions): auto() plans experts "
                 "stacked in 3-D parameters only; write the plan by hand"
             )
-        shape = _linear_shape(module)
+        shape = linear_shape(module)
         if shape is None:
             continue
         parent = path.rpartition(".")[0]
-        group = groups.setdefault(parent, _Group(parent, _join(prefix, parent), []))
-        group.layers.append(_Layer(path, _join(prefix, path), *shape))
+        group = groups.setdefault(parent, LinearGroup(parent, join_dotted(prefix, parent), []))
+        group.layers.append(_Layer(path, join_dotted(prefix, path), *shape))
     if not groups:
         raise ValueError(
             f"the blocks '{prefix}' hold no nn.Linear (or Conv1D) layer: nothing to shard"
@@ -107,7 +107,7 @@ def _linear_groups(block: nn.Module, prefix: str) -> list[_Group]:
     return list(groups.values())
 
 
-def _hidden_size(groups: list[_Group], embedding: tuple | None, prefix: str) -> int:
+def find_hidden_size(groups: list[LinearGroup], embedding: tuple | None, prefix: str) -> int:
     """The width every group both reads and writes (the residual stream)."""
     candidates: set[int] | None = None
     for group in groups:
@@ -143,10 +143,10 @@ def _hidden_size(groups: list[_Group], embedding: tuple | None, prefix: str) -> 
     )
 
 
-def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
+def assign_styles(group: LinearGroup, hidden: int, module: nn.Module) -> None:
     """Give each layer of ``group`` (whose parent is ``module``) its style and find the
     group's kind, or refuse."""
-    where = _where(group)
+    where = describe_group(group)
 
     def shapes(layers: list[_Layer]) -> str:
         return ", ".join(f"{x.name} ({x.in_features}->{x.out_features})" for x in layers)
@@ -161,7 +161,7 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
     attention_like = _named_like_attention(group, module)
     # an attention's output gate (AFMoE's gate_proj, Laguna's per-head g_proj) may come after
     # its output projection: the row-parallel layer is the last writer that is no gate
-    gates = [x for x in group.layers if attention_like and _GATE_NAME.search(x.name)]
+    gates = [x for x in group.layers if attention_like and OUTPUT_GATE_NAME.search(x.name)]
     row = ([w for w in writers if w not in gates] or writers)[-1]
     columns = [layer for layer in group.layers if layer is not row]
     strangers = [layer for layer in columns if layer.in_features != hidden]
@@ -194,15 +194,15 @@ def _assign(group: _Group, hidden: int, module: nn.Module) -> None:
 
 
 # the name of an attention's output gate: gate_proj, g_proj, gate, o_gate, ...
-_GATE_NAME = re.compile(r"(^|[._])(g|gate|o_gate|g_proj|gate_proj|output_gate)$")
+OUTPUT_GATE_NAME = re.compile(r"(^|[._])(g|gate|o_gate|g_proj|gate_proj|output_gate)$")
 
 
 def _assign_columns(
-    group: _Group, columns: list[_Layer], row: _Layer, named: bool, shapes: Callable
+    group: LinearGroup, columns: list[_Layer], row: _Layer, named: bool, shapes: Callable
 ) -> None:
     """Find what the column-parallel ``columns`` feeding ``row`` are (an attention, by its
     shapes, or by its name as well, ``named``; or an MLP), and give each its style."""
-    where = _where(group)
+    where = describe_group(group)
     square = row.in_features == row.out_features
     wide = row.in_features
     for layer in columns:
@@ -250,7 +250,7 @@ def _assign_columns(
 
 
 def _assign_mla(
-    group: _Group, hidden: int, row: _Layer, columns: list[_Layer], ups: list[_Layer]
+    group: LinearGroup, hidden: int, row: _Layer, columns: list[_Layer], ups: list[_Layer]
 ) -> bool:
     """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3), or ``False``.
 
@@ -314,7 +314,7 @@ def _match_mla(downs: list[_Layer], ups: list[_Layer]) -> tuple | None:
     return query, q_down, kv_down, kv_up
 
 
-def _named_like_attention(group: _Group, module: nn.Module) -> bool:
+def _named_like_attention(group: LinearGroup, module: nn.Module) -> bool:
     """An attention by its name, though not by its shapes (a fused q/k/v with grouped-query
     heads can write 2 x the output projection's input, like a fused gate/up)."""
     if not group.parent:
@@ -337,9 +337,9 @@ def _kv_like(narrow: list[_Layer], exact: list[_Layer], wide: int) -> bool:
     )
 
 
-def _where(group: _Group) -> str:
+def describe_group(group: LinearGroup) -> str:
     return f"'{group.key}'" if group.parent else f"the block '{group.key}'"
 
 
-def _join(path: str, name: str) -> str:
+def join_dotted(path: str, name: str) -> str:
     return f"{path}.{name}" if path and name else path or name

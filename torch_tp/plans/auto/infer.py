@@ -20,16 +20,16 @@ from torch.distributed.tensor import Replicate
 from torch_tp.plans._context import with_context_parallel
 from torch_tp.plans._peft import prefixed, without_tuner_layers, wrapped_model
 from torch_tp.plans.auto.blocks import (
-    _block_kinds,
-    _BlockPlan,
-    _check_degree,
-    _find_blocks,
-    _kind_prefix,
-    _merge,
-    _merged_paths,
-    _plan_block,
+    BlockPlan,
+    block_kinds,
+    check_tp_degree,
+    find_blocks,
+    kind_prefix,
+    merged_paths,
+    merged_styles,
+    plan_block,
 )
-from torch_tp.plans.auto.groups import _hidden_size, _join, _linear_groups, _linear_shape
+from torch_tp.plans.auto.groups import find_hidden_size, join_dotted, linear_groups, linear_shape
 from torch_tp.style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 __all__ = ["ReplicatedModulesWarning", "UncheckedPlanWarning", "auto"]
@@ -144,41 +144,43 @@ def _infer(
     """``(plan, why each module left whole is, by its plan key, concrete module path -> plan
     key of each planned group's parent)``; the groups named in ``whole`` (plan keys of
     their parents) are computed whole, their weights sharded."""
-    blocks_path, names, blocks = _find_blocks(model)
+    blocks_path, names, blocks = find_blocks(model)
     embedding = _input_embedding(model, blocks_path)
     head = _output_head(model, blocks_path, embedding)
     if head is not None:
         embedding = embedding or head[2]
-    kinds = _block_kinds(blocks)
-    first_prefix = _kind_prefix(blocks_path, names, kinds, 0)
-    hidden = _hidden_size(
-        _linear_groups(blocks[kinds[0][0]], first_prefix), embedding, first_prefix
+    kinds = block_kinds(blocks)
+    first_prefix = kind_prefix(blocks_path, names, kinds, 0)
+    hidden = find_hidden_size(
+        linear_groups(blocks[kinds[0][0]], first_prefix), embedding, first_prefix
     )
 
-    planned: list[_BlockPlan] = []
+    planned: list[BlockPlan] = []
     groups: dict[str, str] = {}
     for k, indices in enumerate(kinds):
-        prefix = _kind_prefix(blocks_path, names, kinds, k)
+        prefix = kind_prefix(blocks_path, names, kinds, k)
         members = [blocks[i] for i in indices]
-        block_plan = _plan_block(model, members, hidden, prefix, whole)
+        block_plan = plan_block(model, members, hidden, prefix, whole)
         block_plan.indices = indices
         if tp_degree is not None:
-            _check_degree(block_plan, members[0], tp_degree)
+            check_tp_degree(block_plan, members[0], tp_degree)
         planned.append(block_plan)
         for group in block_plan.groups:
             if group.kind in ("attention", "mlp", "gathered"):
                 for i in indices:
-                    groups[_join(_join(blocks_path, names[i]), group.parent)] = group.key
+                    groups[join_dotted(join_dotted(blocks_path, names[i]), group.parent)] = (
+                        group.key
+                    )
 
     plan: dict[str, ParallelStyle] = {}
     if embedding is not None:
         plan[embedding[0]] = RowwiseParallel(input_layouts=Replicate())
-    plan.update(_merge(blocks_path, names, blocks, planned))
+    plan.update(merged_styles(blocks_path, names, blocks, planned))
     if head is not None:
         plan[head[0]] = ColwiseParallel(output_layouts=Replicate())
     reasons: dict[str, str] = {}
     for what in ("replicated", "whole"):
-        for path, key in _merged_paths(blocks_path, names, blocks, planned, what):
+        for path, key in merged_paths(blocks_path, names, blocks, planned, what):
             owner = next(bp for bp in planned if path in getattr(bp, what))
             reasons.setdefault(key, getattr(owner, what)[path])
     return plan, reasons, groups
@@ -318,9 +320,9 @@ def _output_head(
     embedding's width to its vocabulary, if there is one. Without ``embedding``, the
     embeddings outside the blocks are tried, each with the Linear layers that match it."""
     linears = [
-        (path, module, _linear_shape(module))
+        (path, module, linear_shape(module))
         for path, module in model.named_modules()
-        if _outside(path, blocks_path) and _linear_shape(module) is not None
+        if _outside(path, blocks_path) and linear_shape(module) is not None
     ]
     if embedding is not None:
         embeddings = [embedding]

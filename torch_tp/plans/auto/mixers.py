@@ -1,6 +1,6 @@
 """Token mixers ``auto()`` cannot split (state spaces, linear attention, convolutions).
 
-:func:`_is_mixer` says why a child of a block is such a mixer (a convolution inside,
+:func:`mixer_reason` says why a child of a block is such a mixer (a convolution inside,
 parameters of its own, a class named for Mamba, linear attention, a delta rule, ...);
 :mod:`torch_tp.plans.auto.blocks` leaves it whole on every rank and the
 :class:`~torch_tp.plans.auto.ReplicatedModulesWarning` names it.
@@ -29,15 +29,15 @@ _CONVOLUTIONS = (
 )
 
 
-def _has_conv(module: nn.Module) -> bool:
+def has_conv(module: nn.Module) -> bool:
     return any(isinstance(m, _CONVOLUTIONS) for m in module.modules())
 
 
-def _is_mixer(unit: nn.Module) -> str | None:
+def mixer_reason(unit: nn.Module) -> str | None:
     """Why auto() leaves this child of a block replicated, or ``None``: a convolution inside,
     parameters of its own (a state space's ``A_log``, ``D``, ``dt_bias``; not attention
     sinks), or a class named for a mixer other than softmax attention."""
-    if _has_conv(unit):
+    if has_conv(unit):
         return "a convolution inside"
     own = [name for name, _ in unit.named_parameters(recurse=False)]
     if own and own != ["sinks"]:
