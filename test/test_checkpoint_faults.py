@@ -245,14 +245,14 @@ def _load_failing_on_one_rank(path: str) -> None:
     model = meta_llama(1, 2)
     checkpoint.load_full_state_dict(model, checkpoint_llama(seed=3).state_dict())
     before = _snapshot(model)
-    copy_to = tp_safetensors._Source.copy_to
+    copy_to = tp_safetensors.StateDictSource.copy_to
 
     def fail_on_rank_1(self, name, pieces, dst):
         if dist.get_rank() == 1 and name == "layers.1.feed_forward.w2.weight":
             raise OSError("Input/output error")
         return copy_to(self, name, pieces, dst)
 
-    with mock.patch.object(tp_safetensors._Source, "copy_to", fail_on_rank_1):
+    with mock.patch.object(tp_safetensors.StateDictSource, "copy_to", fail_on_rank_1):
         for source in (path, checkpoint_llama().state_dict()):
             # rank 0 read everything it needed, rank 1 did not: nobody copies anything
             with pytest.raises(CheckpointError, match="Input/output error") as info:
@@ -261,7 +261,7 @@ def _load_failing_on_one_rank(path: str) -> None:
             _assert_unchanged(before, model)
 
     # rank 0 fails reading the third tensor it broadcasts: the others are not left waiting
-    read, calls = tp_safetensors._Source.read, []
+    read, calls = tp_safetensors.StateDictSource.read, []
 
     def fail_third(self, name):
         calls.append(name)
@@ -269,7 +269,7 @@ def _load_failing_on_one_rank(path: str) -> None:
             raise OSError("Input/output error")
         return read(self, name)
 
-    with mock.patch.object(tp_safetensors._Source, "read", fail_third):
+    with mock.patch.object(tp_safetensors.StateDictSource, "read", fail_third):
         with pytest.raises(CheckpointError, match="Input/output error") as info:
             source = path if dist.get_rank() == 0 else None
             checkpoint.load_full_state_dict(model, source, broadcast_from_rank0=True)

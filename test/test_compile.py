@@ -174,7 +174,9 @@ def _plain(kind: str, backend: str) -> None:
     _compiled_matches_one_device(build, plan, _tokens, backend)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "attention"])
+# the MLP in the quick run, the attention (its q, k and v sharing one entry) in the full one:
+# each compiles its own graphs, seconds each
+@pytest.mark.parametrize("kind", ["mlp", pytest.param("attention", marks=pytest.mark.slow)])
 def test_compiled_colwise_rowwise_matches_one_device(kind):
     # the column-parallel layers read a replicated input (the path that asks whether it is
     # the input of a partial-sum region), the row-parallel ones all-reduce
@@ -246,7 +248,11 @@ def _region(sequence_parallel: bool, backend: str) -> None:
     )
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sequence"])
+@pytest.mark.parametrize(
+    "sequence_parallel",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # compiling, seconds each
+    ids=["replicated", "sequence"],
+)
 def test_compiled_partial_sum_region_matches_one_device(sequence_parallel):
     run_distributed(_region, 2, sequence_parallel, "aot_eager")
 

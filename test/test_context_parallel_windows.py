@@ -193,7 +193,15 @@ def test_sliding_windows_are_refused_when_the_plan_is_applied(family, window, wh
 
 
 @pytest.mark.parametrize("how", ["plan_for", "auto"])
-@pytest.mark.parametrize(("family", "window", "what"), [WINDOWED[i] for i in (0, 4, 6, 7)])
+@pytest.mark.parametrize(
+    ("family", "window", "what"),
+    # the number-valued windows in the quick run, the per-layer ones (layer_types) in the full
+    # one: their plans take seconds to make
+    [
+        *(WINDOWED[i] for i in (0, 4)),
+        *(pytest.param(*WINDOWED[i], marks=pytest.mark.slow) for i in (6, 7)),
+    ],
+)
 def test_the_plans_with_cp_degree_refuse_windows_too(how, family, window, what):
     for messages in run_distributed(_windows, 2, family, window, how, timeout=TIMEOUT):
         for message in messages:

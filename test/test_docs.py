@@ -176,6 +176,7 @@ def test_nothing_in_torch_tp_imports_upstream_tensor_parallel():
     assert not offenders, f"torch_tp must not import {upstream}: {offenders}"
 
 
+@pytest.mark.slow  # a Python process of its own, importing torch and transformers
 @pytest.mark.parametrize("package", ["peft", "transformers"])
 def test_import_torch_tp_does_not_import_optional_packages(package):
     """The extras stay optional (setup.py's ``peft``; transformers only for

@@ -22,7 +22,7 @@ import math
 import pickle
 import warnings
 from collections.abc import Callable, Container, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,20 @@ from torch_tp._torch_compat import (
     StridedShard,
 )
 
-if TYPE_CHECKING:
-    from torch_tp.checkpoint.safetensors import _Source
-
 __all__: list[str] = []
+
+
+class Source(Protocol):
+    """What staging reads a full state dict from (a mapping of tensors, a safetensors file:
+    :class:`torch_tp.checkpoint.safetensors.StateDictSource`)."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    dtypes: Mapping[str, torch.dtype | str]
+    description: str
+
+    def copy_to(self, name: str, pieces: list[Piece] | None, dst: Tensor) -> None:
+        """Copy the tensor ``name`` (only ``pieces`` of it, if given) into ``dst``."""
+
 
 # ``torch.compile`` wraps a module and holds it under this name; the single-device name has no
 # such part
@@ -47,7 +57,7 @@ _WRAPPER_PARTS = (compat.COMPILED_MODULE_NAME,)
 
 
 def stage_local(
-    source: _Source,
+    source: Source,
     targets: Mapping[str, Tensor],
     result: IncompatibleKeys,
     threads: int = 1,
@@ -136,7 +146,7 @@ def _alone(tensor: Tensor) -> bool:
 
 
 def check_keys(
-    model: nn.Module, targets: Mapping[str, Tensor], source: _Source, strict: bool
+    model: nn.Module, targets: Mapping[str, Tensor], source: Source, strict: bool
 ) -> IncompatibleKeys:
     """Compare the names, shapes and dtypes of ``source`` with the model's; raise naming
     every key at fault, warn once for lossy conversions."""

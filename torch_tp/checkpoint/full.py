@@ -38,7 +38,7 @@ from torch_tp.checkpoint._staging import (
     single_device_name,
     stage_local,
 )
-from torch_tp.checkpoint.safetensors import _Source
+from torch_tp.checkpoint.safetensors import StateDictSource
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
 
@@ -180,7 +180,7 @@ def load_full_state_dict(
         try:
             raise_if_error(meta_error(model, "load_full_state_dict"))  # before reading anything
             buffers = stale_buffers(model, "load_full_state_dict")  # to_empty()'s garbage
-            source = _Source(state_dict)
+            source = StateDictSource(state_dict)
             result = check_keys(model, targets, source, strict)
             if agreed:
                 identity = source.identity()
@@ -214,7 +214,7 @@ def _stage_broadcast(
         raise_if_error(meta_error(model, "load_full_state_dict"))
         buffers = stale_buffers(model, "load_full_state_dict")  # on every rank: its own model
         if rank == 0:
-            source = _Source(state_dict)
+            source = StateDictSource(state_dict)
             verdict = tuple(check_keys(model, targets, source, strict))
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = exc

@@ -59,8 +59,8 @@ from torch_tp.checkpoint._staging import (
     stage_local,
 )
 from torch_tp.checkpoint.safetensors import (
-    _SAFETENSORS_DTYPES,
-    _Pinned,
+    SAFETENSORS_DTYPES,
+    PinnedDirectory,
 )
 
 __all__ = ["load_pretrained", "save_pretrained"]
@@ -137,13 +137,13 @@ def _shown(items: list[str], most: int = 8) -> str:
     return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
-def _pin(directory: Path) -> _Pinned:
+def _pin(directory: Path) -> PinnedDirectory:
     """The published version of ``directory`` (or, while it is being replaced, the ``.old``
     one), held open. Its rename between our look and our open is retried."""
     for _ in range(3):
         root = visible_checkpoint(directory, _complete)
         try:
-            pinned = _Pinned(root or directory)
+            pinned = PinnedDirectory(root or directory)
         except (FileNotFoundError, NotADirectoryError):
             if root is None:
                 break
@@ -164,7 +164,7 @@ class _PretrainedSource:
     :class:`~torch_tp.checkpoint._hf_conversion.CheckpointLayout`), and under their own names
     the keys nothing in the model reads. Only the files' headers (and a fingerprint of
     each) are read up front; every file is opened then, and read through those handles
-    until :meth:`close` (see :class:`_Pinned`): one version of the directory, whole.
+    until :meth:`close` (see :class:`PinnedDirectory`): one version of the directory, whole.
 
     As transformers' ``from_pretrained`` (5.23), ``model.safetensors`` is read where it
     exists, the index only without it.
@@ -225,7 +225,7 @@ class _PretrainedSource:
                         dtype = tensor_slice.get_dtype()
                         found.setdefault(key, []).append(
                             (name, tuple(tensor_slice.get_shape()),
-                             _SAFETENSORS_DTYPES.get(dtype, dtype))
+                             SAFETENSORS_DTYPES.get(dtype, dtype))
                         )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
                 raise CheckpointError(

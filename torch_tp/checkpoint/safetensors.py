@@ -1,5 +1,5 @@
 """Reading a full state dict from a ``safetensors`` file (or from tensors in memory): a
-:class:`_Source` knows every shape and dtype up front (only the file's header is read) and
+:class:`StateDictSource` knows every shape and dtype up front (only the file's header is read) and
 reads a rank's slices in runs. Private: no public names.
 """
 
@@ -30,7 +30,7 @@ __all__: list[str] = []
 
 
 # The dtype names of the safetensors format, as torch reads them.
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
@@ -50,7 +50,7 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-class _Source:
+class StateDictSource:
     """A full state dict to read from: a mapping of tensors or a safetensors file.
 
     ``shapes`` and ``dtypes`` (by name) are known up front; only the file's header is read
@@ -71,7 +71,7 @@ class _Source:
                     slices = {n: file.get_slice(n) for n in file.keys()}
                     self.shapes = {n: tuple(s.get_shape()) for n, s in slices.items()}
                     self.dtypes = {
-                        n: _SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype())
+                        n: SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype())
                         for n, s in slices.items()
                     }
             except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
@@ -181,7 +181,7 @@ _FILE_KINDS = {
 _SAMPLES, _SAMPLE_BYTES = 16, 4096  # blocks of each file's data in its fingerprint
 
 
-class _Pinned:
+class PinnedDirectory:
     """One version of a checkpoint directory, held open for the whole load.
 
     The directory is opened once and every file relative to that handle (``dir_fd``), so a
