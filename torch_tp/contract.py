@@ -129,7 +129,9 @@ class StyleContract:
     the style object (and, for the layouts, of the module it is applied to), so that one
     declaration covers every argument the style takes. What each field means, its defaults
     and who reads it: the guide's "The fields of a contract", under "Writing your own style"
-    (docs/guide.md).
+    (docs/guide.md). What only one kind of style needs besides (the placement a parameter
+    entry states, a meta output for the report, ...) is a hook on that style instead: see
+    :class:`torch_tp.ParallelStyle`.
 
     Args:
         names (Mapping[str, Mapping[str, Any]]): plan names for the style, each with its arguments.
@@ -142,15 +144,9 @@ class StyleContract:
         local_forward (callable): ``(style, module) -> bool``: its forward has no collective.
         caveat (callable): ``(style, module) -> str | None``, a note for the dry-run report.
         transfers (callable): ``(style, module, inputs, degree) -> [Transfer]``, collectives.
-        parameter_entry (callable): ``(style, parameter) -> Placement``, for a parameter key.
-        with_parameter_entries (callable): ``(style, entries) -> style`` the parameter entries make.
-        meta_output (callable): ``(style, module, args, kwargs) -> output``, meta, for the report.
-        attributes (callable): ``(style, module, degree) -> {name: value}`` that ``_apply`` sets.
         partial_sum (callable): ``style -> str | None``, its part in a partial-sum region.
         mesh_ndim (int): the dimensions of the mesh the style is applied on. Default: 1.
         mesh_dims (tuple[str, ...], optional): the mesh dimensions it runs on, by name.
-        sequence_chunks (callable, optional): ``(style, degree) -> int``, chunks of the sequence.
-        attention_transfers (callable, optional): the collectives of each attention call inside.
 
     Example::
         >>> from torch.distributed.tensor import Replicate
@@ -174,17 +170,9 @@ class StyleContract:
     transfers: Callable[[Any, nn.Module, tuple, int], Sequence[Transfer] | None] = (
         lambda style, module, inputs, degree: None
     )
-    parameter_entry: Callable[[Any, Any], Placement | None] | None = None
-    with_parameter_entries: Callable[[Any, Mapping[str, Placement]], Any] | None = None
-    meta_output: Callable[[Any, nn.Module, tuple, dict], Any] | None = None
     partial_sum: Callable[[Any], str | None] = lambda style: None
-    attributes: Callable[[Any, nn.Module, int], Mapping[str, Any] | None] = (
-        lambda style, module, degree: None
-    )
     mesh_ndim: int = 1
     mesh_dims: tuple[str, ...] | None = None
-    sequence_chunks: Callable[[Any, int], int] | None = None
-    attention_transfers: Callable[..., Sequence[Transfer] | None] | None = None
 
     def accepts(self, module: nn.Module) -> bool:
         """Whether ``module`` is of a kind this contract lists (any, if it lists none)."""

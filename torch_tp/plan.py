@@ -223,8 +223,7 @@ def resolve_plan(
                 stated.setdefault(id(submodule), {})[name] = found
     for i, entry in enumerate(entries):
         if _takes_entries(entry.style):
-            contract = entry.style.contract
-            style = contract.with_parameter_entries(entry.style, stated.get(id(entry.module), {}))
+            style = entry.style._with_parameter_entries(stated.get(id(entry.module), {}))
             entries[i] = owner[id(entry.module)] = replace(entry, style=style)
     for key, style, parameters in parameter_entries:
         for path, submodule, name in parameters:
@@ -284,8 +283,9 @@ def _check_partial_sum_regions(entries: list[PlanEntry]) -> None:
 
 
 def _takes_entries(style: object) -> bool:
-    contract = getattr(style, "contract", None)
-    return contract is not None and contract.with_parameter_entries is not None
+    """Whether ``style`` takes its placements from the plan's parameter entries under its
+    module (its ``_with_parameter_entries`` hook)."""
+    return getattr(style, "_with_parameter_entries", None) is not None
 
 
 def _match_parameters(root: nn.Module, key: str) -> list[tuple[str, nn.Module, str]]:
@@ -314,14 +314,15 @@ def parameter_entry_placement(style: object, parameter: torch.Tensor) -> Placeme
     ``[n_experts, out, in]``), or, when 1-D, as a Linear's bias: ``"colwise"`` shards dim
     -2 (a bias: dim -1), ``"rowwise"`` dim -1 (a bias is replicated), ``"packed_colwise"``
     strides dim -2. What the style does to a Linear is read from its contract's
-    ``parameters``, unless the contract says what it states about a parameter itself
-    (``parameter_entry``: ``"grouped_gemm"`` splits stacked experts on dim 0).
+    ``parameters``, unless the style says what it states about a parameter itself (its
+    ``_parameter_entry`` hook: ``"grouped_gemm"`` splits stacked experts on dim 0).
     """
     contract = getattr(style, "contract", None)
     if contract is None or parameter.ndim == 0:
         return None
-    if contract.parameter_entry is not None:
-        return contract.parameter_entry(style, parameter)
+    stated = getattr(style, "_parameter_entry", None)
+    if stated is not None:
+        return stated(parameter)
     stand_in = nn.Linear(1, 1, device="meta")  # meta: nothing is allocated
     if not contract.accepts(stand_in):
         return None

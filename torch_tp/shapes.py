@@ -343,7 +343,8 @@ def _stock_forwards(model: nn.Module, entries: list[PlanEntry]) -> None:
             contract = getattr(entry.style, "contract", None)
             if contract is None or not uses_stock_forward(entry.module):
                 continue
-            if contract.local_forward(entry.style, entry.module) and contract.meta_output is None:
+            meta_output = getattr(entry.style, "_meta_output", None)
+            if contract.local_forward(entry.style, entry.module) and meta_output is None:
                 entry.module.forward = _local_computation(entry.style, entry.module)
 
 
@@ -375,10 +376,9 @@ def _as_one_rank(
                 shape = _local(tuple(param.shape), placement, n, uneven)
                 meta = torch.empty(shape, dtype=param.dtype, device="meta")
                 local[id(param)] = nn.Parameter(meta, param.requires_grad)
-            contract = getattr(entry.style, "contract", None)
-            if contract is not None:
-                changed = contract.attributes(entry.style, entry.module, n) or {}
-                for name, value in changed.items():
+            rank_attributes = getattr(entry.style, "_rank_attributes", None)
+            if rank_attributes is not None:
+                for name, value in rank_attributes(entry.module, n).items():
                     setattr(entry.module, name, value)
     for sub in model.modules():  # tied weights: every owner gets the same shard
         params = compat.direct_parameters(sub)
@@ -581,9 +581,10 @@ class _Tracer:
             handles.append(sub.register_forward_hook(self._leave))
             entry = entry_of.get(id(sub))
             contract = None if entry is None else getattr(entry.style, "contract", None)
-            if contract is not None and contract.meta_output is not None:
+            meta_output = None if entry is None else getattr(entry.style, "_meta_output", None)
+            if meta_output is not None:
                 # a forward that reads its inputs' values (routing): its output's shapes
-                sub.forward = _meta_forward(contract.meta_output, entry.style, sub)
+                sub.forward = _meta_forward(meta_output, sub)
             self.replays.install(path, sub)
             if contract is not None and self.rank:
                 handles.append(
@@ -743,9 +744,9 @@ class _Tracer:
         )
 
 
-def _meta_forward(meta_output: Callable, style: Any, module: nn.Module) -> Callable:
+def _meta_forward(meta_output: Callable, module: nn.Module) -> Callable:
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return meta_output(style, module, args, kwargs)
+        return meta_output(module, args, kwargs)
 
     return forward
 

@@ -337,12 +337,12 @@ def _sequence_split(
     checked against each such style's chunks."""
     split: dict[str, int] = {}
     for entry in entries:
-        chunks_of = getattr(style_contract(entry), "sequence_chunks", None)
+        chunks_of = getattr(entry.style, "_sequence_chunks", None)
         if chunks_of is None or mesh_shape is None:
             continue
         dim = style_dims(entry, mesh_shape)[0]
         size = mesh_shape[dim]
-        chunks = chunks_of(entry.style, size)
+        chunks = chunks_of(size)
         if seq_len % chunks:
             raise ValueError(
                 f"{_names.describe(entry.style)} on {entry.path!r} splits the sequence over "

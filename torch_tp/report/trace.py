@@ -478,7 +478,7 @@ class Trace:
             return
         self.called.add(id(module))
         style, contract = entry.style, style_contract(entry)
-        if getattr(contract, "attention_transfers", None) is not None:
+        if getattr(style, "_attention_transfers", None) is not None:
             self.attention.append(entry)
         saved: list[tuple[torch.Tensor, _State | None]] = []
         self.saved.append(saved)
@@ -577,10 +577,7 @@ class Trace:
         rest = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:], strict=False))
         rest.update((name, value) for name, value in kwargs.items() if name not in names)
         local = [self.local_heads(t) for t in (q, k, v)]
-        style, contract = entry.style, style_contract(entry)
-        transfers = contract.attention_transfers(
-            style, entry.module, *local, rest, self.degree(entry)
-        )
+        transfers = entry.style._attention_transfers(entry.module, *local, rest, self.degree(entry))
         self.add_transfers(entry, transfers)
         # saved for backward (the ring's, flash-attention style): q, k, v and the output as
         # given (the output: one row of v's width per query), and the log-sum-exp of each
@@ -845,15 +842,15 @@ def trace_forward(
 ) -> Any:
     """The forward of ``model`` on ``inputs``, followed by ``trace``. The modules of the
     ``refused`` entries (not traced: the plan cannot apply their styles) still run as their
-    contract's ``meta_output`` says, where it says."""
+    style's ``_meta_output`` says, where it says."""
     handles = []
     refused_of = {id(e.module): e for e in refused}
     for path, module in model.named_modules():
         entry = trace.entry_of.get(id(module)) or refused_of.get(id(module))
-        contract = None if entry is None else style_contract(entry)
-        if contract is not None and contract.meta_output is not None:
+        meta_output = None if entry is None else getattr(entry.style, "_meta_output", None)
+        if meta_output is not None:
             # a forward that reads its inputs' values (routing): its output's shapes instead
-            module.forward = functools.partial(_meta_forward, contract, entry.style, module)
+            module.forward = functools.partial(_meta_forward, meta_output, module)
             handles.append(_Restore(module))
         if entry is not None and entry.adapters is not None:
             # a PEFT layer on it: its base layer's style computes the adapters (a refused
@@ -896,10 +893,8 @@ def trace_forward(
             handle.remove()
 
 
-def _meta_forward(
-    contract: StyleContract, style: Any, module: nn.Module, *args: Any, **kwargs: Any
-) -> Any:
-    output = contract.meta_output(style, module, args, kwargs)
+def _meta_forward(meta_output: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    output = meta_output(module, args, kwargs)
     # made, not computed (``empty_like`` of the tokens): it still carries a gradient back
     # where the forward would have (the collectives of its consumers' backward depend on it)
     leaves = [*tree_leaves((args, kwargs)), *module.parameters()]

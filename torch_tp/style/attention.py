@@ -175,12 +175,14 @@ class LocalParamsParallel(ParallelStyle):
         names={"local_params": {}, "local": {}},
         arguments=lambda s: {"placements": s.placements},
         parameters=lambda s, m: dict(s.placements or {}),
-        with_parameter_entries=lambda s, placements: LocalParamsParallel(
-            {**(s.placements or {}), **placements}
-        ),
         local_forward=lambda s, m: True,
         partial_sum=lambda s: "either",
     )
+
+    def _with_parameter_entries(self, placements: Mapping[str, Placement]) -> LocalParamsParallel:
+        """The style the plan's parameter entries under its module make of it
+        (``"self_attn.sinks": "colwise"`` next to ``"self_attn": "local_params"``)."""
+        return LocalParamsParallel({**(self.placements or {}), **placements})
 
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
         super().__init__()
@@ -251,8 +253,12 @@ class AttentionHeads(ParallelStyle):
             "divide": s.divide,
         },
         # what _apply sets: each rank sees its share of the divided sizes
-        attributes=lambda s, m, n: {name: getattr(m, name) // n for name in s.divide},
     )
+
+    def _rank_attributes(self, module: nn.Module, degree: int) -> dict[str, Any]:
+        """The attributes ``_apply`` sets on ``module`` over ``degree`` ranks (the shape check
+        runs the module as one rank sees it, with these)."""
+        return {name: getattr(module, name) // degree for name in self.divide}
 
     def __init__(
         self,
@@ -327,8 +333,8 @@ class AttentionHeads(ParallelStyle):
                 raise ValueError(f"attribute {name!r} = {value} does not divide by the {n} ranks")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # the divided sizes, as the contract states them (the shape check reads it too)
-        for name, value in self.contract.attributes(self, module, device_mesh.size()).items():
+        # the divided sizes (the shape check reads them too)
+        for name, value in self._rank_attributes(module, device_mesh.size()).items():
             setattr(module, name, value)
         return module
 

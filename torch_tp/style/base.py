@@ -24,7 +24,7 @@ import functools
 import itertools
 import reprlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -79,6 +79,16 @@ class ParallelStyle(ABC):
 
     src_data_rank: int | None = 0
     contract: ClassVar[StyleContract | None] = None
+
+    # Hooks that only some styles need, beside the contract every style declares: None (the
+    # default) where a style has none, a method where it has one. What each answers and who
+    # asks: the guide's "Hooks beside the contract" (docs/guide.md).
+    _parameter_entry: ClassVar[Callable[[torch.Tensor], Placement | None] | None] = None
+    _with_parameter_entries: ClassVar[Callable[[Mapping[str, Placement]], Any] | None] = None
+    _meta_output: ClassVar[Callable[[nn.Module, tuple, dict], Any] | None] = None
+    _rank_attributes: ClassVar[Callable[[nn.Module, int], Mapping[str, Any]] | None] = None
+    _sequence_chunks: ClassVar[Callable[[int], int] | None] = None
+    _attention_transfers: ClassVar[Callable[..., Sequence[Any]] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

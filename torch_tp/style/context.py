@@ -20,6 +20,7 @@ import functools
 import inspect
 import math
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -384,12 +385,21 @@ class ContextParallel(ParallelStyle):
     contract = StyleContract(
         names={"context_parallel": {}},
         arguments=lambda s: {"rotation": s.rotation, "load_balance": s.load_balance},
-        # for the dry-run report: on the mesh's "cp" dimension, the model's sequence split
-        # over it, and the ring's transfers of each attention call
+        # on the mesh's "cp" dimension
         mesh_dims=("cp",),
-        sequence_chunks=lambda s, cp: 2 * cp if s.load_balance else cp,
-        attention_transfers=lambda s, module, q, k, v, kwargs, cp: s._ring_transfers(k, cp),
     )
+
+    # for the dry-run report: the model's sequence split over "cp", and the ring's transfers
+    # of each attention call
+    def _sequence_chunks(self, cp: int) -> int:
+        """The equal chunks the whole model's sequence is cut in over ``cp`` ranks."""
+        return 2 * cp if self.load_balance else cp
+
+    def _attention_transfers(
+        self, module: nn.Module, query: Any, key: Any, value: Any, kwargs: dict, cp: int
+    ) -> Sequence[Transfer]:
+        """The transfers of one ``F.scaled_dot_product_attention`` call inside ``module``."""
+        return self._ring_transfers(key, cp)
 
     def __init__(self, *, rotation: str = "p2p", load_balance: bool = True) -> None:
         super().__init__()

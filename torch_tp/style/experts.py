@@ -107,8 +107,11 @@ class TensorParallelExperts(ParallelStyle):
         transfers=lambda s, m, inputs, degree: (
             (Transfer("forward", "all_reduce", 4),) if len(inputs) >= 2 else ()
         ),
-        meta_output=lambda s, m, args, kwargs: _tokens_like(args),
     )
+
+    def _meta_output(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """For the dry-run report: the routing counts are values a meta tensor lacks."""
+        return _tokens_like(args)
 
     def __init__(self, *, output_layouts: Placement | None = None) -> None:
         super().__init__()
@@ -332,9 +335,16 @@ class ExpertParallel(ParallelStyle):
             "rank receives as many routing slots as it sends; the mean over the ranks is that "
             "whatever the routing)"
         ),
-        parameter_entry=lambda s, parameter: Shard(0),
-        meta_output=lambda s, m, args, kwargs: _tokens_like(args),
     )
+
+    def _parameter_entry(self, parameter: torch.Tensor) -> Placement:
+        """A plan entry naming a parameter of this style's module (transformers'
+        ``"...experts.gate_up_proj": "grouped_gemm"``): the stacked experts split on dim 0."""
+        return Shard(0)
+
+    def _meta_output(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """For the dry-run report: the routing counts are values a meta tensor lacks."""
+        return _tokens_like(args)
 
     def __init__(self, *, input_layouts: Placement | None = None) -> None:
         super().__init__()
@@ -661,9 +671,12 @@ class ExpertTensorParallel(ParallelStyle):
         # over ep: the counts and the tokens' all-to-alls; over tp: the agreed id check
         transfers=lambda s, m, inputs, degree: s._transfers(m, inputs, degree),
         caveat=lambda s, m: ExpertParallel.contract.caveat(ExpertParallel(), m),
-        meta_output=lambda s, m, args, kwargs: _tokens_like(args),
         mesh_ndim=2,
     )
+
+    def _meta_output(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """For the dry-run report: the routing counts are values a meta tensor lacks."""
+        return _tokens_like(args)
 
     def __init__(self, *, output_layouts: Placement | None = None) -> None:
         super().__init__()

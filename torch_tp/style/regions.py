@@ -192,11 +192,13 @@ class PartialSumParallel(ParallelStyle):
         inputs=lambda s, m: s._input_boundary(m),
         outputs=lambda s, m: Boundary((Layout(Partial(), Replicate()),)),
         local_forward=lambda s, m: True,
-        with_parameter_entries=lambda s, placements: PartialSumParallel(
-            {**(s.placements or {}), **placements}
-        ),
         partial_sum=lambda s: "region",
     )
+
+    def _with_parameter_entries(self, placements: Mapping[str, Placement]) -> PartialSumParallel:
+        """The style the plan's parameter entries under its module make of it (transformers'
+        ``"...experts.gate_up_proj": "local_colwise"`` inside a ``"gather"`` region)."""
+        return PartialSumParallel({**(self.placements or {}), **placements})
 
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
         super().__init__()
