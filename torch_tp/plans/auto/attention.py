@@ -14,22 +14,18 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from torch_tp.plans.auto.groups import OUTPUT_GATE_NAME, LinearGroup, describe_group
+from torch_tp.plans.auto.groups import OUTPUT_GATE_NAME, BlockPlan, LinearGroup, describe_group
 from torch_tp.style import (
     AttentionHeads,
     ColwiseParallel,
     LocalParamsParallel,
     RowwiseParallel,
 )
-
-if TYPE_CHECKING:
-    from torch_tp.plans.auto.blocks import BlockPlan
 
 __all__: list[str] = []
 

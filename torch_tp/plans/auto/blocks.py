@@ -14,8 +14,6 @@ turn the kinds' plans into plan keys (``*`` where all blocks agree), and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from torch import nn
 
 from torch_tp.plans.auto.attention import plan_group
@@ -26,6 +24,7 @@ from torch_tp.plans.auto.experts import (
     stacked_experts_unchecked,
 )
 from torch_tp.plans.auto.groups import (
+    BlockPlan,
     LinearGroup,
     assign_styles,
     describe_group,
@@ -112,19 +111,6 @@ def _structure(block: nn.Module) -> list[tuple[str, str, tuple]]:
 # ------------------------------------------------------------------------------------------
 # kinds of blocks, and one plan for each
 # ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class BlockPlan:
-    styles: dict[str, ParallelStyle]  # path inside the block -> style, in plan order
-    replicated: dict[str, str]  # paths inside the block of mixers left replicated -> why
-    groups: list[LinearGroup]  # the planned groups (for the TP degree check)
-    experts: list[str]  # paths of stacked experts
-    prefix: str = ""  # how errors name this kind of block
-    indices: list[int] = field(default_factory=list)
-    # attentions computed whole (weights sharded, outputs gathered) -> why their heads are not
-    # split (for the warning)
-    whole: dict[str, str] = field(default_factory=dict)
 
 
 def block_kinds(blocks: list[nn.Module]) -> list[list[int]]:

@@ -343,3 +343,18 @@ def describe_group(group: LinearGroup) -> str:
 
 def join_dotted(path: str, name: str) -> str:
     return f"{path}.{name}" if path and name else path or name
+
+
+@dataclass
+class BlockPlan:
+    """The plan of one kind of block: its styles and what it leaves replicated, and why."""
+
+    styles: dict[str, ParallelStyle]  # path inside the block -> style, in plan order
+    replicated: dict[str, str]  # paths inside the block of mixers left replicated -> why
+    groups: list[LinearGroup]  # the planned groups (for the TP degree check)
+    experts: list[str]  # paths of stacked experts
+    prefix: str = ""  # how errors name this kind of block
+    indices: list[int] = field(default_factory=list)
+    # attentions computed whole (weights sharded, outputs gathered) -> why their heads are not
+    # split (for the warning)
+    whole: dict[str, str] = field(default_factory=dict)

@@ -20,7 +20,6 @@ from torch.distributed.tensor import Replicate
 from torch_tp.plans._context import with_context_parallel
 from torch_tp.plans._peft import prefixed, without_tuner_layers, wrapped_model
 from torch_tp.plans.auto.blocks import (
-    BlockPlan,
     block_kinds,
     check_tp_degree,
     find_blocks,
@@ -29,7 +28,13 @@ from torch_tp.plans.auto.blocks import (
     merged_styles,
     plan_block,
 )
-from torch_tp.plans.auto.groups import find_hidden_size, join_dotted, linear_groups, linear_shape
+from torch_tp.plans.auto.groups import (
+    BlockPlan,
+    find_hidden_size,
+    join_dotted,
+    linear_groups,
+    linear_shape,
+)
 from torch_tp.style import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 __all__ = ["ReplicatedModulesWarning", "UncheckedPlanWarning", "auto"]
