@@ -66,8 +66,10 @@ def _runtime_mode(mode: str):
 def _output_function(style, mesh) -> str:
     """The autograd node that made the output of a Linear parallelized with ``style``."""
     torch.manual_seed(0)
-    layer = parallelize_module(nn.Linear(16, 32), mesh, style)
-    return type(layer(torch.randn(4, 16, requires_grad=True)).grad_fn).__name__
+    with torch.device(mesh.device_type):
+        layer = parallelize_module(nn.Linear(16, 32), mesh, style)
+        x = torch.randn(4, 16, requires_grad=True)
+    return type(layer(x).grad_fn).__name__
 
 
 def _guide_example(path: str) -> None:
