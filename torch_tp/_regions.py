@@ -22,10 +22,6 @@ They are the fast path of :mod:`torch_tp.runtime` (``TORCH_TP_RUNTIME=fast``, th
 default); ``TORCH_TP_RUNTIME=dtensor`` uses none of them, except the all-to-all: expert
 parallelism sends each rank a data-dependent number of rows, which no DTensor placement
 describes, so both runtimes dispatch tokens to their experts through it.
-
-:func:`raise_agreed` is the error path of a check agreed over the ranks before a collective
-(the vocabulary-parallel embedding's ids, the experts' routing, the parallel loss's target):
-the same exception on every rank, naming the ranks that found it.
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ __all__ = [
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
-    "raise_agreed",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
 ]
@@ -279,46 +274,3 @@ def all_to_all(
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_splits, input_splits, group=mesh.get_group())
     return out
-
-
-# --------------------------------------------------------------------------- agreement
-
-
-def raise_agreed(error: Exception | None, groups: list[dist.ProcessGroup]) -> None:
-    """Raise on every rank of ``groups``, which agreed that some rank found an error.
-
-    A check that guards a collective is made on each rank from its own data; a rank that
-    raised alone would leave the others waiting in the collective. So the callers agree
-    first, folding each rank's verdict into a collective they make anyway or into one
-    all-reduce of one number (over several groups in turn, the dimensions of a mesh, every
-    rank of the mesh learns it), and call this only when some rank found an error. Every
-    rank then raises the same exception, of the type the lowest such rank found, naming
-    each such rank (its global rank) and its message. The messages are gathered over each
-    group in turn (the error path only).
-    """
-    found: list[tuple[int, type, str]] = []
-    if error is not None:
-        found.append((dist.get_rank(), type(error), str(error)))
-    for group in groups:
-        parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, found, group=group)
-        found = sorted({entry for part in parts for entry in part}, key=lambda e: e[0])
-    kind = found[0][1]
-    # one message when every rank found the same, else each rank's
-    if len({text for _, _, text in found}) == 1:
-        ranks = ", ".join(str(rank) for rank, _, _ in found)
-        text = f"{found[0][2]} (on rank {ranks})"
-    else:
-        text = "; ".join(f"rank {rank}: {text}" for rank, _, text in found)
-    try:
-        agreed = kind(text)
-    except TypeError:  # an exception type that takes other arguments
-        agreed = RuntimeError(f"{kind.__name__}: {text}")
-    raise agreed
-
-
-def flag_device(group: dist.ProcessGroup) -> torch.device:
-    """Where ``group``'s collectives take a tensor: the current GPU under NCCL."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -37,8 +37,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.overrides import TorchFunctionMode
 
 from torch_tp import _torch_compat as compat
-from torch_tp._regions import raise_agreed
-from torch_tp.runtime import chunk_range, contiguous_stride
+from torch_tp.runtime import chunk_range, contiguous_stride, raise_agreed
 
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
 

@@ -39,8 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from torch_tp import _torch_compat as compat
-from torch_tp._regions import raise_agreed
-from torch_tp.runtime import chunk_range
+from torch_tp.runtime import chunk_range, raise_agreed
 
 __all__ = [
     "TensorParallelRNGTracker",

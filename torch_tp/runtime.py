@@ -65,6 +65,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -80,9 +81,11 @@ __all__ = [
     "FastRuntime",
     "ShardDimError",
     "chunk_range",
+    "flag_device",
     "for_mesh",
     "gradient_on_rank_zero",
     "normalize",
+    "raise_agreed",
     "replicated_from_local",
     "runtime_mode",
     "shard_range",
@@ -877,3 +880,48 @@ def _respec(spec: DTensorSpec, placement: Placement) -> DTensorSpec:
 
 
 _RESPEC = "_torch_tp_respec"
+
+
+# ------------------------------------------------------------------------------------------
+# Agreeing on an error before a collective
+# ------------------------------------------------------------------------------------------
+
+
+def raise_agreed(error: Exception | None, groups: list[dist.ProcessGroup]) -> None:
+    """Raise on every rank of ``groups``, which agreed that some rank found an error.
+
+    A check that guards a collective is made on each rank from its own data; a rank that
+    raised alone would leave the others waiting in the collective. So the callers agree
+    first, folding each rank's verdict into a collective they make anyway or into one
+    all-reduce of one number (over several groups in turn, the dimensions of a mesh, every
+    rank of the mesh learns it), and call this only when some rank found an error. Every
+    rank then raises the same exception, of the type the lowest such rank found, naming
+    each such rank (its global rank) and its message. The messages are gathered over each
+    group in turn (the error path only).
+    """
+    found: list[tuple[int, type, str]] = []
+    if error is not None:
+        found.append((dist.get_rank(), type(error), str(error)))
+    for group in groups:
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, found, group=group)
+        found = sorted({entry for part in parts for entry in part}, key=lambda e: e[0])
+    kind = found[0][1]
+    # one message when every rank found the same, else each rank's
+    if len({text for _, _, text in found}) == 1:
+        ranks = ", ".join(str(rank) for rank, _, _ in found)
+        text = f"{found[0][2]} (on rank {ranks})"
+    else:
+        text = "; ".join(f"rank {rank}: {text}" for rank, _, text in found)
+    try:
+        agreed = kind(text)
+    except TypeError:  # an exception type that takes other arguments
+        agreed = RuntimeError(f"{kind.__name__}: {text}")
+    raise agreed
+
+
+def flag_device(group: dist.ProcessGroup) -> torch.device:
+    """Where ``group``'s collectives take a tensor: the current GPU under NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

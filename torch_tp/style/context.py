@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
-from torch_tp import _regions, _ring
+from torch_tp import _ring, runtime
 from torch_tp import _torch_compat as compat
 from torch_tp.contract import StyleContract, Transfer
 from torch_tp.style.base import ParallelStyle, plan_root, style_at
@@ -252,7 +252,7 @@ def _check_inputs(
             )
     # the longest and (negated) the shortest length: equal when every rank has the same
     flags = torch.tensor([padding, wrong, length, -length], dtype=torch.int64)
-    flags = flags.to(_regions.flag_device(group))
+    flags = flags.to(runtime.flag_device(group))
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
     padding, wrong, longest, shortest = flags.tolist()
     shortest = -shortest
@@ -597,5 +597,5 @@ class ContextParallel(ParallelStyle):
                 refused=error is not None,
             )
         except _ring.RingRefused:  # every rank: the messages gathered (the error path only)
-            _regions.raise_agreed(error, [group])
+            runtime.raise_agreed(error, [group])
             raise  # (raise_agreed raises)

@@ -506,12 +506,12 @@ def _route(
         # ids out of range are agreed over the mesh (one all-reduce of one number), so
         # that one rank's bad routing is an error on all, not a wait in the reduction
         group = mesh.get_group()
-        flag = counts[-1:].to(_regions.flag_device(group), copy=True)
+        flag = counts[-1:].to(runtime.flag_device(group), copy=True)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
         sent = torch.cat([counts, flag.to(counts.device)]).tolist()
         if sent[-1]:
             error = _bad_expert_ids(style, module, n_experts) if sent[-2] else None
-            _regions.raise_agreed(error, [group])
+            runtime.raise_agreed(error, [group])
         sent = sent[:-1]
         bad = ""
         first = sum(sent[: rank * local_experts])
@@ -522,7 +522,7 @@ def _route(
         out_of_range = counts[-1:]
         if agree_over is not None and agree_over.size() > 1:  # (over one rank: agreed)
             group = agree_over.get_group()
-            flag = out_of_range.to(_regions.flag_device(group), copy=True)
+            flag = out_of_range.to(runtime.flag_device(group), copy=True)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
             out_of_range = flag.to(counts.device)
         outgoing = torch.cat([counts[:-1].view(n, local_experts), out_of_range.expand(n, 1)], dim=1)
@@ -849,11 +849,11 @@ def _check_expert_ids(
         return
     bad = ((top_k_index < 0) | (top_k_index >= n_experts)).any().reshape(1)
     group = rt.mesh.get_group()
-    flag = bad.to(device=_regions.flag_device(group), dtype=torch.int32)
+    flag = bad.to(device=runtime.flag_device(group), dtype=torch.int32)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
     if flag.item():
         error = _bad_expert_ids(style, module, n_experts) if bad.item() else None
-        _regions.raise_agreed(error, [group])
+        runtime.raise_agreed(error, [group])
 
 
 def _bad_expert_ids(style: ParallelStyle, module: nn.Module, n_experts: int) -> ValueError:

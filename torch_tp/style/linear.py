@@ -657,7 +657,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         # rank's shape code is the same and no rank's ids are out of range (a rank with a
         # greater code raises the first, one with a lesser code the second)
         group = rt.mesh.get_group()
-        device = _regions.flag_device(group)
+        device = runtime.flag_device(group)
         code = 2 * _shape_code(ids.shape)
         agreed = bad.to(device) + torch.tensor([code, -code], dtype=torch.long, device=device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -669,7 +669,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         torch.distributed.all_gather_object(found, (tuple(ids.shape), mine), group=group)
         if len({shape for shape, _ in found}) > 1:
             raise self._shapes_differ(module, [shape for shape, _ in found], group)
-        _regions.raise_agreed(self._ids_out_of_range(module, ids) if mine else None, [group])
+        runtime.raise_agreed(self._ids_out_of_range(module, ids) if mine else None, [group])
 
     def _shapes_differ(
         self,
