@@ -349,12 +349,12 @@ def _plan_for_stage(plan: Mapping[str, Any], stage: nn.Module) -> dict[str, Any]
     """The entries of a whole-model plan that name something on this stage: keys that name
     only modules (or parameters) other stages hold, the embedding or the head, are left to
     those stages."""
-    from torch_tp.plan import names_something
+    from torch_tp.plan import key_matches_any
 
     skipped = {name for name, m in stage.named_modules() if isinstance(m, _Skipped)}
     paths = [n.split(".") for n, _ in stage.named_modules() if n and n not in skipped]
     paths += [n.split(".") for n, _ in stage.named_parameters()]
-    return {key: style for key, style in plan.items() if names_something(key, paths)}
+    return {key: style for key, style in plan.items() if key_matches_any(key, paths)}
 
 
 def pipeline_stages(

@@ -538,7 +538,7 @@ def from_dict(data: Mapping[str, str | Mapping[str, Any]]) -> dict[str, Parallel
     return {key: _names.style_from_data(value, key) for key, value in data.items()}
 
 
-def names_something(key: str, paths: list[list[str]]) -> bool:
+def key_matches_any(key: str, paths: list[list[str]]) -> bool:
     """Whether the plan key (``fnmatch`` wildcards per dotted segment) names one of
     ``paths`` (module and parameter paths, split into segments)."""
     if key == "":  # the model itself

@@ -148,7 +148,7 @@ def unsummed_gradients(entries: list[PlanEntry]) -> list[tuple[PlanEntry, tuple[
     return found
 
 
-def _try(call: Any, *args: Any) -> Any:
+def _contract_answer(call: Any, *args: Any) -> Any:
     """A contract's answer, or ``None`` for a module it does not describe (the style's own
     validation says why)."""
     try:
@@ -160,7 +160,9 @@ def _try(call: Any, *args: Any) -> Any:
 def _input_layouts(entry: PlanEntry) -> list[tuple[str, Any]]:
     """``(what, Layout)`` for each input layout ``entry``'s style declares."""
     contract = getattr(entry.style, "contract", None)
-    boundary = None if contract is None else _try(contract.inputs, entry.style, entry.module)
+    boundary = (
+        None if contract is None else _contract_answer(contract.inputs, entry.style, entry.module)
+    )
     if boundary is None:
         return []
     layouts = [(f"input {i}", layout) for i, layout in enumerate(boundary.args)]
@@ -171,7 +173,9 @@ def _input_layouts(entry: PlanEntry) -> list[tuple[str, Any]]:
 def _output_placements(entry: PlanEntry) -> list[Placement]:
     """Where ``entry``'s style leaves each output it declares."""
     contract = getattr(entry.style, "contract", None)
-    boundary = None if contract is None else _try(contract.outputs, entry.style, entry.module)
+    boundary = (
+        None if contract is None else _contract_answer(contract.outputs, entry.style, entry.module)
+    )
     if boundary is None:
         return []
     layouts = [*boundary.args, *boundary.kwargs.values()]
@@ -190,8 +194,8 @@ def replicated_unsummed(entry: PlanEntry) -> tuple[str, ...]:
     contract = getattr(entry.style, "contract", None)
     if contract is None or _input_layouts(entry) or contract.partial_sum(entry.style) is not None:
         return ()
-    placements = _try(contract.parameters, entry.style, entry.module) or {}
-    partial = set(_try(contract.partial_gradients, entry.style, entry.module) or ())
+    placements = _contract_answer(contract.parameters, entry.style, entry.module) or {}
+    partial = set(_contract_answer(contract.partial_gradients, entry.style, entry.module) or ())
     trained = {name for name, p in entry.module.named_parameters() if p.requires_grad}
     return tuple(
         name
@@ -204,7 +208,7 @@ def _is_shard(placement: Placement | None) -> bool:
     return isinstance(placement, (Shard, StridedShard))
 
 
-def _may_be(made: Placement, taken: Placement) -> bool:
+def _may_be_same_layout(made: Placement, taken: Placement) -> bool:
     """Whether a tensor left ``made`` may be the one taken as ``taken`` (``Shard(-1)`` and
     ``Shard(2)`` may be the same dim: the rank of the tensor is not known here)."""
     if type(made) is not type(taken):
@@ -231,7 +235,9 @@ def _sharded_arrival(
             ]
             for what, layout in _input_layouts(sibling):
                 taken = layout.given
-                if _is_shard(taken) and not any(_may_be(m, taken) for m in made if _is_shard(m)):
+                if _is_shard(taken) and not any(
+                    _may_be_same_layout(m, taken) for m in made if _is_shard(m)
+                ):
                     return sibling, what, taken, parent
         owner = by_path.get(parent)
         if owner is not None and _input_layouts(owner):
@@ -244,15 +250,15 @@ def summing_style(entry: PlanEntry, names: tuple[str, ...]) -> str:
     """The first registered style that replicates ``names`` alike, takes its inputs as they
     come and sums their gradients, as plans write it."""
     for plan_name in STYLE_REGISTRY.names():
-        style = _try(STYLE_REGISTRY.style, plan_name)
+        style = _contract_answer(STYLE_REGISTRY.style, plan_name)
         contract = getattr(style, "contract", None)
         if contract is None or not contract.accepts(entry.module):
             continue
         candidate = PlanEntry(entry.key, entry.path, entry.module, style)
         if _input_layouts(candidate):
             continue
-        placements = _try(contract.parameters, style, entry.module) or {}
-        partial = set(_try(contract.partial_gradients, style, entry.module) or ())
+        placements = _contract_answer(contract.parameters, style, entry.module) or {}
+        partial = set(_contract_answer(contract.partial_gradients, style, entry.module) or ())
         if all(isinstance(placements.get(n), Replicate) and n in partial for n in names):
             return f"{style_str(style)} ({plan_name!r})"
     return "a style that sums these gradients over the ranks"
@@ -295,7 +301,9 @@ def _refuse_untying(entry: PlanEntry, where: str, untied: _Untied, strict: bool)
     modules = " and ".join(
         filter(None, [", ".join(map(path_str, paths[:-1])), path_str(paths[-1])])
     )
-    retie = "; ".join(f"{_attribute(other)} = {_attribute(here)}" for other in layouts)
+    retie = "; ".join(
+        f"{_parameter_expression(other)} = {_parameter_expression(here)}" for other in layouts
+    )
     if strict:
         raise ValueError(
             f"cannot apply {where}: {_untied_message(untied)}. Two ways out: parallelize "
@@ -317,7 +325,7 @@ def _refuse_untying(entry: PlanEntry, where: str, untied: _Untied, strict: bool)
     )
 
 
-def _attribute(parameter_path: str) -> str:
+def _parameter_expression(parameter_path: str) -> str:
     """Python that names the parameter at ``parameter_path`` of a root called ``model``."""
     module, _, name = parameter_path.rpartition(".")
     if not module:

@@ -260,7 +260,7 @@ class DTensorRuntime:
     gradient placements that say what each rank's gradient is), and each partial gradient of
     a replicated parameter reduced as it arrives. No cache, no region Function, no private
     DTensor API: the reference :class:`FastRuntime` is checked against. A local result is
-    handed on as one its reader may modify in place, without a copy (:func:`_handed_on`).
+    handed on as one its reader may modify in place, without a copy (:func:`_modifiable_local`).
 
     Args:
         mesh (DeviceMesh): the 1-D mesh the module is parallelized on.
@@ -301,7 +301,7 @@ class DTensorRuntime:
             moved = self.redistribute(dt, desired)
         if not use_local:
             return moved
-        return _handed_on(dt, moved, None if isinstance(value, DTensor) else value)
+        return _modifiable_local(dt, moved, None if isinstance(value, DTensor) else value)
 
     def enter_replicated(self, value: torch.Tensor, layout: Placement) -> torch.Tensor:
         """The whole input of a column-parallel computation, as a local tensor.
@@ -334,7 +334,7 @@ class DTensorRuntime:
             partial, self.mesh, (Partial(),), shape=partial.shape, stride=partial.stride()
         )
         moved = self.redistribute(dt, layout)
-        return _handed_on(dt, moved, partial) if use_local else moved
+        return _modifiable_local(dt, moved, partial) if use_local else moved
 
     def leave(
         self,
@@ -358,7 +358,7 @@ class DTensorRuntime:
             stride=contiguous_stride(global_shape),
         )
         moved = self.redistribute(dt, layout)
-        return _handed_on(dt, moved, local) if use_local else moved
+        return _modifiable_local(dt, moved, local) if use_local else moved
 
     def local_parameter(
         self, module: nn.Module, name: str, *, partial: bool = False
@@ -386,7 +386,9 @@ class DTensorRuntime:
         param.register_hook(_replicate_partial)
 
 
-def _handed_on(annotated: DTensor, moved: DTensor, local: torch.Tensor | None) -> torch.Tensor:
+def _modifiable_local(
+    annotated: DTensor, moved: DTensor, local: torch.Tensor | None
+) -> torch.Tensor:
     """``moved.to_local()``, handed on as one device would hand the value on: as a tensor its
     reader may modify in place (Llama 4's MoE adds its routed experts' output to its shared
     expert's output with ``out.add_(...)``), and without a copy.

@@ -55,7 +55,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from torch_tp.plan import names_something
+from torch_tp.plan import key_matches_any
 from torch_tp.plans._context import with_context_parallel
 from torch_tp.plans._peft import prefixed, without_tuner_layers, wrapped_model
 from torch_tp.plans._sequence import with_sequence_parallel
@@ -469,7 +469,7 @@ def _with_unplanned_parameters(model: nn.Module, plan: dict[str, str]) -> dict[s
         names = [
             name
             for name, _ in model.named_parameters()
-            if names_something(problem.where, [name.split(".")])
+            if key_matches_any(problem.where, [name.split(".")])
         ]
         if names and all(model.get_parameter(n).numel() == 1 for n in names):
             added[problem.where.rsplit(".", 1)[0]] = "replicated_with_grad_allreduce"
@@ -529,7 +529,7 @@ def _naming_something(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, An
     all mixture-of-experts has no dense MLP for the dense keys to name)."""
     paths = [path.split(".") for path, _ in model.named_modules(remove_duplicate=False) if path]
     paths += [path.split(".") for path, _ in model.named_parameters(remove_duplicate=False)]
-    return {key: name for key, name in plan.items() if names_something(key, paths)}
+    return {key: name for key, name in plan.items() if key_matches_any(key, paths)}
 
 
 def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
