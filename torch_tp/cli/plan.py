@@ -292,7 +292,10 @@ def _vocabulary_parallel_logits(model: nn.Module, plan: dict[str, Any]) -> dict[
         # by its contract: computed on this rank's part of the vocabulary, the output layout
         # an argument (a column-parallel lm_head)
         contract = getattr(style, "contract", None)
-        outputs = contract.outputs(style, modules.get(key)) if contract is not None else None
+        try:
+            outputs = contract.outputs(style, modules.get(key)) if contract is not None else None
+        except Exception:  # noqa: BLE001 - a contract that cannot describe this module
+            outputs = None
         takes = inspect.signature(type(style)).parameters
         if not (
             outputs is not None

@@ -89,8 +89,8 @@ def with_sequence_parallel(
             style = _sequence_entry(key, style, modules[key], prefix)
         out[key] = value if style is styles[key] else style  # plan names kept where unchanged
     embed = f"{prefix}embed_tokens"
-    embedding = (planned.get(embed), model.get_submodule(embed))
-    if not (_leaves_partial_sum(*embedding) or _reads_whole_input(*embedding)):
+    embedding = (planned[embed], model.get_submodule(embed)) if embed in planned else None
+    if embedding is None or not (_leaves_partial_sum(*embedding) or _reads_whole_input(*embedding)):
         raise _refused(model, embed, "a row- or column-parallel embedding in the plan")
     layer_keys = f"{prefix}layers.*"
     # an attention computing part of its work whole (a latent attention's unplanned down
