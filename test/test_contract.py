@@ -210,3 +210,64 @@ def test_every_built_in_style_is_exported():
     ]
     assert sorted(style.__all__) == sorted(["ParallelStyle", *defined])
     assert set(style.__all__) <= set(torch_tp.__all__)
+
+
+# --------------------------------------------------------------------------- hooks beside it
+# What only some styles need is a method of the style (the guide's "Hooks beside the
+# contract"); a user's style that defines one is served like a built-in one.
+
+
+class _SelectedRows(nn.Module):
+    """Keeps the rows whose first feature is positive: a shape meta tensors cannot know."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)[torch.nonzero(x[:, 0] > 0).squeeze(1)]
+
+
+class _WholeRows(ParallelStyle):
+    """A user style computing its module whole on every rank, no collective."""
+
+    contract = StyleContract(
+        names={"test_whole_rows": {}},
+        inputs=lambda s, m: Boundary((Layout(Replicate(), Replicate()),)),
+        outputs=lambda s, m: Boundary((Layout(Replicate(), Replicate()),)),
+        local_forward=lambda s, m: True,
+    )
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return module
+
+
+class _WholeRowsWithHooks(_WholeRows):
+    contract = StyleContract(
+        names={"test_whole_rows_hooked": {}},
+        inputs=_WholeRows.contract.inputs,
+        outputs=_WholeRows.contract.outputs,
+        local_forward=_WholeRows.contract.local_forward,
+    )
+
+    def _meta_output(self, module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+        return torch.empty_like(args[0])  # every row, as balanced data would keep
+
+    def _parameter_entry(self, parameter: torch.Tensor) -> Shard:
+        return Shard(parameter.ndim - 1)
+
+
+def test_a_user_styles_hooks_are_called_like_a_built_in_ones():
+    from torch_tp.plan import parameter_entry_placement
+    from torch_tp.shapes import ShapeCheckError, check_shapes
+
+    x = torch.randn(4, 8)
+    # without the hook the trace cannot run the data-dependent forward on meta tensors
+    with pytest.raises(ShapeCheckError):
+        check_shapes(_SelectedRows(), {"": _WholeRows()}, 2, example_inputs=(x,))
+    # with it, the trace takes the style's meta output in place of the forward
+    assert check_shapes(_SelectedRows(), {"": _WholeRowsWithHooks()}, 2, example_inputs=(x,)) == []
+    # a plan entry naming a parameter states what the style's hook says, not a Linear's
+    weight = torch.empty(3, 5)
+    assert parameter_entry_placement(_WholeRowsWithHooks(), weight) == Shard(1)
+    assert parameter_entry_placement(_WholeRows(), weight) is None

@@ -451,6 +451,17 @@ def _measure_bare(case: str) -> dict[str, dict[str, int]]:
     return {"forward": dict(forward.counts), "backward": dict(backward.counts)}
 
 
+def test_the_bare_cases_hold_every_linear_and_embedding_style():
+    """The cases come from the registry, filtered by each style's own validation: one that
+    started refusing a bare module would drop out silently, so the usual ones are named."""
+    cases = set(_bare_cases())
+    for name in ("colwise", "rowwise", "colwise_rep", "rowwise_split_input", "packed_colwise"):
+        assert f"{name}-linear" in cases, name
+    for name in ("embedding_rowwise", "embedding_colwise"):
+        assert f"{name}-embedding" in cases, name
+    assert "replicate-linear" in cases and len(cases) >= 25, sorted(cases)
+
+
 @pytest.mark.fast_runtime  # the report predicts the default runtime's collectives
 @pytest.mark.parametrize("case", _bare_cases())
 def test_each_plan_names_contract_agrees_with_its_forward(case):

@@ -108,3 +108,10 @@ def test_the_kit_is_public_and_the_built_ins_use_it():
         source = path.read_text(encoding="utf-8")
         private = re.findall(r"\b(?:runtime|_regions)\._\w+", source)
         assert not private, (path.name, private)
+        # what the guide says stays in the private regions module, and nothing more
+        outside_kit = set(re.findall(r"\b_regions\.(\w+)", source))
+        allowed = {
+            "experts.py": {"all_to_all", "all_to_all_expert_parallel_region"},
+            "linear.py": {"mesh_size"},
+        }.get(path.name, set())
+        assert outside_kit <= allowed, (path.name, outside_kit - allowed)
