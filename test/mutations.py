@@ -89,14 +89,14 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
-        name="rowwise_contract_disagrees_with_its_forward",
+        name="rowwise_contract_skips_the_reduction",
         file="torch_tp/style/linear.py",
         old="(Layout(Partial(), s.output_layouts[0], s.use_local_output),)",
         new="(Layout(s.output_layouts[0], s.output_layouts[0], s.use_local_output),)",
-        tests=("test/test_report.py::test_predicted_collectives_equal_measured[llama]",),
-        description="RowwiseParallel's contract says its output is computed already reduced, "
-        "while its forward all-reduces the partial sums: the layouts a style states twice "
-        "(contract, forward) no longer agree",
+        tests=("test/test_llama.py::test_llama_parity[False-2]",),
+        description="RowwiseParallel's contract says its output is computed already reduced: "
+        "the forward, which computes the layouts its contract states (the one statement of "
+        "them), hands on the partial sums unreduced",
     ),
     Mutation(
         name="partial_gradients_not_reduced",
@@ -330,7 +330,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="colwise_reduces_inside_a_partial_region",
         file="torch_tp/style/linear.py",
-        old="            if isinstance(self.input_layouts[0], Replicate) and "
+        old="            if isinstance(entry.given, Replicate) and "
         "in_partial_region(input):",
         new="""            if False:""",
         tests=(
@@ -385,7 +385,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="lora_b_gradient_not_summed_on_a_partial_output",
         file="torch_tp/style/linear.py",
-        old="""            partial_out = sharded or isinstance(self.output_layouts[0], Partial)""",
+        old="""            partial_out = sharded or isinstance(exit.to, Partial)""",
         new="""            partial_out = sharded""",
         tests=(
             "test/test_peft_compose.py::test_sequence_parallel_lora_matches_single_device[peft_first-0.0]",

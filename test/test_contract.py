@@ -9,6 +9,7 @@ are checked against a measured run in ``test_report.py`` (the ``net_user_style``
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,13 @@ import torch.nn as nn
 from helpers import tp_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from torch_tp import ColwiseParallel, ParallelStyle, RowwiseParallel, StyleContract
+from torch_tp import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    StyleContract,
+    parallelize_module,
+)
 from torch_tp.contract import Boundary, Layout
 from torch_tp.plan import from_dict, to_dict
 from torch_tp.registry import STYLE_REGISTRY
@@ -160,6 +167,60 @@ def _user_style_parity() -> None:
 
 def test_user_style_parity():
     run_distributed(_user_style_parity, 2)
+
+
+# ------------------------------------------- the linear styles compute what their contract says
+
+
+class _ContractGathersColumns(ColwiseParallel):
+    """ColwiseParallel whose contract alone says the output is gathered (its output_layouts
+    stay Shard(-1)): the forward computes the contract's layouts, not its attributes."""
+
+    contract = dataclasses.replace(
+        ColwiseParallel.contract,
+        names={"test_contract_gathers_columns": {}},
+        outputs=lambda s, m: Boundary((Layout(Shard(-1), Replicate(), s.use_local_output),)),
+    )
+
+
+class _ContractScattersRows(RowwiseParallel):
+    """RowwiseParallel whose contract alone says the partial sums are reduce-scattered on
+    the sequence (dim 1; its output_layouts stay Replicate())."""
+
+    contract = dataclasses.replace(
+        RowwiseParallel.contract,
+        names={"test_contract_scatters_rows": {}},
+        outputs=lambda s, m: Boundary((Layout(Partial(), Shard(1), s.use_local_output),)),
+    )
+
+
+def _forwards_follow_contracts() -> None:
+    mesh = tp_mesh()
+    rank, n = mesh.get_local_rank(), mesh.size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    x = torch.randn(2, 4, 8)
+    expected = model(x)
+    whole = model[0](x)
+    parallelize_module(model, mesh, {"0": _ContractGathersColumns(), "1": _ContractScattersRows()})
+    # a ColwiseParallel's forward would hand on its 8 columns of 16, a RowwiseParallel's the
+    # whole sum: each hands on what its contract says instead
+    torch.testing.assert_close(model[0](x), whole)
+    out = model[1](whole.chunk(n, dim=-1)[rank])
+    torch.testing.assert_close(out, expected.chunk(n, dim=1)[rank])
+    # and the report, which reads only the contracts, predicts the collectives they issue
+    assert plan_report(
+        nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8)).to("meta"),
+        {"0": _ContractGathersColumns(), "1": _ContractScattersRows()},
+        n,
+        batch_size=2,
+        seq_len=4,
+        example_inputs=(torch.empty(2, 4, 8, device="meta"),),
+    ).counts("forward") == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+
+
+def test_the_linear_styles_compute_the_layouts_their_contract_states():
+    run_distributed(_forwards_follow_contracts, 2)
 
 
 # the modules that read contracts instead of style classes

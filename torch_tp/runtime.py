@@ -73,6 +73,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch_tp import _regions
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import DTensorSpec, StridedShard, TensorMeta
+from torch_tp.contract import Layout
 
 # the style kit: what a style's _apply and forward call (the rest serves parallelize_module)
 __all__ = [
@@ -302,6 +303,50 @@ class DTensorRuntime:
         if not use_local:
             return moved
         return _modifiable_local(dt, moved, None if isinstance(value, DTensor) else value)
+
+    def enter(self, value: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """The local tensor a computation reads for one input, as a contract states it.
+
+        ``layout`` is the input's :class:`~torch_tp.contract.Layout` in the style's contract,
+        so that what the style declares is what its forward does: ``to=Replicate()`` with
+        ``grad=Partial()`` is the whole input, whose gradients come back as partial sums
+        (:meth:`enter_replicated`); a ``to`` that shards is this rank's shard
+        (:meth:`enter_sharded`). ``given`` is the layout of a plain-tensor ``value``.
+
+        Raises:
+            ValueError: ``layout`` describes no local computation's input (a whole input
+                whose gradient is not a partial sum, say).
+            ShardDimError: a sharded layout names a dimension ``value`` does not have.
+        """
+        to = layout.to
+        if isinstance(to, Replicate) and isinstance(layout.grad, Partial):
+            return self.enter_replicated(value, layout.given)
+        if isinstance(to, (Shard, StridedShard)) and layout.grad in (None, to):
+            ndim = value.ndim
+            return self.enter_sharded(value, normalize(layout.given, ndim), normalize(to, ndim))
+        raise ValueError(
+            f"{layout} is not the input of a local computation: it enters whole "
+            "(to=Replicate(), grad=Partial()) or as this rank's shard (to=Shard(d))"
+        )
+
+    def exit(self, local: torch.Tensor, layout: Layout, global_shape: torch.Size) -> torch.Tensor:
+        """A local computation's result as the module's output, as a contract states it.
+
+        ``layout`` is the output's :class:`~torch_tp.contract.Layout` in the style's
+        contract: ``given=Partial()`` sums the partial results into ``to``
+        (:meth:`reduce_partial`); any other ``given`` is the layout ``local`` was computed
+        in, moved to ``to`` (:meth:`leave`). ``layout.local``: return a plain tensor.
+        ``global_shape`` is the output's shape on one device.
+
+        Raises:
+            ShardDimError: a sharded layout names a dimension ``local`` does not have.
+        """
+        ndim = local.ndim
+        to = normalize(layout.to, ndim)
+        if isinstance(layout.given, Partial):
+            return self.reduce_partial(local, to, layout.local)
+        given = normalize(layout.given, ndim)
+        return self.leave(local, given, to, layout.local, global_shape)
 
     def enter_replicated(self, value: torch.Tensor, layout: Placement) -> torch.Tensor:
         """The whole input of a column-parallel computation, as a local tensor.

@@ -373,7 +373,7 @@ def _forward(
         active.append(Lora(A, B, wrapper.lora_dropout[name], wrapper.scaling[name]))
     if not active:
         return base(x)
-    return style._linear(base, rt, x, active)
+    return style._linear(base, rt, style._boundaries(base), x, active)
 
 
 # ------------------------------------------------------------------------------------------

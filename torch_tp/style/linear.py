@@ -140,18 +140,21 @@ class _ShardLinearEmbedding(ParallelStyle):
         """How a sharded dimension of a parameter is split (the packed styles stride it)."""
         return Shard(dim)
 
-    def _desired_input(self, module: nn.Module) -> Placement:
-        """The layout ``module``'s own forward needs its input in (DTensor fallback path)."""
-        return Replicate()
+    def _boundaries(self, module: nn.Module) -> tuple[Layout, Layout]:
+        """The layouts of ``module``'s input and output as the contract states them, which
+        the forward computes with: the one statement of them."""
+        contract = type(self).contract
+        return contract.inputs(self, module).args[0], contract.outputs(self, module).args[0]
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported type must not be half-applied
         rt = runtime.for_mesh(device_mesh)
         params = self._parameter_placements(module)
         distribute_parameters(module, rt, params, self.src_data_rank)
+        boundaries = self._boundaries(module)
         if uses_stock_forward(module):
             forward = self._embedding if isinstance(module, nn.Embedding) else self._linear
-            module.forward = functools.partial(forward, module, rt)
+            module.forward = functools.partial(forward, module, rt, boundaries)
             if forward == self._linear:
                 _adapters.remember(module, self, rt)  # if PEFT wraps it later
         elif _own_lookups(self, module):
@@ -161,21 +164,13 @@ class _ShardLinearEmbedding(ParallelStyle):
             inner = unstyled_submodules(module)
             replicate_parameters(inner, rt, self.src_data_rank)
             module.forward = functools.partial(
-                self._own_embedding_forward, module, rt, type(module).forward, inner
+                self._own_embedding_forward, module, rt, boundaries, type(module).forward, inner
             )
         else:
             # its own forward runs on DTensors, and so do the submodules it calls: their
             # parameters become replicated DTensors, whose gradients DTensor computes
             replicate_parameters(unstyled_submodules(module), rt, self.src_data_rank)
-            _hook_dtensor_forward(
-                self,
-                module,
-                rt,
-                self.input_layouts[0],
-                self._desired_input(module),
-                self.output_layouts[0],
-                self.use_local_output,
-            )
+            _hook_dtensor_forward(self, module, rt, *boundaries)
         return module
 
     def _adapter_placements(self, base: nn.Module) -> tuple[dict, dict]:
@@ -201,6 +196,7 @@ class _ShardLinearEmbedding(ParallelStyle):
         self,
         module: nn.Embedding,
         rt: runtime.DTensorRuntime,
+        boundaries: tuple[Layout, Layout],
         own_forward,
         inner: list[nn.Module],
         *args: Any,
@@ -210,10 +206,10 @@ class _ShardLinearEmbedding(ParallelStyle):
         weight is the style's own (as for a stock embedding), the submodules it calls
         compute on replicated parameters (whose gradients are partial sums when the lookup's
         output is sharded: a sequence shard)."""
-        partial = not isinstance(self.output_layouts[0], Replicate)
+        partial = not isinstance(boundaries[1].to, Replicate)
         swapped = swap_in_local_parameters(inner, rt, partial)
         try:
-            with _OwnLookups(module, functools.partial(self._embedding, module, rt)):
+            with _OwnLookups(module, functools.partial(self._embedding, module, rt, boundaries)):
                 return own_forward(module, *args, **kwargs)
         finally:
             swap_back(swapped)
@@ -253,20 +249,15 @@ def _check_parameter_placements(module: nn.Module, placements: dict[str, Placeme
 
 
 def _hook_dtensor_forward(
-    style: ParallelStyle,
-    module: nn.Module,
-    rt: runtime.DTensorRuntime,
-    input_layout: Placement,
-    desired_input: Placement,
-    output_layout: Placement,
-    use_local_output: bool,
+    style: ParallelStyle, module: nn.Module, rt: runtime.DTensorRuntime, entry: Layout, exit: Layout
 ) -> None:
-    """Run ``module``'s own forward on DTensors: annotate and move the first input to
-    ``desired_input`` before it, move the output to ``output_layout`` after it."""
+    """Run ``module``'s own forward on DTensors: annotate the first input as ``entry.given``
+    and move it to ``entry.to`` before it, move the output to ``exit.to`` after it."""
+    output_layout, use_local_output = exit.to, exit.local
 
     def enter(mod: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         try:
-            x = rt.prepare(inputs[0], input_layout, desired_input, False)
+            x = rt.prepare(inputs[0], entry.given, entry.to, False)
         except runtime.ShardDimError as err:
             raise error_in_module(style, mod, err) from None
         return (x, *inputs[1:])
@@ -357,30 +348,37 @@ class ColwiseParallel(_ShardLinearEmbedding):
         self,
         module: nn.Module,
         rt: runtime.DTensorRuntime,
+        boundaries: tuple[Layout, Layout],
         input: torch.Tensor,
         adapters: list[_adapters.Lora] | None = None,
     ) -> torch.Tensor:
+        entry, exit = boundaries  # the contract's layouts (_boundaries)
         try:
-            if isinstance(self.input_layouts[0], Replicate) and in_partial_region(input):
+            if isinstance(entry.given, Replicate) and in_partial_region(input):
                 # the whole input of a region that sums its input gradients where it began
                 # (PrepareModuleInput(partial_input_gradients=True)): this rank's partial
                 # gradient goes back as it is
                 x = input
             else:
-                x = rt.enter_replicated(input, self.input_layouts[0])
+                x = rt.enter(input, entry)
             weight = rt.local_parameter(module, "weight")
             y = stock_projection(self, module, x, weight, rt.local_parameter(module, "bias"))
             if adapters:  # PEFT's LoRA (torch_tp.style.adapters): this rank's columns too
                 y = _adapters.column_terms(adapters, x, y, rt)
-            return self._leave(y, rt, out_features_of(module))
+            return _leave(y, rt, exit, out_features_of(module))
         except runtime.ShardDimError as err:
             raise error_in_module(self, module, err) from None
 
     def _embedding(
-        self, module: nn.Embedding, rt: runtime.DTensorRuntime, input: torch.Tensor
+        self,
+        module: nn.Embedding,
+        rt: runtime.DTensorRuntime,
+        boundaries: tuple[Layout, Layout],
+        input: torch.Tensor,
     ) -> torch.Tensor:
+        entry, exit = boundaries
         try:
-            ids = rt.enter_replicated(input, self.input_layouts[0])
+            ids = rt.enter(input, entry)
         except runtime.ShardDimError as err:
             raise error_in_module(self, module, err) from None
         try:
@@ -398,18 +396,19 @@ class ColwiseParallel(_ShardLinearEmbedding):
                 f"[0, {module.num_embeddings})"
             ) from err
         try:
-            return self._leave(y, rt, module.embedding_dim)
+            return _leave(y, rt, exit, module.embedding_dim)
         except runtime.ShardDimError as err:
             raise error_in_module(self, module, err) from None
 
-    def _leave(self, y: torch.Tensor, rt: runtime.DTensorRuntime, features: int) -> torch.Tensor:
-        """``y``, computed sharded on its last dim (``features`` in all), as the output."""
-        layout = self.output_layouts[0]
-        if self.use_local_output and type(layout) is Shard and layout.dim in (-1, y.ndim - 1):
-            return y  # the common case: as computed
-        layout = runtime.normalize(layout, y.ndim)
-        shape = torch.Size((*y.shape[:-1], features))
-        return rt.leave(y, Shard(y.ndim - 1), layout, self.use_local_output, shape)
+
+def _leave(
+    y: torch.Tensor, rt: runtime.DTensorRuntime, exit: Layout, features: int
+) -> torch.Tensor:
+    """``y``, computed sharded on its last dim (``features`` in all), as the output ``exit``
+    describes."""
+    if exit.local and exit.to == exit.given:
+        return y  # the common case: as computed
+    return rt.exit(y, exit, torch.Size((*y.shape[:-1], features)))
 
 
 # The bytes of a vocabulary-parallel embedding's agreed check of its replicated ids: two
@@ -545,9 +544,6 @@ class RowwiseParallel(_ShardLinearEmbedding):
                 "this layer"
             )
 
-    def _desired_input(self, module: nn.Module) -> Placement:
-        return Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
-
     def _partial_gradients(self, module: nn.Module) -> tuple[str, ...]:
         # the bias is added to a sharded output: each rank's gradient covers its shard only
         sharded = isinstance(self.output_layouts[0], Shard)
@@ -558,34 +554,33 @@ class RowwiseParallel(_ShardLinearEmbedding):
         self,
         module: nn.Module,
         rt: runtime.DTensorRuntime,
+        boundaries: tuple[Layout, Layout],
         input: torch.Tensor,
         adapters: list[_adapters.Lora] | None = None,
     ) -> torch.Tensor:
-        layout, x = self.input_layouts[0], input
-        last = type(layout) is Shard and layout.dim in (-1, x.ndim - 1)
+        entry, exit = boundaries  # the contract's layouts (_boundaries)
+        x = input
         try:
-            if isinstance(x, DTensor) or not last:  # else the local shard it computes with
-                layout = runtime.normalize(layout, x.ndim)
-                x = rt.enter_sharded(x, layout, self._shard(x.ndim - 1))
+            if isinstance(x, DTensor) or entry.given != entry.to:
+                x = rt.enter(x, entry)  # else the local shard it computes with
             partial = stock_projection(self, module, x, rt.local_parameter(module, "weight"), None)
             if adapters:
                 # PEFT's LoRA (torch_tp.style.adapters): lora_A's partial sums, reduced with
                 # the base's in its one collective
-                out = self.output_layouts[0]
+                out = exit.to
                 if isinstance(out, Shard) and runtime.normalize(out, x.ndim).dim == x.ndim - 1:
                     raise ValueError(
                         f"{style_at(self, module)}: " + _FEATURE_SHARDED_ADAPTER.format(layout=out)
                     )
-                inner = _adapters.row_inputs(
-                    adapters, x, rt, self._shard(x.ndim - 1), in_features_of(module)
-                )
-                reduce = functools.partial(self._reduce, rt=rt, module=module)
+                shard = runtime.normalize(entry.to, x.ndim)
+                inner = _adapters.row_inputs(adapters, x, rt, shard, in_features_of(module))
+                reduce = functools.partial(self._reduce, rt=rt, module=module, exit=exit)
                 y, inner = _adapters.reduce_with(partial, inner, reduce)
             else:
-                y = self._reduce(partial, rt, module)
+                y = self._reduce(partial, rt, module, exit)
         except runtime.ShardDimError as err:
             raise error_in_module(self, module, err) from None
-        sharded = isinstance(self.output_layouts[0], Shard)
+        sharded = isinstance(exit.to, Shard)
         if module.bias is not None:
             # added after the reduction, so that it is added once
             if isinstance(y, DTensor):
@@ -597,15 +592,20 @@ class RowwiseParallel(_ShardLinearEmbedding):
             # each rank's lora_B gradient is a partial sum on a sharded output (its tokens)
             # and on a partial one (its share of lora_A's output: the MLP's down projection
             # under sequence parallelism, reduced after the MLP)
-            partial_out = sharded or isinstance(self.output_layouts[0], Partial)
+            partial_out = sharded or isinstance(exit.to, Partial)
             y = _adapters.row_terms(adapters, inner, y, rt, partial_out)
         return y
 
     def _embedding(
-        self, module: nn.Embedding, rt: runtime.DTensorRuntime, input: torch.Tensor
+        self,
+        module: nn.Embedding,
+        rt: runtime.DTensorRuntime,
+        boundaries: tuple[Layout, Layout],
+        input: torch.Tensor,
     ) -> torch.Tensor:
+        entry, exit = boundaries  # the contract's layouts (_boundaries)
         try:
-            ids = rt.enter_replicated(input, self.input_layouts[0])
+            ids = rt.enter(input, entry)
         except runtime.ShardDimError as err:
             raise error_in_module(self, module, err) from None
         if not ids.is_meta and not torch.compiler.is_compiling():
@@ -617,7 +617,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
             # their shape are agreed over the mesh first (one all-reduce of two numbers).
             # Reading them back is a host sync on a GPU (one). Under torch.compile the check
             # is left out: a branch on data would break the graph (meta ids have no values).
-            gathered = isinstance(self.input_layouts[0], Shard) and not isinstance(input, DTensor)
+            gathered = isinstance(entry.given, Shard) and not isinstance(input, DTensor)
             self._check_ids(module, rt, ids, gathered)
         start, stop = runtime.shard_range(module.num_embeddings, rt.mesh)
         weight = rt.local_parameter(module, "weight")
@@ -632,7 +632,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
         else:  # an empty shard (tiny vocabulary): contribute zeros, keep the graph
             y = weight.sum() + weight.new_zeros((*ids.shape, module.embedding_dim))
         try:
-            return self._reduce(y, rt, module)
+            return self._reduce(y, rt, module, exit)
         except runtime.ShardDimError as err:
             raise error_in_module(self, module, err) from None
 
@@ -705,15 +705,14 @@ class RowwiseParallel(_ShardLinearEmbedding):
             f"found {shown} ({bad.numel()} of {ids.numel()} ids out of range)"
         )
 
-    def _reduce(self, partial: torch.Tensor, rt: runtime.DTensorRuntime, module: nn.Module):
-        layout = self.output_layouts[0]
+    def _reduce(
+        self, partial: torch.Tensor, rt: runtime.DTensorRuntime, module: nn.Module, exit: Layout
+    ) -> torch.Tensor:
+        """The partial sums ``partial`` reduced to the output ``exit`` describes."""
+        layout = exit.to
         if type(layout) is not Replicate:
             layout = runtime.normalize(layout, partial.ndim)
-        if (
-            self.use_local_output
-            and isinstance(layout, Shard)
-            and partial.shape[layout.dim] % rt.mesh.size()
-        ):
+        if exit.local and isinstance(layout, Shard) and partial.shape[layout.dim] % rt.mesh.size():
             # uneven local shards cannot be annotated back into a DTensor downstream (from a
             # local tensor alone the global size is unknown): fail here, clearly
             raise ValueError(
@@ -722,7 +721,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
                 "ranks; make it divisible (e.g. the sequence length, for sequence "
                 "parallelism) or pass use_local_output=False"
             )
-        return rt.reduce_partial(partial, layout, self.use_local_output)
+        return rt.exit(partial, exit, partial.shape)
 
 
 class _Packed:
@@ -839,17 +838,6 @@ class PackedColwiseParallel(_Packed, ColwiseParallel):
         self._check_module(module)
         super()._validate(module, device_mesh)
         self._validate_parts(out_features_of(module), "the output features", device_mesh)
-
-    def _leave(self, y: torch.Tensor, rt: runtime.DTensorRuntime, features: int) -> torch.Tensor:
-        computed = StridedShard(y.ndim - 1, split_factor=self.parts)
-        if isinstance(self.output_layouts[0], Replicate):
-            layout = Replicate()
-        elif self.use_local_output:
-            return y  # the packed slices, as the module splits them
-        else:
-            layout = computed
-        shape = torch.Size((*y.shape[:-1], features))
-        return rt.leave(y, computed, layout, self.use_local_output, shape)
 
 
 class PackedRowwiseParallel(_Packed, RowwiseParallel):

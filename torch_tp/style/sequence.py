@@ -544,25 +544,33 @@ class PrepareModuleInput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rt = runtime.for_mesh(device_mesh)
+        boundary = self._boundary()  # the contract's layouts, which the hooks compute with
         if self.with_kwargs:
             module.register_forward_pre_hook(
-                functools.partial(self._prepare_with_kwargs, rt), with_kwargs=True
+                functools.partial(self._prepare_with_kwargs, rt, boundary), with_kwargs=True
             )
         else:
-            module.register_forward_pre_hook(functools.partial(self._prepare_hook, rt))
+            module.register_forward_pre_hook(functools.partial(self._prepare_hook, rt, boundary))
         if self.partial_input_gradients:
             # the region's whole inputs are known while its forward runs (in_partial_region)
             module.register_forward_hook(close_partial_region, always_call=True)
         return module
 
-    def _prepare_hook(self, rt: runtime.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]):
+    def _prepare_hook(
+        self,
+        rt: runtime.DTensorRuntime,
+        boundary: Boundary,
+        module: nn.Module,
+        inputs: tuple[Any, ...],
+    ):
         if self.partial_input_gradients:
             open_partial_region(module)
-        return self._prepare_args(rt, module, inputs)
+        return self._prepare_args(rt, boundary, module, inputs)
 
     def _prepare_with_kwargs(
         self,
         rt: runtime.DTensorRuntime,
+        boundary: Boundary,
         module: nn.Module,
         inputs: tuple[Any, ...],
         kwargs: dict,
@@ -570,33 +578,28 @@ class PrepareModuleInput(ParallelStyle):
         if self.partial_input_gradients:
             open_partial_region(module)
         prepared = {
-            key: self._prepare_one(
-                module,
-                key,
-                value,
-                rt,
-                self.input_kwarg_layouts.get(key),
-                self.desired_input_kwarg_layouts.get(key),
-            )
+            key: self._prepare_one(module, key, value, rt, boundary.kwargs.get(key))
             for key, value in kwargs.items()
         }
-        return self._prepare_args(rt, module, inputs), prepared
+        return self._prepare_args(rt, boundary, module, inputs), prepared
 
     def _prepare_args(
-        self, rt: runtime.DTensorRuntime, module: nn.Module, inputs: tuple[Any, ...]
+        self,
+        rt: runtime.DTensorRuntime,
+        boundary: Boundary,
+        module: nn.Module,
+        inputs: tuple[Any, ...],
     ) -> tuple[Any, ...]:
-        if self.input_layouts is None:
+        if not boundary.exact:  # input_layouts=None: positional inputs left alone
             return inputs
-        if len(inputs) != len(self.input_layouts):
+        if len(inputs) != len(boundary.args):
             raise ValueError(
                 f"{style_at(self, module)}: module inputs and input_layouts should have same "
-                f"length! found {len(inputs)} inputs for {len(self.input_layouts)} layouts"
+                f"length! found {len(inputs)} inputs for {len(boundary.args)} layouts"
             )
         return tuple(
-            self._prepare_one(module, i, value, rt, layout, desired)
-            for i, (value, layout, desired) in enumerate(
-                zip(inputs, self.input_layouts, self.desired_input_layouts, strict=True)
-            )
+            self._prepare_one(module, i, value, rt, layout)
+            for i, (value, layout) in enumerate(zip(inputs, boundary.args, strict=True))
         )
 
     def _prepare_one(
@@ -605,38 +608,42 @@ class PrepareModuleInput(ParallelStyle):
         where: int | str,
         value: Any,
         rt: runtime.DTensorRuntime,
-        *layouts: Placement | None,
+        layout: Layout | None,
     ):
-        """Prepare one input; ``where`` is its position, or its keyword (named on error only:
-        this runs for every input of every call)."""
-        if layouts[0] is not None and not isinstance(value, torch.Tensor):
+        """Prepare one input as ``layout`` says (``None``: left alone); ``where`` is its
+        position, or its keyword (named on error only: this runs for every input of every
+        call)."""
+        if layout is None:
+            return value
+        if not isinstance(value, torch.Tensor):
             what = f"input {where}" if isinstance(where, int) else f"keyword input {where!r}"
             # AssertionError, as upstream raises
             raise AssertionError(
                 f"{style_at(self, module)}: expecting {what} to be a torch.Tensor for layout "
-                f"{layouts[0]}, found {type(value).__name__}"
+                f"{layout.given}, found {type(value).__name__}"
             )
         try:
-            if self.partial_input_gradients and layouts[0] is not None:
-                return self._enter_partial(rt, value, layouts[0])
-            return rt.prepare(value, *layouts, self.use_local_output)
+            if isinstance(layout.grad, Partial):  # partial_input_gradients
+                return self._enter_partial(rt, value, layout)
+            return rt.prepare(value, layout.given, layout.to, layout.local)
         except runtime.ShardDimError as err:
             raise error_in_module(self, module, err) from None
 
-    def _enter_partial(self, rt: runtime.DTensorRuntime, value: torch.Tensor, layout: Placement):
+    def _enter_partial(self, rt: runtime.DTensorRuntime, value: torch.Tensor, layout: Layout):
         """One whole input whose gradient comes back a partial sum (``partial_input_gradients``)."""
-        if isinstance(layout, Shard) or isinstance(value, DTensor) or not in_partial_region(value):
+        given = layout.given
+        if isinstance(given, Shard) or isinstance(value, DTensor) or not in_partial_region(value):
             # gathered (or, replicated, handed on), and the partial gradients summed back
             # into the layout
-            local = rt.enter_replicated(value, layout)
-            if not self.use_local_output:
+            local = rt.enter(value, layout)
+            if not layout.local:
                 return DTensor.from_local(local, rt.mesh)
             # recorded, so that a style inside that would sum its own gradients can refuse
             enter_partial_region(local)
             return local
         # a replicated local input of an enclosing partial-gradient region (which sums the
         # gradients where it began): handed back as it is
-        return value if self.use_local_output else runtime.replicated_from_local(value, rt.mesh)
+        return value if layout.local else runtime.replicated_from_local(value, rt.mesh)
 
 
 # set on a module once PrepareModuleOutput found every parameter inside its partial sum planned
@@ -731,7 +738,8 @@ class PrepareModuleOutput(ParallelStyle):
             module.register_forward_pre_hook(
                 functools.partial(self._check_partial_sum, rt), prepend=True
             )
-        module.register_forward_hook(functools.partial(self._prepare_hook, rt))
+        boundary = type(self).contract.outputs(self, module)  # which the hook computes with
+        module.register_forward_hook(functools.partial(self._prepare_hook, rt, boundary))
         return module
 
     def _check_partial_sum(self, rt: runtime.DTensorRuntime, module: nn.Module, inputs: Any):
@@ -762,25 +770,31 @@ class PrepareModuleOutput(ParallelStyle):
         setattr(module, _PARTIAL_SUM_CHECKED, True)
 
     def _prepare_hook(
-        self, rt: runtime.DTensorRuntime, module: nn.Module, inputs: Any, outputs: Any
+        self,
+        rt: runtime.DTensorRuntime,
+        boundary: Boundary,
+        module: nn.Module,
+        inputs: Any,
+        outputs: Any,
     ):
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        if len(outputs) != len(self.output_layouts):
+        if len(outputs) != len(boundary.args):
             raise ValueError(
                 f"{style_at(self, module)}: module outputs and output_layouts should have same "
-                f"length! found {len(outputs)} outputs for {len(self.output_layouts)} layouts"
+                f"length! found {len(outputs)} outputs for {len(boundary.args)} layouts"
             )
         prepared = []
-        for i, (value, layout, desired) in enumerate(
-            zip(outputs, self.output_layouts, self.desired_output_layouts, strict=True)
-        ):
-            if layout is not None and not isinstance(value, torch.Tensor):
+        for i, (value, layout) in enumerate(zip(outputs, boundary.args, strict=True)):
+            if layout is None:
+                prepared.append(value)
+                continue
+            if not isinstance(value, torch.Tensor):
                 raise TypeError(
                     f"{style_at(self, module)}: expecting output {i} to be a torch.Tensor for "
-                    f"layout {layout}, found {type(value).__name__}"
+                    f"layout {layout.given}, found {type(value).__name__}"
                 )
             try:
-                prepared.append(rt.prepare(value, layout, desired, self.use_local_output))
+                prepared.append(rt.prepare(value, layout.given, layout.to, layout.local))
             except runtime.ShardDimError as err:
                 raise error_in_module(self, module, err) from None
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
