@@ -100,8 +100,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="partial_gradients_not_reduced",
-        file="torch_tp/runtime.py",
-        old="flat = _regions.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)",
+        file="torch_tp/runtime/boundaries.py",
+        old="flat = all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)",
         new="flat = torch.cat([t.reshape(-1) for t in locals_])",
         tests=("test/test_style.py::test_sequence_parallel_norms[rmsnorm-2]",),
         description="the end-of-backward all-reduce of replicated parameters' partial "
@@ -109,7 +109,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="copy_to_region_backward_not_reduced",
-        file="torch_tp/_regions.py",
+        file="torch_tp/runtime/boundaries.py",
         old="""    def backward(ctx, grad: torch.Tensor):
         return all_reduce(grad, ctx.mesh), None""",
         new="""    def backward(ctx, grad: torch.Tensor):
@@ -281,8 +281,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="expert_all_to_all_backward_skipped",
-        file="torch_tp/_regions.py",
-        old="back = all_to_all(grad, ctx.mesh, ctx.input_splits, ctx.output_splits)",
+        file="torch_tp/style/experts.py",
+        old="back = _all_to_all(grad, ctx.mesh, ctx.input_splits, ctx.output_splits)",
         new="back = grad",
         tests=(
             "test/test_moe.py::test_data_parallel_tokens_dispatched_to_their_experts[skewed-2]",
@@ -292,7 +292,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="sequence_gather_backward_local_slice",
-        file="torch_tp/_regions.py",
+        file="torch_tp/runtime/boundaries.py",
         old="""    def backward(ctx, grad: torch.Tensor):
         return _reduce_scatter(grad, ctx.mesh, ctx.dim), None, None""",
         new="""    def backward(ctx, grad: torch.Tensor):
@@ -330,8 +330,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="colwise_reduces_inside_a_partial_region",
         file="torch_tp/style/linear.py",
-        old="            if isinstance(entry.given, Replicate) and "
-        "in_partial_region(input):",
+        old="            if isinstance(entry.given, Replicate) and in_partial_region(input):",
         new="""            if False:""",
         tests=(
             "test/test_sequence_parallel_hf.py::test_sequence_parallel_plan_matches_one_device",

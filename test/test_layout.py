@@ -46,8 +46,7 @@ LAYERS = {
         "_forward_check",
         "_forward_errors",
         "_repeats",
-        "runtime",  # the runtimes a style computes with: the public style kit
-        "_regions",
+        "runtime",  # the style kit (public) and the runtimes a style computes with
         "_ring",
         "_torch_compat",
         "_buffers",  # non-persistent buffers computed again: meta and checkpoint share it
@@ -308,9 +307,9 @@ MAX_PRIVATE_IMPORTS = 60  # 47 in December 2026; issue 42 asked for at most 100
 
 def _private_imports(module: str, source: str) -> list[str]:
     """The private names ``module`` takes from other torch_tp modules, as ``source.name``:
-    each underscore name imported (``from torch_tp import _regions`` and ``from
+    each underscore name imported (``from torch_tp import _names`` and ``from
     torch_tp.style.base import _helper`` alike) and each underscore attribute read off an
-    imported torch_tp module (``_regions._helper``). Dunder names are not private."""
+    imported torch_tp module (``_names._helper``). Dunder names are not private."""
 
     def private(name: str) -> bool:
         return name.startswith("_") and not name.startswith("__")
@@ -363,14 +362,14 @@ def test_few_private_names_cross_modules():
 def test_the_private_import_count_finds_what_it_counts():
     """The counter above on a module of known imports (a count of nothing passes)."""
     source = (
-        "from torch_tp import _regions, runtime\n"
+        "from torch_tp import _names, runtime\n"
         "from torch_tp.style.base import _helper, public\n"
         "from . import _sibling\n"
-        "x = _regions._flag(runtime._cache, runtime.for_mesh, _regions.__name__)\n"
+        "x = _names._flag(runtime._cache, runtime.for_mesh, _names.__name__)\n"
     )
     assert sorted(_private_imports("torch_tp.style.linear", source)) == [
-        "torch_tp._regions",
-        "torch_tp._regions._flag",
+        "torch_tp._names",
+        "torch_tp._names._flag",
         "torch_tp.runtime._cache",
         "torch_tp.style._sibling",
         "torch_tp.style.base._helper",

@@ -114,8 +114,9 @@ class _CollectiveBytes(TorchDispatchMode):
 
     Unlike ``CommDebugMode``, it installs no module hooks: ``CommDebugMode``'s module tracker
     gives every module call its own alias of its input, so column-parallel layers reading one
-    tensor cannot share their region entry under it (see ``runtime._shared_entry``), and a
-    per-layer plan would measure more collectives than it issues in a normal run.
+    tensor cannot share their region entry under it (see
+    ``runtime.boundaries._shared_entry``), and a per-layer plan would measure more collectives
+    than it issues in a normal run.
     """
 
     def __init__(self) -> None:

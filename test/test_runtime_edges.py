@@ -120,7 +120,7 @@ def test_an_in_place_change_between_readers_is_seen():
 
 
 def _gathered_input_is_not_kept() -> None:
-    from torch_tp import runtime
+    from torch_tp.runtime import boundaries
 
     mesh = tp_mesh()
     plan = {name: ColwiseParallel(input_layouts=Shard(1)) for name in ("q", "k")}
@@ -131,8 +131,8 @@ def _gathered_input_is_not_kept() -> None:
     # the inputs (kept alive here, as checkpointing keeps a block's input) hold no gathered
     # copy of themselves: only the latest gather is remembered, for its next readers
     for x in inputs:
-        assert runtime._ENTRY not in x.__dict__
-    latest = runtime._last_gathered[0]
+        assert boundaries._ENTRY not in x.__dict__
+    latest = boundaries._last_gathered[0]
     assert latest is not None and latest[3]() is not inputs[0]
 
 

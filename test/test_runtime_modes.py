@@ -33,7 +33,8 @@ from torch_tp import (
     SequenceParallel,
     parallelize_module,
 )
-from torch_tp.runtime import DTensorRuntime, FastRuntime, PartialGradientReduction
+from torch_tp.runtime import DTensorRuntime, FastRuntime
+from torch_tp.runtime.boundaries import PartialGradientReduction
 from torch_tp.testing import run_distributed
 
 

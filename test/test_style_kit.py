@@ -106,12 +106,7 @@ def test_the_kit_is_public_and_the_built_ins_use_it():
     styles = Path(base.__file__).parent
     for path in styles.glob("*.py"):
         source = path.read_text(encoding="utf-8")
-        private = re.findall(r"\b(?:runtime|_regions)\._\w+", source)
+        private = re.findall(r"\b(?:runtime|boundaries)\._\w+", source)
         assert not private, (path.name, private)
-        # what the guide says stays in the private regions module, and nothing more
-        outside_kit = set(re.findall(r"\b_regions\.(\w+)", source))
-        allowed = {
-            "experts.py": {"all_to_all", "all_to_all_expert_parallel_region"},
-            "linear.py": {"mesh_size"},
-        }.get(path.name, set())
-        assert outside_kit <= allowed, (path.name, outside_kit - allowed)
+        # the kit is all of the runtime a style reads: nothing beneath it
+        assert "runtime.boundaries" not in source and "_regions" not in source, path.name

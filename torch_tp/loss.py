@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.overrides import TorchFunctionMode
 
 from torch_tp import _torch_compat as compat
-from torch_tp.runtime import chunk_range, contiguous_stride, raise_agreed
+from torch_tp.runtime import chunk_range, raise_agreed
+from torch_tp.runtime.boundaries import contiguous_stride
 
 __all__ = ["loss_parallel", "vocab_parallel_cross_entropy"]
 

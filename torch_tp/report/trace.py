@@ -212,7 +212,7 @@ class Trace:
         self.heads: dict[str, tuple[int, int]] = {}
         self.called: set[int] = set()
         # local tensors already entered into a column-parallel region, as at run time
-        # (runtime._shared_entry): q, k and v reading one tensor share one entry
+        # (runtime.boundaries._shared_entry): q, k and v reading one tensor share one entry
         self.entered: set[tuple[int, Placement]] = set()
         self.problems: dict[tuple[str, str], Problem] = {}
         # (how many nodes existed then, kind, where, bytes, mesh dimension) of the backward's
@@ -410,7 +410,7 @@ class Trace:
                 return _Local(_neg(target, ndim), entry.key, ndim)  # used as it is
             if isinstance(grad, Partial) and isinstance(given, (Replicate, Shard)):
                 # read whole by a local computation: one entry per tensor for all its readers
-                # (runtime._shared_entry); a leaf is never shared
+                # (runtime.boundaries._shared_entry); a leaf is never shared
                 if not (t.requires_grad and t.is_leaf):
                     if (id(t), given) in self.entered:
                         return _Local(_neg(target, ndim), entry.key, ndim)

@@ -10,12 +10,13 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from torch_tp import _regions, runtime
 from torch_tp import _torch_compat as compat
+from torch_tp import runtime
 from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
 from torch_tp.style import adapters as _adapters
@@ -526,7 +527,7 @@ def _route(
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
             out_of_range = flag.to(counts.device)
         outgoing = torch.cat([counts[:-1].view(n, local_experts), out_of_range.expand(n, 1)], dim=1)
-        incoming = _regions.all_to_all(
+        incoming = _all_to_all(
             outgoing.reshape(-1), mesh, [local_experts + 1] * n, [local_experts + 1] * n
         )
         both = torch.cat([counts[:-1], incoming]).tolist()
@@ -554,14 +555,12 @@ def _route(
     else:
         to_rank = [sum(sent[r * local_experts : (r + 1) * local_experts]) for r in range(n)]
         from_rank = [sum(row[:-1]) for row in per_source]
-        rows = _regions.all_to_all_expert_parallel_region(
-            hidden_states[token], mesh, from_rank, to_rank
-        )
+        rows = _all_to_all_expert_parallel_region(hidden_states[token], mesh, from_rank, to_rank)
         # rows from each source rank, by local expert within each
         out_rows = ExpertParallel._run_experts(
             module, rt, own_forward, rows, [c for row in per_source for c in row[:-1]]
         )
-        out_rows = _regions.all_to_all_expert_parallel_region(out_rows, mesh, to_rank, from_rank)
+        out_rows = _all_to_all_expert_parallel_region(out_rows, mesh, to_rank, from_rank)
     return torch.zeros_like(hidden_states).index_add(0, token, out_rows * weights)
 
 
@@ -882,3 +881,46 @@ def _tokens_like(args: tuple) -> torch.Tensor:
     """An experts module's output for the dry-run report: like its tokens (its first input),
     without running its forward (which reads the routing)."""
     return torch.empty_like(args[0])
+
+
+# ------------------------------------------------------------------------------------------
+# The experts' all-to-all: a data-dependent number of rows to each rank, which no DTensor
+# placement describes, so both runtimes dispatch tokens to their experts through it
+# ------------------------------------------------------------------------------------------
+
+
+def _all_to_all_expert_parallel_region(
+    x: torch.Tensor, mesh: DeviceMesh, output_splits: list[int], input_splits: list[int]
+) -> torch.Tensor:
+    """Rows of ``x`` (``input_splits[r]`` of them, in order, for rank ``r``) sent to their
+    ranks; this rank receives ``output_splits[r]`` rows from rank ``r``, stacked in rank
+    order. The backward sends the rows' gradients back the same way reversed."""
+    return _AllToAllRegion.apply(x, mesh, output_splits, input_splits)
+
+
+class _AllToAllRegion(torch.autograd.Function):
+    """Rows to the ranks that compute with them (tokens to their experts), uneven counts;
+    the backward is the reverse all-to-all of their gradients."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, mesh: DeviceMesh, output_splits: list[int], input_splits: list[int]
+    ) -> torch.Tensor:
+        ctx.mesh, ctx.output_splits, ctx.input_splits = mesh, output_splits, input_splits
+        return _all_to_all(x, mesh, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = _all_to_all(grad, ctx.mesh, ctx.input_splits, ctx.output_splits)
+        return back, None, None, None
+
+
+def _all_to_all(
+    x: torch.Tensor, mesh: DeviceMesh, output_splits: list[int], input_splits: list[int]
+) -> torch.Tensor:
+    x = x.contiguous()
+    if runtime.mesh_size(mesh) == 1:
+        return x
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, output_splits, input_splits, group=mesh.get_group())
+    return out

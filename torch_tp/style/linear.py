@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from torch_tp import _regions, runtime
+from torch_tp import runtime
 from torch_tp._torch_compat import StridedShard
 from torch_tp.contract import Boundary, Layout, StyleContract, Transfer
 from torch_tp.style import adapters as _adapters
@@ -648,7 +648,7 @@ class RowwiseParallel(_ShardLinearEmbedding):
             bad = (low < 0) | (high >= size)
         else:
             bad = torch.zeros((), dtype=torch.bool, device=ids.device)
-        if gathered or _regions.mesh_size(rt.mesh) == 1:  # the same ids on every rank, or one rank
+        if gathered or runtime.mesh_size(rt.mesh) == 1:  # the same ids on every rank, or one rank
             if bad.item():
                 raise self._ids_out_of_range(module, ids)
             return

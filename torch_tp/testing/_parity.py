@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from torch_tp.runtime import contiguous_stride, normalize
+from torch_tp.runtime import normalize
+from torch_tp.runtime.boundaries import contiguous_stride
 
 __all__ = ["check_parity", "gather_full"]
 

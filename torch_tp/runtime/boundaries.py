@@ -1,67 +1,30 @@
-"""The runtime a style computes with: layouts at module boundaries, and the two runtimes
-that change them. Public: it is the style kit, the built-in styles' and a user style's alike
-(``docs/guide.md``, "The style kit").
+"""A value crossing a module's boundary: the two runtimes :mod:`torch_tp.runtime` describes
+and the regions beneath the fast one, forward and backward side by side. A style's forward
+calls its runtime; following it from ``rt.enter``/``rt.exit`` down to a collective stays here.
 
-A value crosses a module boundary in one of two forms: a local :class:`torch.Tensor` whose
-layout the plan declares (``Shard(-1)``, ``Replicate()``, ...), or a :class:`DTensor` that
-carries its layout with it. A *runtime* converts between the two and moves data between
-layouts for the styles; it is the only place where styles touch DTensor's layout machinery,
-so that the styles (:mod:`torch_tp.style`) read as a list of contracts rather than as
-plumbing. There are two, with the same methods and the same results:
+==============================================  =====================  =====================
+region                                          forward                backward
+==============================================  =====================  =====================
+``copy_to_tensor_parallel_region``              identity               all-reduce
+``copy_many_to_tensor_parallel_region``         identities             one all-reduce
+``reduce_from_tensor_parallel_region``          all-reduce             identity
+``gather_from_tensor_parallel_region``          all-gather on dim      this rank's slice
+``gather_from_sequence_parallel_region``        all-gather on dim      reduce-scatter on dim
+``reduce_scatter_to_sequence_parallel_region``  reduce-scatter on dim  all-gather on dim
+==============================================  =====================  =====================
 
-* :class:`DTensorRuntime` (``TORCH_TP_RUNTIME=dtensor``): every layout change is plain
-  DTensor (``DTensor.from_local``, ``to_local``, ``redistribute``), with no cache, no region
-  Function and no deferred reduction. It is the reference: a result that differs between the
-  two runtimes is a bug of the fast one.
-* :class:`FastRuntime` (``TORCH_TP_RUNTIME=fast``, the default): the common boundaries of a
-  tensor-parallel block go through Megatron's regions (:mod:`torch_tp._regions`), column-
-  parallel layers reading one tensor share one entry into the region, the partial gradients
-  of replicated parameters are summed in one all-reduce at the end of backward
-  (:class:`PartialGradientReduction`), and the hot paths build DTensors with DTensor's C++
-  constructor. Everything else falls back to :class:`DTensorRuntime`.
-
-:func:`torch_tp.parallelize_module` reads ``TORCH_TP_RUNTIME`` once per call; every style it
-applies binds the runtime of that mode (:func:`for_mesh`) into the module, so a model keeps the
-runtime it was parallelized with.
-
-Caches (the fast runtime's; the DTensor runtime has none):
-
-* ``_torch_tp_region_entry``, on a plain tensor (its ``__dict__``): the alias of it that
-  entered a column-parallel region
-  (:func:`~torch_tp._regions.copy_to_tensor_parallel_region`), keyed by the mesh, the
-  tensor's ``_version``, grad mode and, under grad mode, the tensor's ``grad_fn``. An
-  in-place change of the tensor, another mesh, grad mode or a new graph (the next step)
-  invalidate it.
-* ``_last_gathered`` (this module): the latest all-gathered sequence-sharded input, with a weak
-  reference to the shard it came from, keyed likewise. The next gather replaces it, so that
-  no gathered activation outlives the next one (it keeps its autograd graph, and with it the
-  parameters of the model that made it, until then).
-* ``_torch_tp_partial_local``, on a replicated DTensor: its local view that column-parallel
-  readers share (their input gradients add up locally and cross back once), keyed by the
-  DTensor's ``_version``; an in-place change invalidates it.
-* ``_torch_tp_respec``, on a parameter's ``DTensorSpec``: the same spec with another placement.
-  Specs are immutable; the entry lives as long as the spec.
-* ``_torch_tp_replicated_specs``, on a :class:`DeviceMesh` (:func:`_replicated_spec`): the
-  replicated spec of an activation on that mesh object, by shape, stride and dtype (at most
-  256). Immutable; not by the mesh's value, which an earlier mesh with other process groups
-  may share.
-* ``_regions._SIZES``: the size of each mesh, by ``id(mesh)``; dropped with the mesh.
-* ``_torch_tp_partial_gradients``, on a :class:`DeviceMesh`: not a cache but the mesh's
-  :class:`PartialGradientReduction`, made by the first fast runtime on the mesh.
-* ``_torch_tp_distributed_as`` (set by :func:`torch_tp.style.base.distribute_parameters`, both
-  runtimes): on an original parameter, the DTensor parameter that replaced it, so that the
-  other modules a tied weight belongs to register the same object; used only when the mesh
-  and placement match.
+The regions move plain tensors whose layout the caller knows: the hot path pays for no
+DTensor construction or dispatch. Over a mesh of one rank they send nothing (as DTensor's
+redistributions skip a mesh dimension of size 1); ``CommDebugMode`` sees them (as ``c10d``
+ops). The mesh is 1-D. ``TORCH_TP_RUNTIME=dtensor`` uses none of them. The fast runtime's
+caches are listed in :mod:`torch_tp.runtime`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -70,74 +33,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from torch_tp import _regions
 from torch_tp import _torch_compat as compat
 from torch_tp._torch_compat import DTensorSpec, StridedShard, TensorMeta
 from torch_tp.contract import Layout
-
-# the style kit: what a style's _apply and forward call (the rest serves parallelize_module)
-__all__ = [
-    "RUNTIME_ENV",
-    "DTensorRuntime",
-    "FastRuntime",
-    "ShardDimError",
-    "chunk_range",
-    "flag_device",
-    "for_mesh",
-    "gradient_on_rank_zero",
-    "normalize",
-    "raise_agreed",
-    "replicated_from_local",
-    "runtime_mode",
-    "shard_range",
-]
-
-# ------------------------------------------------------------------------------------------
-# Choosing the runtime
-# ------------------------------------------------------------------------------------------
-
-RUNTIME_ENV = "TORCH_TP_RUNTIME"
-
-# the mode of the parallelize_module call being applied (None outside one)
-_applying: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "torch_tp_runtime_mode", default=None
-)
-
-
-def runtime_mode() -> str:
-    """The runtime ``TORCH_TP_RUNTIME`` selects: ``"fast"`` (unset) or ``"dtensor"``.
-
-    Raises:
-        ValueError: any other value.
-    """
-    mode = os.environ.get(RUNTIME_ENV, "fast")
-    if mode not in _RUNTIMES:
-        raise ValueError(
-            f"{RUNTIME_ENV}={mode!r} names no torch_tp runtime: expected 'fast' (the default: "
-            "regions, shared entries and one end-of-backward reduction) or 'dtensor' (every "
-            "layout change through plain DTensor)"
-        )
-    return mode
-
-
-@contextlib.contextmanager
-def applying() -> Iterator[str]:
-    """Read ``TORCH_TP_RUNTIME`` once for one :func:`torch_tp.parallelize_module` call: the
-    styles it applies inside this context all get that mode's runtime."""
-    token = _applying.set(runtime_mode())
-    try:
-        yield _applying.get()
-    finally:
-        _applying.reset(token)
-
-
-def for_mesh(mesh: DeviceMesh) -> DTensorRuntime:
-    """The runtime a style's ``_apply`` binds into its module, on the 1-D ``mesh``: that of
-    the :func:`torch_tp.parallelize_module` call applying it, or (a style applied by hand)
-    the mode ``TORCH_TP_RUNTIME`` selects now."""
-    mode = _applying.get() or runtime_mode()
-    return _RUNTIMES[mode](mesh)
-
 
 # ------------------------------------------------------------------------------------------
 # Layouts
@@ -191,26 +89,6 @@ def redistribute(value: DTensor, layout: Placement) -> DTensor:
     return value.redistribute(placements=(layout,), async_op=False)
 
 
-def shard_range(size: int, mesh: DeviceMesh) -> tuple[int, int]:
-    """The ``[start, stop)`` of this rank's rows when ``size`` rows are ``Shard``-ed."""
-    return chunk_range(size, mesh.size(), mesh.get_local_rank())
-
-
-def chunk_range(size: int, num_chunks: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of chunk ``index`` of ``size`` items split as DTensor's ``Shard``
-    (and :func:`torch.chunk`) split them: ``ceil(size / n)`` each, the tail ones shorter or
-    empty."""
-    chunk = -(-size // num_chunks)  # ceil, in integers
-    start = index * chunk
-    if not isinstance(start, int):
-        # a rank that differs per simulated rank (a SymInt under LocalTensorMode): min()
-        # would compare it as one value
-        start = torch.sym_min(start, size)
-        return start, torch.sym_min(start + chunk, size)
-    start = min(start, size)
-    return start, min(start + chunk, size)
-
-
 def _on_rank_zero(local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``local`` on rank 0 of the 1-D ``mesh``, zeros of its shape on the others: a whole
     value as a partial sum, exactly (unlike dividing it by the mesh size)."""
@@ -247,6 +125,206 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(size, 1)
     return tuple(reversed(stride))
+
+
+# ------------------------------------------------------------------------------------------
+# The regions: the fast runtime's collectives, each an autograd Function whose backward is
+# the conjugate collective, named as in Megatron-LM (tensor_parallel/mappings.py)
+# ------------------------------------------------------------------------------------------
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The replicated input of a column-parallel computation: every rank computes with all of
+    it, so its gradient is summed over the ranks."""
+    return _CopyToRegion.apply(x, mesh)
+
+
+def copy_many_to_tensor_parallel_region(
+    tensors: tuple[torch.Tensor, ...], mesh: DeviceMesh
+) -> tuple[torch.Tensor, ...]:
+    """:func:`copy_to_tensor_parallel_region` for several inputs of one computation (an
+    experts layer's tokens and routing weights): their gradients are summed over the ranks in
+    one all-reduce of a flat buffer."""
+    return _CopyManyToRegion.apply(mesh, *tensors)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The partial sums leaving a row-parallel computation, summed: a replicated result."""
+    return _ReduceFromRegion.apply(x, mesh)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    """Even shards on ``dim`` leaving a computation, gathered into the replicated whole."""
+    return _GatherFromRegion.apply(x, mesh, dim)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, mesh: DeviceMesh, dim: int
+) -> torch.Tensor:
+    """Even shards on ``dim`` (a sequence shard) entering a computation that needs them whole;
+    each rank's gradient of the whole is a partial sum, reduce-scattered back."""
+    return _GatherFromSequenceRegion.apply(x, mesh, dim)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, mesh: DeviceMesh, dim: int
+) -> torch.Tensor:
+    """The partial sums leaving a row-parallel computation, summed and sharded on ``dim``."""
+    return _ReduceScatterToSequenceRegion.apply(x, mesh, dim)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Replicated input of a column-parallel computation: identity, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        # an alias that holds no reference to x (a view would, through its _base): the
+        # shared entry lives on x, and must not keep it alive
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad, ctx.mesh), None
+
+
+class _CopyManyToRegion(torch.autograd.Function):
+    """Replicated inputs of one computation: identities, one coalesced all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, mesh: DeviceMesh, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.mesh = mesh
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        present = [g for g in grads if g is not None]
+        if not present:
+            return None, *grads
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in present]), ctx.mesh)
+        pieces = iter(flat.split([g.numel() for g in present]))
+        summed = tuple(None if g is None else next(pieces).view_as(g) for g in grads)
+        return None, *summed
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Partial sums leaving a row-parallel computation, replicated: all-reduce, identity
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        # out of place: the partial sums may be saved elsewhere (selective activation
+        # checkpointing keeps matmul outputs), and must stay partial there
+        return all_reduce(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """Shards on ``dim`` leaving a computation, replicated: all-gather, and the backward
+    keeps this rank's slice (the gradient of a replicated value is the same everywhere)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim
+        return _all_gather(x, mesh, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # the forward's shards are even; narrow, not chunk()[rank]: the rank may be symbolic
+        size = grad.shape[ctx.dim] // ctx.mesh.size()
+        piece = grad.narrow(ctx.dim, ctx.mesh.get_local_rank() * size, size)
+        return piece.contiguous(), None, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """Shards on ``dim`` entering a computation that needs them whole: all-gather,
+    reduce-scatter backward (each rank's gradient of the whole is a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim
+        return _all_gather(x, mesh, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.mesh, ctx.dim), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """Partial sums leaving a row-parallel computation, sharded on ``dim``: reduce-scatter,
+    all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim
+        return _reduce_scatter(x, mesh, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.mesh, ctx.dim), None, None
+
+
+# The collectives are c10d's, called directly: on this path they cost about half of what the
+# functional collectives' dispatch and wait machinery adds on top of them (measured on
+# CPU/gloo: 0.7 ms against 1.2 ms for a small all-reduce). torch.compile traces them as
+# functional collectives all the same.
+
+
+def mesh_size(mesh: DeviceMesh) -> int:
+    """``mesh.size()`` of a 1-D mesh, computed once per mesh (torch recomputes it from the
+    mesh's layout on every call, some microseconds on every collective). Only the size is
+    kept: a process group held here would outlive ``destroy_process_group`` and be torn down
+    at interpreter exit, which can abort the process."""
+    if torch.compiler.is_compiling():
+        return mesh.size()  # traced once anyway; no Python state
+    key = id(mesh)
+    entry = _SIZES.get(key)
+    if entry is None or entry[0]() is not mesh:
+        forget = functools.partial(_SIZES.pop, key, None)
+        entry = _SIZES[key] = (weakref.ref(mesh, lambda _: forget()), mesh.size())
+    return entry[1]
+
+
+# id(mesh) -> (weak reference to the mesh, its size); an entry goes with its mesh
+_SIZES: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def all_reduce(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``mesh``, out of place (no autograd)."""
+    out = x.contiguous().clone()  # out of place: autograd may still need x
+    if mesh_size(mesh) > 1:  # over one rank: nothing to send (as DTensor skips it too)
+        dist.all_reduce(out, group=mesh.get_group())
+    return out
+
+
+def _all_gather(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    # c10d concatenates along dim 0: gather whole shards, then put the rank index just
+    # before ``dim`` and merge the two. One copy at most, none when ``dim`` leads (or the
+    # dims before it have size 1); the result is contiguous either way, once here rather
+    # than in every consumer (q, k and v would each copy it, and each save its own copy)
+    n, dim = mesh_size(mesh), dim % x.ndim
+    x = x.contiguous()
+    if n == 1:
+        return x
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x, group=mesh.get_group())
+    whole = out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
+    return whole.contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    # c10d scatters along dim 0: bring the ranks' chunks of ``dim`` to the front (one copy,
+    # none when ``dim`` leads); this rank's chunk then comes out contiguous
+    n, dim = mesh_size(mesh), dim % x.ndim
+    if n == 1:
+        return x.contiguous()
+    chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=mesh.get_group())
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -305,17 +383,13 @@ class DTensorRuntime:
         return _modifiable_local(dt, moved, None if isinstance(value, DTensor) else value)
 
     def enter(self, value: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """The local tensor a computation reads for one input, as a contract states it.
-
-        ``layout`` is the input's :class:`~torch_tp.contract.Layout` in the style's contract,
-        so that what the style declares is what its forward does: ``to=Replicate()`` with
-        ``grad=Partial()`` is the whole input, whose gradients come back as partial sums
-        (:meth:`enter_replicated`); a ``to`` that shards is this rank's shard
-        (:meth:`enter_sharded`). ``given`` is the layout of a plain-tensor ``value``.
+        """The local tensor a computation reads for one input, as the style's contract
+        states it (``layout``, a :class:`~torch_tp.contract.Layout`): whole for
+        ``to=Replicate(), grad=Partial()`` (:meth:`enter_replicated`), else this rank's
+        shard (:meth:`enter_sharded`). ``given`` is the layout of a plain-tensor ``value``.
 
         Raises:
-            ValueError: ``layout`` describes no local computation's input (a whole input
-                whose gradient is not a partial sum, say).
+            ValueError: ``layout`` is neither (a whole input whose gradient is not partial).
             ShardDimError: a sharded layout names a dimension ``value`` does not have.
         """
         to = layout.to
@@ -330,13 +404,10 @@ class DTensorRuntime:
         )
 
     def exit(self, local: torch.Tensor, layout: Layout, global_shape: torch.Size) -> torch.Tensor:
-        """A local computation's result as the module's output, as a contract states it.
-
-        ``layout`` is the output's :class:`~torch_tp.contract.Layout` in the style's
-        contract: ``given=Partial()`` sums the partial results into ``to``
-        (:meth:`reduce_partial`); any other ``given`` is the layout ``local`` was computed
-        in, moved to ``to`` (:meth:`leave`). ``layout.local``: return a plain tensor.
-        ``global_shape`` is the output's shape on one device.
+        """A local result as the module's output, as the style's contract states it
+        (``layout``): partial sums (``given=Partial()``) reduced into ``to``
+        (:meth:`reduce_partial`), else moved from ``given`` to ``to`` (:meth:`leave`); a
+        plain tensor if ``layout.local``. ``global_shape``: the output's shape on one device.
 
         Raises:
             ShardDimError: a sharded layout names a dimension ``local`` does not have.
@@ -508,14 +579,12 @@ class FastRuntime(DTensorRuntime):
             # or a replicated gradient; labelled Partial, both are summed by the region
             if isinstance(layout, Replicate):
                 local = (
-                    _regions.copy_to_tensor_parallel_region(value, mesh)
-                    if value.requires_grad
-                    else value
+                    copy_to_tensor_parallel_region(value, mesh) if value.requires_grad else value
                 )
                 return replicated_from_local(local, mesh)
             if isinstance(layout, Shard):
                 dim = normalize(layout, value.ndim).dim
-                local = _regions.gather_from_sequence_parallel_region(value, mesh, dim)
+                local = gather_from_sequence_parallel_region(value, mesh, dim)
                 return replicated_from_local(local, mesh)
         return super().prepare(value, layout, desired, use_local)
 
@@ -529,7 +598,7 @@ class FastRuntime(DTensorRuntime):
             if not value.requires_grad:
                 return value  # nothing to gather now, no gradient to reduce later
             return _shared_entry(
-                value, mesh, None, lambda: _regions.copy_to_tensor_parallel_region(value, mesh)
+                value, mesh, None, lambda: copy_to_tensor_parallel_region(value, mesh)
             )
         if isinstance(layout, Shard):
             dim = normalize(layout, value.ndim).dim
@@ -537,7 +606,7 @@ class FastRuntime(DTensorRuntime):
                 value,
                 mesh,
                 dim,
-                lambda: _regions.gather_from_sequence_parallel_region(value, mesh, dim),
+                lambda: gather_from_sequence_parallel_region(value, mesh, dim),
             )
         return _partial_local(self.redistribute(self.annotate(value, layout), Replicate()))
 
@@ -545,7 +614,7 @@ class FastRuntime(DTensorRuntime):
         if any(isinstance(v, DTensor) for v in values) or not any(v.requires_grad for v in values):
             return super().enter_replicated_many(values)
         # their input gradients are summed in one all-reduce
-        return _regions.copy_many_to_tensor_parallel_region(values, self.mesh)
+        return copy_many_to_tensor_parallel_region(values, self.mesh)
 
     def enter_sharded(
         self, value: torch.Tensor, layout: Placement, want: Placement
@@ -558,11 +627,9 @@ class FastRuntime(DTensorRuntime):
         self, partial: torch.Tensor, layout: Placement, use_local: bool
     ) -> torch.Tensor:
         if use_local and isinstance(layout, Replicate):
-            return _regions.reduce_from_tensor_parallel_region(partial, self.mesh)
+            return reduce_from_tensor_parallel_region(partial, self.mesh)
         if use_local and isinstance(layout, Shard):
-            return _regions.reduce_scatter_to_sequence_parallel_region(
-                partial, self.mesh, layout.dim
-            )
+            return reduce_scatter_to_sequence_parallel_region(partial, self.mesh, layout.dim)
         return super().reduce_partial(partial, layout, use_local)
 
     def leave(
@@ -581,7 +648,7 @@ class FastRuntime(DTensorRuntime):
             and isinstance(layout, Replicate)
             and global_shape[computed.dim] % self.mesh.size() == 0
         ):
-            return _regions.gather_from_tensor_parallel_region(local, self.mesh, computed.dim)
+            return gather_from_tensor_parallel_region(local, self.mesh, computed.dim)
         return super().leave(local, computed, layout, use_local, global_shape)
 
     def local_parameter(
@@ -873,7 +940,7 @@ class PartialGradientReduction:
                 by_mesh.setdefault(param.grad.device_mesh, []).append(param)
         for mesh, group in by_mesh.items():
             locals_ = [p.grad.to_local() for p in group]
-            flat = _regions.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)
+            flat = all_reduce(torch.cat([t.reshape(-1) for t in locals_]), mesh)
             sizes = [t.numel() for t in locals_]
             for param, piece in zip(group, flat.split(sizes), strict=True):
                 grad = param.grad
@@ -927,48 +994,3 @@ def _respec(spec: DTensorSpec, placement: Placement) -> DTensorSpec:
 
 
 _RESPEC = "_torch_tp_respec"
-
-
-# ------------------------------------------------------------------------------------------
-# Agreeing on an error before a collective
-# ------------------------------------------------------------------------------------------
-
-
-def raise_agreed(error: Exception | None, groups: list[dist.ProcessGroup]) -> None:
-    """Raise on every rank of ``groups``, which agreed that some rank found an error.
-
-    A check that guards a collective is made on each rank from its own data; a rank that
-    raised alone would leave the others waiting in the collective. So the callers agree
-    first, folding each rank's verdict into a collective they make anyway or into one
-    all-reduce of one number (over several groups in turn, the dimensions of a mesh, every
-    rank of the mesh learns it), and call this only when some rank found an error. Every
-    rank then raises the same exception, of the type the lowest such rank found, naming
-    each such rank (its global rank) and its message. The messages are gathered over each
-    group in turn (the error path only).
-    """
-    found: list[tuple[int, type, str]] = []
-    if error is not None:
-        found.append((dist.get_rank(), type(error), str(error)))
-    for group in groups:
-        parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, found, group=group)
-        found = sorted({entry for part in parts for entry in part}, key=lambda e: e[0])
-    kind = found[0][1]
-    # one message when every rank found the same, else each rank's
-    if len({text for _, _, text in found}) == 1:
-        ranks = ", ".join(str(rank) for rank, _, _ in found)
-        text = f"{found[0][2]} (on rank {ranks})"
-    else:
-        text = "; ".join(f"rank {rank}: {text}" for rank, _, text in found)
-    try:
-        agreed = kind(text)
-    except TypeError:  # an exception type that takes other arguments
-        agreed = RuntimeError(f"{kind.__name__}: {text}")
-    raise agreed
-
-
-def flag_device(group: dist.ProcessGroup) -> torch.device:
-    """Where ``group``'s collectives take a tensor: the current GPU under NCCL."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
