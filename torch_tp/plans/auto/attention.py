@@ -290,7 +290,30 @@ def _unsplittable_heads(model: nn.Module, attention: nn.Module, group: LinearGro
             f"it holds tensors sized by the heads ({', '.join(sorted(set(sized)))}) that no style "
             "makes per-rank"
         )
+    per_head = _modules_per_head(attention, counts)
+    if per_head:
+        return (
+            f"it holds one module per head ({', '.join(per_head)}), which forward pairs with "
+            "the heads it has: a rank would pair its own heads with the first modules"
+        )
     return None
+
+
+def _modules_per_head(attention: nn.Module, counts: set[int]) -> list[str]:
+    """The containers inside ``attention`` holding as many modules with parameters or buffers
+    as it has heads (StableLM's per-head q and k norms, ``q_layernorm.norms``), as
+    ``"path: n modules"``."""
+    found = []
+    for path, sub in attention.named_modules():
+        if not isinstance(sub, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        children = list(sub.children())
+        stateful = [c for c in children if any(True for _ in c.parameters())] or [
+            c for c in children if any(True for _ in c.buffers())
+        ]
+        if len(children) in counts and len(stateful) == len(children):
+            found.append(f"{path}: {len(children)} modules")
+    return found
 
 
 # a use of a name, not as an attribute (self.dim) nor as a keyword argument (dim=-1)
