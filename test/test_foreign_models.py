@@ -70,17 +70,18 @@ REFUSED = {
     r"layers self_attention\.query_key_value \(32->64\) feed the row-parallel "
     r"self_attention\.dense \(32->32\)",
     # a head count under a name the rules do not know: llm-foundry's kv_n_heads is read as a
-    # size, nanochat's n_kv_head is not found (the key/value count falls back to the query's)
+    # size, nanochat's n_kv_head is not found (the query count, standing in, does not fit)
     "llm_foundry_mpt": r"'transformer\.blocks\.\*\.attn': forward reads self\.kv_n_heads = 4, "
     r"which equals the head count; auto\(\) cannot tell whether it is a size",
-    "nanochat": r"the head counts found for 'transformer\.h\.\*\.attn' \(4 query, 4 key/value "
-    r"heads\) do not fit its shapes: attn\.c_v writes 16 features",
+    "nanochat": r"'transformer\.h\.\*\.attn': found 4 query heads but no key/value head count "
+    r"\(looked for num_key_value_heads, .*\), so took 4, which does not fit its shapes: "
+    r"attn\.c_v writes 16 features",
     # the attention's and the MLP's projections right in the block, one group
     "olmo": r"cannot tell what the block 'transformer\.blocks\.\*' is: its column-parallel layers "
     r"attn_out \(32->32\), att_proj \(32->96\), ff_proj \(32->128\) feed the row-parallel "
-    r"ff_out \(64->32\)",
-    "olmo_llama_block": r"in the block 'transformer\.blocks\.\*', ff_out \(64->32\) do not read "
-    r"the hidden size 32 and are not the row-parallel projection \(q_proj\)",
+    r"ff_out \(64->32\).*these are the block's own children: an attention's and an MLP's",
+    "olmo_llama_block": r"the Linear layers of the block 'transformer\.blocks\.\*' are its own "
+    r"children \(.*\), 3 of them writing the hidden size 32 \(attn_out, ff_out, q_proj\)",
     # foreign_models_more2.py: a group of Linear layers that writes no width it reads (GEGLU's
     # ff.net.0.proj apart from ff.net.2, DiT's adaLN modulation, vit-pytorch's to_qkv apart
     # from to_out.0), with no input embedding to tell the hidden size
@@ -96,11 +97,13 @@ REFUSED = {
     r"both read and written by every group of Linear layers \('transformer\.layers\.\*\.0': "
     r"0\.to_qkv 32->96; 'transformer\.layers\.\*\.0\.to_out': 0\.to_out\.0 32->32",
     # blocks in one nn.Sequential with the embedding, the final norm and the head
-    "palm_pytorch": r"no repeated blocks in Sequential: auto\(\) plans the layers of the largest "
-    r"nn\.ModuleList \(or nn\.Sequential or nn\.ModuleDict of blocks of one class\)",
+    "palm_pytorch": r"the root module \(Sequential\) holds repeated blocks \(2 x Residual\) beside "
+    r"other modules \(Embedding, Linear, PaLMLayerNorm\)",
     # projections that are no nn.Linear: a module with a weight and F.linear, torch.einsum
-    "gemma_pytorch": r"the blocks 'model\.layers\.\*' hold no nn\.Linear \(or Conv1D\) layer",
-    "gemma_flax_port": r"the blocks 'blocks\.\*' hold no nn\.Linear \(or Conv1D\) layer",
+    "gemma_pytorch": r"the blocks 'model\.layers\.\*' hold no nn\.Linear \(or Conv1D\) layer, .*"
+    r"their matrices \(self_attn\.qkv_proj\.weight, .*\) are multiplied some other way",
+    "gemma_flax_port": r"the blocks 'blocks\.\*' hold no nn\.Linear \(or Conv1D\) layer, .*"
+    r"their matrices \(attn\.attn_vec_einsum\.w, .*\) are multiplied some other way",
 }
 
 _GATHERED_Q = ColwiseParallel(output_layouts=torch.distributed.tensor.Replicate())

@@ -162,7 +162,9 @@ def _attention_heads(
     counts = None
     if heads is not None:
         counts = (heads[1], (kv_heads or heads)[1])
-        _check_heads(group, where, *counts)
+        # a key/value count that was not found is taken as the query count: say so if wrong
+        assumed = None if kv_heads is not None else ", ".join(_KV_HEAD_NAMES)
+        _check_heads(group, where, *counts, assumed)
         group.heads = counts
     source = _source(type(attention), where, "attention")
     if group.kind == "mla":
@@ -361,7 +363,12 @@ def _count(
     return None
 
 
-def _check_heads(group: LinearGroup, where: str, heads: int, kv_heads: int) -> None:
+def _check_heads(
+    group: LinearGroup, where: str, heads: int, kv_heads: int, assumed: str | None = None
+) -> None:
+    """Raise unless the projections' sizes split into ``heads`` query and ``kv_heads``
+    key/value heads (``assumed``: the names looked for when no key/value count was found and
+    the query count stands in for it)."""
     wide = group.row.in_features
     problem = None
     if heads < 1 or kv_heads < 1 or wide % heads or heads % kv_heads:
@@ -389,6 +396,12 @@ def _check_heads(group: LinearGroup, where: str, heads: int, kv_heads: int) -> N
                     f"the fused {layer.name} has {layer.parts} equal parts, which needs as many "
                     "key/value heads as query heads"
                 )
+    if problem is not None and assumed is not None:
+        raise ValueError(
+            f"{where}: found {heads} query heads but no key/value head count (looked for "
+            f"{assumed} on the attention and the config), so took {kv_heads}, which does not "
+            f"fit its shapes: {problem}; write the plan by hand"
+        )
     if problem is not None:
         raise ValueError(
             f"the head counts found for {where} ({heads} query, {kv_heads} key/value heads) do "

@@ -14,6 +14,8 @@ turn the kinds' plans into plan keys (``*`` where all blocks agree), and
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
 
 from torch_tp.plans.auto.attention import plan_group
@@ -51,6 +53,16 @@ __all__: list[str] = []
 def find_blocks(model: nn.Module) -> tuple[str, list[str], list[nn.Module]]:
     """``(path, names, blocks)`` of the repeated blocks: the largest container of them."""
     lists = [(path, module) for path, module in model.named_modules() if _is_stack(module)]
+    mixed = _mixed_stack(model)
+    if not lists and mixed is not None:
+        path, kind, others = mixed
+        where = f"'{path}'" if path else f"the root module ({type(model).__qualname__})"
+        raise ValueError(
+            f"{where} holds repeated blocks ({kind}) beside other modules ({others}): auto() "
+            "plans a container whose children are all blocks of one class (an nn.ModuleList, "
+            "or an nn.Sequential or nn.ModuleDict of them); keep the blocks in one of their "
+            "own, or write the plan by hand"
+        )
     if not lists:
         raise ValueError(
             f"no repeated blocks in {type(model).__qualname__}: auto() plans the layers of the "
@@ -87,6 +99,25 @@ def _is_stack(module: nn.Module) -> bool:
         and len({type(child) for child in children}) == 1
         and all(any(True for _ in child.children()) for child in children)
     )
+
+
+def _mixed_stack(model: nn.Module) -> tuple[str, str, str] | None:
+    """``(path, "n x Block", the other children)`` of an ``nn.Sequential`` or
+    ``nn.ModuleDict`` holding two or more blocks of one class beside other modules
+    (``nn.Sequential(embedding, *blocks, norm, head)``), or ``None``."""
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.Sequential, nn.ModuleDict)):
+            continue
+        children = list(module.children())
+        blocks = [c for c in children if any(True for _ in c.children())]
+        kinds = Counter(type(c) for c in blocks)
+        if not kinds:
+            continue
+        kind, count = kinds.most_common(1)[0]
+        if count > 1 and count < len(children):
+            others = sorted({type(c).__name__ for c in children if type(c) is not kind})
+            return path, f"{count} x {kind.__name__}", ", ".join(others)
+    return None
 
 
 def _first(stack: nn.Module) -> nn.Module:

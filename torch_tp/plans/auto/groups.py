@@ -101,8 +101,17 @@ def linear_groups(block: nn.Module, prefix: str) -> list[LinearGroup]:
         group = groups.setdefault(parent, LinearGroup(parent, join_dotted(prefix, parent), []))
         group.layers.append(_Layer(path, join_dotted(prefix, path), *shape))
     if not groups:
+        matrices = [n for n, p in block.named_parameters() if p.ndim >= 2]
+        shown = ", ".join(matrices[:4]) + (", ..." if len(matrices) > 4 else "")
+        why = (
+            f"; their matrices ({shown}) are multiplied some other way (a module's own weight "
+            "in F.linear, an einsum), which auto() does not follow: write the plan by hand"
+            if matrices
+            else ": nothing to shard"
+        )
         raise ValueError(
-            f"the blocks '{prefix}' hold no nn.Linear (or Conv1D) layer: nothing to shard"
+            f"the blocks '{prefix}' hold no nn.Linear (or Conv1D) layer, the layers auto() "
+            f"shards{why}"
         )
     return list(groups.values())
 
@@ -167,6 +176,15 @@ def assign_styles(group: LinearGroup, hidden: int, module: nn.Module) -> None:
     strangers = [layer for layer in columns if layer.in_features != hidden]
     if strangers and _assign_mla(group, hidden, row, columns, strangers):
         return
+    if strangers and not group.parent and len(writers) > 1:
+        # q, k, v, o and the MLP's layers all children of the block (OLMo's Llama block)
+        raise ValueError(
+            f"the Linear layers of {where} are its own children ({shapes(group.layers)}), "
+            f"{len(writers)} of them writing the hidden size {hidden} "
+            f"({', '.join(w.name for w in writers)}): auto() pairs column- and row-parallel "
+            "layers within one submodule (an attention, an MLP) and cannot tell the pairs "
+            "here; write the plan by hand"
+        )
     if strangers:
         raise ValueError(
             f"in {where}, {shapes(strangers)} do not read the hidden size {hidden} and are not "
@@ -237,11 +255,17 @@ def _assign_columns(
     elif parts in (1, 2) and not narrow and not named:
         group.kind = "mlp"
     else:
+        own = (
+            "; these are the block's own children: an attention's and an MLP's layers side by "
+            "side cannot be told apart"
+            if not group.parent
+            else ""
+        )
         raise ValueError(
             f"cannot tell what {where} is: its column-parallel layers {shapes(columns)} "
             f"feed the row-parallel {row.name} ({row.in_features}->{row.out_features}); "
             "auto() knows attention (q, k and v, or a fused q/k/v of equal parts) and MLPs "
-            "(one or two projections, or a fused gate/up)"
+            f"(one or two projections, or a fused gate/up){own}"
         )
     for layer in columns:
         layer.style = ColwiseParallel() if layer.parts == 1 else PackedColwiseParallel(layer.parts)
