@@ -276,7 +276,6 @@ PLANNED: dict[str, tuple[dict, dict]] = {
 }
 
 
-# name -> what goes wrong: auto() plans the model, and the plan does not train like one device
 def test_every_model_is_listed():
     assert sorted([*REFUSED, *PLANNED]) == sorted(MODELS)
     assert len(MODELS) >= 42

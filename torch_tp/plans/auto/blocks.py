@@ -274,7 +274,9 @@ def plan_block(
             continue
         mixer = mixer_reason(unit) if name else None
         if mixer:
-            result.replicated[name] = f"a mixer auto() cannot split ({mixer})"
+            result.replicated[name] = (
+                f"a token mixer (attention or other) auto() cannot split ({mixer})"
+            )
             continue
         if not name and len(units) > 1 and any(_holds_mlp(block, n) for n in units if n):
             # Linear layers right in a block that has its own MLP (Gemma's per-layer input
