@@ -310,10 +310,11 @@ def _modules_per_head(attention: nn.Module, counts: set[int]) -> list[str]:
         if not isinstance(sub, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             continue
         children = list(sub.children())
-        stateful = [c for c in children if any(True for _ in c.parameters())] or [
-            c for c in children if any(True for _ in c.buffers())
-        ]
-        if len(children) in counts and len(stateful) == len(children):
+        stateful = all(
+            next(c.parameters(), None) is not None or next(c.buffers(), None) is not None
+            for c in children
+        )
+        if len(children) in counts and stateful:
             found.append(f"{path}: {len(children)} modules")
     return found
 

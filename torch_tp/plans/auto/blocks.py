@@ -53,8 +53,8 @@ __all__: list[str] = []
 def find_blocks(model: nn.Module) -> tuple[str, list[str], list[nn.Module]]:
     """``(path, names, blocks)`` of the repeated blocks: the largest container of them."""
     lists = [(path, module) for path, module in model.named_modules() if _is_stack(module)]
-    mixed = _mixed_stack(model)
-    if not lists and mixed is not None:
+    mixed = None if lists else _mixed_stack(model)
+    if mixed is not None:
         path, kind, others = mixed
         where = f"'{path}'" if path else f"the root module ({type(model).__qualname__})"
         raise ValueError(
