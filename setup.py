@@ -40,6 +40,8 @@ setup(
     extras_require={
         "test": [
             "pytest>=8",
+            # two test processes (pyproject.toml's addopts)
+            "pytest-xdist==3.8.0",
             "expecttest>=0.2",
             "ruff==0.17.6",
             # test/test_transformers.py checks the plans of torch_tp.plans.hf against the real

@@ -4,7 +4,7 @@ Each :class:`Mutation` is one targeted semantic bug in ``torch_tp/`` (a dropped 
 reduction, a rotated vocabulary shard, ...), written as an exact piece of source and its
 replacement, with the test ids that must fail under it. The applier copies ``torch_tp/``,
 ``test/`` and ``pyproject.toml`` to a scratch directory, applies one mutation there, and runs
-``python -m pytest <tests> -x -q -p no:cacheprovider`` in it, with the scratch directory first
+``python -m pytest <tests> -x -q -p no:cacheprovider -n 0`` in it, with the scratch directory first
 on ``PYTHONPATH`` and as the working directory: ``import torch_tp`` resolves to the mutated
 copy in pytest's process and in the spawned ranks of ``torch_tp.testing.run_distributed``
 (not to the editable install of the checkout; ``--verify-isolation`` shows it). A mutation is
@@ -628,7 +628,20 @@ def _environment(tree: Path) -> dict[str, str]:
 
 
 def _pytest(tree: Path, tests: Iterable[str], timeout: float) -> tuple[int, str]:
-    command = [sys.executable, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider"]
+    # -n 0: in one process, as the few tests of one mutation start faster there (and -x
+    # stops at their first failure)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *tests,
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "0",
+    ]
     try:
         done = subprocess.run(
             command,

@@ -14,18 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from helpers import tp_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from torch_tp import (
     ColwiseParallel,
+    LocalLinearParallel,
     ParallelStyle,
+    PartialSumParallel,
     RowwiseParallel,
+    SequenceParallel,
     StyleContract,
+    TensorParallelExperts,
     parallelize_module,
 )
 from torch_tp.contract import Boundary, Layout
+from torch_tp.models import Experts
 from torch_tp.plan import from_dict, to_dict
 from torch_tp.registry import STYLE_REGISTRY
 from torch_tp.report import plan_report
@@ -221,6 +227,86 @@ def _forwards_follow_contracts() -> None:
 
 def test_the_linear_styles_compute_the_layouts_their_contract_states():
     run_distributed(_forwards_follow_contracts, 2)
+
+
+class _ContractGathersSequence(SequenceParallel):
+    """SequenceParallel whose contract alone says its output is gathered (its output_layouts
+    stay the sequence shard)."""
+
+    contract = dataclasses.replace(
+        SequenceParallel.contract,
+        names={"test_contract_gathers_sequence": {}},
+        outputs=lambda s, m: Boundary((Layout(Shard(1), Replicate(), s.use_local_output),)),
+    )
+
+
+class _ContractScattersSum(PartialSumParallel):
+    """PartialSumParallel whose contract alone says its sum is reduce-scattered on the
+    sequence (dim 1) rather than all-reduced."""
+
+    contract = dataclasses.replace(
+        PartialSumParallel.contract,
+        names={"test_contract_scatters_sum": {}},
+        outputs=lambda s, m: Boundary((Layout(Partial(), Shard(1)),)),
+    )
+
+
+def _region_forwards_follow_contracts() -> None:
+    mesh = tp_mesh()
+    rank, n = mesh.get_local_rank(), mesh.size()
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8)
+    norm = nn.LayerNorm(8)
+    whole = norm(x)
+    parallelize_module(norm, mesh, _ContractGathersSequence(use_local_output=True))
+    # SequenceParallel's forward would hand on its shard of the positions
+    torch.testing.assert_close(norm(x.chunk(n, dim=1)[rank]), whole)
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8, bias=False)))
+    expected = model(x)
+    plan = {
+        "0": _ContractScattersSum(),
+        "0.0": LocalLinearParallel("colwise"),
+        "0.2": LocalLinearParallel("rowwise"),
+    }
+    parallelize_module(model, mesh, plan)
+    # PartialSumParallel's forward would hand on the whole sum on every rank
+    torch.testing.assert_close(model(x), expected.chunk(n, dim=1)[rank])
+
+
+def test_sequence_parallel_and_partial_sums_compute_the_layouts_their_contract_states():
+    run_distributed(_region_forwards_follow_contracts, 2)
+
+
+class _ContractLeavesExpertsPartial(TensorParallelExperts):
+    """TensorParallelExperts whose contract alone says the tokens are used as they come and
+    the output left a partial sum (its output_layouts stay Replicate())."""
+
+    contract = dataclasses.replace(
+        TensorParallelExperts.contract,
+        names={"test_contract_leaves_experts_partial": {}},
+        inputs=lambda s, m: None,
+        outputs=lambda s, m: Boundary((Layout(Partial(), Partial()),)),
+    )
+
+
+def _experts_follow_their_contract() -> None:
+    torch.manual_seed(0)
+    experts = Experts(n_experts=4, dim=8, hidden_dim=4)
+    hidden, weights = torch.randn(6, 8), torch.rand(6, 2)
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    expected = experts(hidden, index, weights)
+    parallelize_module(experts, tp_mesh(), _ContractLeavesExpertsPartial())
+    partial = experts(hidden, index, weights)
+    # TensorParallelExperts' forward would sum the ranks' parts: this one hands on its own
+    assert not torch.allclose(partial, expected)
+    summed = partial.clone()
+    dist.all_reduce(summed)
+    torch.testing.assert_close(summed, expected)
+
+
+def test_experts_compute_the_layouts_their_contract_states():
+    run_distributed(_experts_follow_their_contract, 2)
 
 
 # the modules that read contracts instead of style classes

@@ -182,7 +182,7 @@ class LocalParamsParallel(ParallelStyle):
     def _with_parameter_entries(self, placements: Mapping[str, Placement]) -> LocalParamsParallel:
         """The style the plan's parameter entries under its module make of it
         (``"self_attn.sinks": "colwise"`` next to ``"self_attn": "local_params"``)."""
-        return LocalParamsParallel({**(self.placements or {}), **placements})
+        return type(self)({**(self.placements or {}), **placements})
 
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
         super().__init__()

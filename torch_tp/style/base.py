@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch_tp import _torch_compat as compat
 from torch_tp import runtime
 from torch_tp._torch_compat import StridedShard
-from torch_tp.contract import StyleContract, kind_name
+from torch_tp.contract import Layout, StyleContract, kind_name
 from torch_tp.registry import STYLE_REGISTRY
 
 # the base class and the part of the style kit that distributes a module's parameters
@@ -108,6 +108,13 @@ class ParallelStyle(ABC):
         lists.
         """
         self._check_kind(module)
+
+    def _boundaries(self, module: nn.Module) -> tuple[Layout, Layout]:
+        """The layouts of ``module``'s first input and its first output as the contract
+        states them: a built-in style binds them into its forward at ``_apply`` and computes
+        with them, so that they are stated once."""
+        contract = type(self).contract
+        return contract.inputs(self, module).args[0], contract.outputs(self, module).args[0]
 
     def _check_kind(self, module: nn.Module) -> None:
         """Raise ``NotImplementedError`` unless the contract accepts ``module``'s kind."""

@@ -201,7 +201,11 @@ class TensorParallelExperts(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported module must not be half-applied
         module = distribute_and_wrap(
-            self, module, device_mesh, self.contract.parameters(self, module)
+            self,
+            module,
+            device_mesh,
+            self.contract.parameters(self, module),
+            _layouts(self, module),
         )
         # hosts PEFT's LoRA on the weights, now or when PEFT wraps the experts later
         _adapters.remember(module, self, runtime.for_mesh(device_mesh))
@@ -227,6 +231,7 @@ class TensorParallelExperts(ParallelStyle):
         module: nn.Module,
         rt: runtime.DTensorRuntime,
         own_forward,
+        layouts: tuple[Boundary | None, Layout],
         hidden_states: torch.Tensor,
         *routing: torch.Tensor,
         adapters: list | None = None,
@@ -242,24 +247,16 @@ class TensorParallelExperts(ParallelStyle):
             top_k_index, top_k_weights = routing
             stacked = module.up_proj if self._ungated(module) else module.gate_up_proj
             _check_expert_ids(self, module, rt, top_k_index, stacked.shape[0])
-        partial_output = isinstance(self.output_layouts, Partial)
-        if partial_output:
-            # the caller sums the inputs' partial gradients (and the output) itself
-            _refuse_dtensor_tokens(self, module, (hidden_states, *routing))
-        elif routing:  # (top_k_index, top_k_weights): the weights' gradient is partial too
-            top_k_index, top_k_weights = routing
-            hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
-            routing = (top_k_index, top_k_weights)
-        else:  # tokens routed and weighted already (Llama 4)
-            (hidden_states,) = rt.enter_replicated_many((hidden_states,))
+        entry, exit = layouts
+        # the tokens and routing weights read whole, or (a partial output) as they are: the
+        # caller sums their partial gradients (and the output) itself
+        hidden_states, *routing = _enter_tokens(self, module, rt, entry, (hidden_states, *routing))
         if adapters:  # PEFT's LoRA on the weights: each local slice plus its delta's
             own_forward = functools.partial(
                 _expert_adapters.adapted_forward, own_forward, rt, adapters
             )
         partial = run_on_local_parameters(module, rt, False, own_forward, hidden_states, *routing)
-        if partial_output:
-            return partial
-        return rt.reduce_partial(partial, Replicate(), True)
+        return _leave_tokens(rt, exit, partial)
 
 
 class ExpertParallel(ParallelStyle):
@@ -409,8 +406,9 @@ class ExpertParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported module must not be half-applied
         n_experts = next(module.parameters()).shape[0]
+        placements = self.contract.parameters(self, module)
         return distribute_and_wrap(
-            self, module, device_mesh, self.contract.parameters(self, module), n_experts
+            self, module, device_mesh, placements, _layouts(self, module), n_experts
         )
 
     def _forward(
@@ -418,23 +416,22 @@ class ExpertParallel(ParallelStyle):
         module: nn.Module,
         rt: runtime.DTensorRuntime,
         own_forward,
+        layouts: tuple[Boundary | None, Layout],
         n_experts: int,
         hidden_states: torch.Tensor,
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
+        entry, exit = layouts
         replicated = isinstance(self.input_layouts, Replicate)
-        if replicated:
-            hidden_states, top_k_weights = rt.enter_replicated_many((hidden_states, top_k_weights))
-        else:
-            _refuse_dtensor_tokens(self, module, (hidden_states, top_k_index, top_k_weights))
+        hidden_states, top_k_index, top_k_weights = _enter_tokens(
+            self, module, rt, entry, (hidden_states, top_k_index, top_k_weights)
+        )
         out = _route(
             self, module, rt, rt.mesh, own_forward, n_experts, hidden_states, top_k_index,
             top_k_weights, replicated=replicated,
         )  # fmt: skip
-        if replicated:
-            return rt.reduce_partial(out, Replicate(), True)
-        return out
+        return _leave_tokens(rt, exit, out)
 
     @staticmethod
     def _run_experts(
@@ -570,6 +567,50 @@ def _refuse_dtensor_tokens(style: ParallelStyle, module: nn.Module, inputs: tupl
             f"{style_at(style, module)}: expected this rank's tokens as local tensors, found a "
             "DTensor (give the module local tensors, e.g. with use_local_output=True)"
         )
+
+
+def _layouts(style: ParallelStyle, module: nn.Module) -> tuple[Boundary | None, Layout]:
+    """The experts' input boundary (``None``: their inputs are used as they come) and the
+    layout of their output, as the style's contract states them: bound into the forward at
+    ``_apply``, which computes with them."""
+    contract = type(style).contract
+    return contract.inputs(style, module), contract.outputs(style, module).args[0]
+
+
+def _enter_tokens(
+    style: ParallelStyle,
+    module: nn.Module,
+    rt: runtime.DTensorRuntime,
+    entry: Boundary | None,
+    values: tuple,
+) -> tuple:
+    """The experts' inputs as ``entry`` states them: those it reads whole (``to=Replicate()``,
+    partial gradients) entered together, their gradients summed in one all-reduce; without
+    any, this rank's local tensors as they are (a partial output, whose caller sums their
+    gradients; expert-parallel tokens, which are this rank's own)."""
+    layouts = entry.args if entry is not None else ()
+    whole = [
+        i
+        for i, layout in enumerate(layouts[: len(values)])
+        if layout is not None and isinstance(layout.to, Replicate)
+    ]
+    if not whole:
+        _refuse_dtensor_tokens(style, module, values)
+        return values
+    entered = list(values)
+    for i, value in zip(
+        whole, rt.enter_replicated_many(tuple(values[i] for i in whole)), strict=True
+    ):
+        entered[i] = value
+    return tuple(entered)
+
+
+def _leave_tokens(rt: runtime.DTensorRuntime, exit: Layout, partial: torch.Tensor) -> torch.Tensor:
+    """The experts' output as ``exit`` states it: summed into ``exit.to``, or as computed (a
+    partial sum its caller reduces; expert-parallel tokens, back on the rank they came from)."""
+    if exit.to == exit.given:
+        return partial
+    return rt.exit(partial, exit, partial.shape)
 
 
 class IdentityExpertParallel(ParallelStyle):
@@ -746,13 +787,17 @@ class ExpertTensorParallel(ParallelStyle):
         n_experts = (module.up_proj if ungated else module.gate_up_proj).shape[0]
         ep, tp = device_mesh[names[0]], runtime.for_mesh(device_mesh[names[1]])
         placements = self.contract.parameters(self, module)
-        return distribute_and_wrap(self, module, device_mesh, placements, ep, tp, n_experts)
+        layouts = _layouts(self, module)
+        return distribute_and_wrap(
+            self, module, device_mesh, placements, layouts, ep, tp, n_experts
+        )
 
     def _forward(
         self,
         module: nn.Module,
         rt: runtime.DTensorRuntime,
         own_forward,
+        layouts: tuple[Boundary | None, Layout],
         ep: DeviceMesh,
         tp: runtime.DTensorRuntime,
         n_experts: int,
@@ -764,16 +809,15 @@ class ExpertTensorParallel(ParallelStyle):
         _refuse_whole_in_partial_region(self, module, hidden_states)
         # every tp rank computes with all its ep rank's tokens: their gradients are partial
         # sums over tp, summed in one all-reduce (or by the caller, with a partial output)
-        partial_output = isinstance(self.output_layouts, Partial)
-        if not partial_output:
-            hidden_states, top_k_weights = tp.enter_replicated_many((hidden_states, top_k_weights))
+        entry, exit = layouts
+        hidden_states, top_k_index, top_k_weights = _enter_tokens(
+            self, module, tp, entry, (hidden_states, top_k_index, top_k_weights)
+        )
         partial = _route(
             self, module, rt, ep, own_forward, n_experts, hidden_states, top_k_index,
             top_k_weights, replicated=False, agree_over=tp.mesh,
         )  # fmt: skip
-        if partial_output:
-            return partial
-        return tp.reduce_partial(partial, Replicate(), True)
+        return _leave_tokens(tp, exit, partial)
 
 
 def _check_dense_on_tp(root: nn.Module, experts: nn.Module, ep: DeviceMesh, tp: DeviceMesh) -> None:

@@ -140,12 +140,6 @@ class _ShardLinearEmbedding(ParallelStyle):
         """How a sharded dimension of a parameter is split (the packed styles stride it)."""
         return Shard(dim)
 
-    def _boundaries(self, module: nn.Module) -> tuple[Layout, Layout]:
-        """The layouts of ``module``'s input and output as the contract states them, which
-        the forward computes with: the one statement of them."""
-        contract = type(self).contract
-        return contract.inputs(self, module).args[0], contract.outputs(self, module).args[0]
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._validate(module, device_mesh)  # an unsupported type must not be half-applied
         rt = runtime.for_mesh(device_mesh)

@@ -198,7 +198,7 @@ class PartialSumParallel(ParallelStyle):
     def _with_parameter_entries(self, placements: Mapping[str, Placement]) -> PartialSumParallel:
         """The style the plan's parameter entries under its module make of it (transformers'
         ``"...experts.gate_up_proj": "local_colwise"`` inside a ``"gather"`` region)."""
-        return PartialSumParallel({**(self.placements or {}), **placements})
+        return type(self)({**(self.placements or {}), **placements})
 
     def __init__(self, placements: Mapping[str, Placement] | None = None) -> None:
         super().__init__()
@@ -241,7 +241,9 @@ class PartialSumParallel(ParallelStyle):
         placements = self._parameter_placements(module)
         # its own replicated parameters: partial gradients, like those of the inner modules
         replicated = frozenset(n for n, p in placements.items() if isinstance(p, Replicate))
-        return distribute_whole(self, module, device_mesh, placements, replicated)
+        # the layout the contract states for the first output, which the forward computes
+        exit = type(self).contract.outputs(self, module).args[0]
+        return distribute_whole(self, module, device_mesh, placements, replicated, exit)
 
     def _forward(
         self,
@@ -250,6 +252,7 @@ class PartialSumParallel(ParallelStyle):
         own_forward,
         inner: list[nn.Module],
         replicated: frozenset[str],
+        exit: Layout,
         *args: Any,
         **kwargs: Any,
     ) -> Any:
@@ -280,12 +283,15 @@ class PartialSumParallel(ParallelStyle):
                 compat.swap_direct_parameters(module, params)
         finally:
             swap_back(swapped)
-        return self._leave(module, rt, output)
+        return self._leave(module, rt, exit, output)
 
-    def _leave(self, module: nn.Module, rt: runtime.DTensorRuntime, output: Any) -> Any:
-        """The first output summed; the others' gradients kept on one rank."""
+    def _leave(
+        self, module: nn.Module, rt: runtime.DTensorRuntime, exit: Layout, output: Any
+    ) -> Any:
+        """The first output summed into ``exit`` (the contract's layout of it); the others'
+        gradients kept on one rank."""
         if isinstance(output, torch.Tensor):
-            return rt.reduce_partial(output, Replicate(), True)
+            return rt.exit(output, exit, output.shape)
         if not isinstance(output, tuple) or not output or not isinstance(output[0], torch.Tensor):
             raise TypeError(
                 f"{style_at(self, module)}: expected the module to return a tensor, or a tuple "
@@ -298,5 +304,5 @@ class PartialSumParallel(ParallelStyle):
             else t
             for t in rest
         ]
-        items = (rt.reduce_partial(first, Replicate(), True), *rest)
+        items = (rt.exit(first, exit, first.shape), *rest)
         return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)

@@ -191,9 +191,21 @@ class SequenceParallel(_ReplicatedParameters):
             )
         check_not_distributed(module)
 
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._validate(module, device_mesh)
+        placements = self._parameter_placements(module)
+        return distribute_and_wrap(self, module, device_mesh, placements, self._boundaries(module))
+
     def _forward(
-        self, module: nn.Module, rt: runtime.DTensorRuntime, own_forward, *inputs, **kwargs
+        self,
+        module: nn.Module,
+        rt: runtime.DTensorRuntime,
+        own_forward,
+        boundaries: tuple[Layout, Layout],
+        *inputs,
+        **kwargs,
     ):
+        entry, exit = boundaries  # the contract's layouts (_boundaries)
         if not inputs or not isinstance(inputs[0], torch.Tensor):
             found = type(inputs[0]).__name__ if inputs else "no input"
             raise ValueError(
@@ -202,14 +214,16 @@ class SequenceParallel(_ReplicatedParameters):
             )
         x = inputs[0]
         try:
-            layout = runtime.normalize(self.sequence_sharding[0], x.ndim)
+            layout = runtime.normalize(entry.to, x.ndim)
+            computed = runtime.normalize(exit.given, x.ndim)
+            handed_on = runtime.normalize(exit.to, x.ndim)
         except runtime.ShardDimError as err:
             raise error_in_module(self, module, err) from None
         global_shape = None  # a local input: even shards, as everywhere
         if isinstance(x, DTensor):
             x = rt.redistribute(x, layout)
             global_shape = x.shape
-            if self.gathers_output and global_shape[layout.dim] % rt.mesh.size():
+            if handed_on != computed and global_shape[layout.dim] % rt.mesh.size():
                 # the same global shape on every rank: every rank raises alike
                 raise ValueError(
                     f"{style_at(self, module)}: the sequence (dim {layout.dim}) of length "
@@ -238,12 +252,9 @@ class SequenceParallel(_ReplicatedParameters):
             out = run_on_local_parameters(module, rt, True, own_forward, x, *inputs[1:], **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
-        if self.gathers_output:
-            # gathered once; the readers' partial input gradients reduce-scattered back
-            return rt.prepare(out, layout, Replicate(), self.use_local_output)
-        if self.use_local_output:
-            return out
-        return DTensor.from_local(out, rt.mesh, (layout,))
+        # handed on as the contract says: as computed, or gathered once (the readers'
+        # partial input gradients reduce-scattered back), a local tensor or a DTensor
+        return rt.prepare(out, computed, handed_on, exit.local)
 
 
 class ReplicateParallel(_ReplicatedParameters):
