@@ -251,6 +251,25 @@ class _ContractScattersSum(PartialSumParallel):
     )
 
 
+class _ContractStatesNoInput(PartialSumParallel):
+    """PartialSumParallel whose contract states none of the module's inputs."""
+
+    contract = dataclasses.replace(
+        PartialSumParallel.contract,
+        names={"test_contract_states_no_input": {}},
+        inputs=lambda s, m: Boundary((), coalesced=True),
+    )
+
+
+class _ExtraInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(sum(extra, x)))
+
+
 def _region_forwards_follow_contracts() -> None:
     mesh = tp_mesh()
     rank, n = mesh.get_local_rank(), mesh.size()
@@ -272,6 +291,14 @@ def _region_forwards_follow_contracts() -> None:
     parallelize_module(model, mesh, plan)
     # PartialSumParallel's forward would hand on the whole sum on every rank
     torch.testing.assert_close(model(x), expected.chunk(n, dim=1)[rank])
+
+    # an input its contract does not state is refused: nothing would sum its gradient
+    parts = {"0.up": LocalLinearParallel("colwise"), "0.down": LocalLinearParallel("rowwise")}
+    for style, call in ((_ContractStatesNoInput(), (x,)), (PartialSumParallel(), (x, x))):
+        model = nn.Sequential(_ExtraInputs())
+        parallelize_module(model, mesh, {"0": style, **parts})
+        with pytest.raises(ValueError, match=r"the floating-point input (0|1) is not an input"):
+            model[0](*call)
 
 
 def test_sequence_parallel_and_partial_sums_compute_the_layouts_their_contract_states():

@@ -132,16 +132,15 @@ class LocalLinearParallel(ParallelStyle):
         return run_on_local_parameters(module, rt, False, own_forward, *inputs, **kwargs)
 
 
-def _forward_inputs(module: nn.Module) -> tuple[list[str], bool]:
-    """The names of ``module``'s forward's positional inputs, and whether it takes more
-    (``*args``)."""
-    names, more = [], False
+def _forward_inputs(module: nn.Module) -> tuple[list[str], list[str]]:
+    """The names of ``module``'s forward's positional inputs, and of its keyword-only ones."""
+    positional, keyword = [], []
     for param in inspect.signature(type(module).forward).parameters.values():
         if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-            names.append(param.name)
-        elif param.kind is param.VAR_POSITIONAL:
-            more = True
-    return names[1:], more  # less self
+            positional.append(param.name)
+        elif param.kind is param.KEYWORD_ONLY:
+            keyword.append(param.name)
+    return positional[1:], keyword  # less self
 
 
 class PartialSumParallel(ParallelStyle):
@@ -156,7 +155,8 @@ class PartialSumParallel(ParallelStyle):
     style: Llama 4's router) is replicated, and, since it computes toward a partial sum, its
     gradient is one too, summed over the ranks. In the forward, the first output (or the
     module's only one) is summed in one all-reduce; in the backward, the gradients of its
-    floating-point inputs, partial sums too, are summed in one all-reduce. Its other outputs
+    floating-point inputs (those its forward names: one passed through ``*args`` or
+    ``**kwargs`` is refused), partial sums too, are summed in one all-reduce. Its other outputs
     are replicated: their gradient counts on one rank, so that the sums hold it once. A
     style that issues collectives of its own inside the region is refused (the sum would
     count its results once per rank), and so is a replicated parameter added to the output
@@ -228,8 +228,12 @@ class PartialSumParallel(ParallelStyle):
 
     def _input_boundary(self, module: nn.Module) -> Boundary:
         whole = Layout(Replicate(), Replicate(), grad=Partial())
-        names, _ = _forward_inputs(module)
-        return Boundary(tuple(whole for _ in names), {n: whole for n in names}, coalesced=True)
+        positional, keyword = _forward_inputs(module)
+        return Boundary(
+            tuple(whole for _ in positional),
+            {n: whole for n in [*positional, *keyword]},
+            coalesced=True,
+        )
 
     def _validate(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         super()._validate(module, device_mesh)
@@ -241,9 +245,11 @@ class PartialSumParallel(ParallelStyle):
         placements = self._parameter_placements(module)
         # its own replicated parameters: partial gradients, like those of the inner modules
         replicated = frozenset(n for n, p in placements.items() if isinstance(p, Replicate))
-        # the layout the contract states for the first output, which the forward computes
-        exit = type(self).contract.outputs(self, module).args[0]
-        return distribute_whole(self, module, device_mesh, placements, replicated, exit)
+        # the layouts the contract states for the inputs and the first output, which the
+        # forward computes with
+        contract = type(self).contract
+        layouts = (contract.inputs(self, module), contract.outputs(self, module).args[0])
+        return distribute_whole(self, module, device_mesh, placements, replicated, layouts)
 
     def _forward(
         self,
@@ -252,20 +258,13 @@ class PartialSumParallel(ParallelStyle):
         own_forward,
         inner: list[nn.Module],
         replicated: frozenset[str],
-        exit: Layout,
+        layouts: tuple[Boundary, Layout],
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        # every floating-point input, read whole: its gradient is a partial sum
+        entry, exit = layouts
         names = list(range(len(args))) + list(kwargs)
-        values = [*args, *kwargs.values()]
-        entering = [
-            i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.is_floating_point()
-        ]
-        if entering:
-            entered = rt.enter_replicated_many(tuple(values[i] for i in entering))
-            for i, value in zip(entering, entered, strict=True):
-                values[i] = value
+        values = self._enter(module, rt, entry, list(args), kwargs)
         args = tuple(values[: len(args)])
         kwargs = dict(zip(names[len(args) :], values[len(args) :], strict=True))
         # the replicated parameters inside, as local tensors with partial gradients
@@ -284,6 +283,53 @@ class PartialSumParallel(ParallelStyle):
         finally:
             swap_back(swapped)
         return self._leave(module, rt, exit, output)
+
+    def _enter(
+        self,
+        module: nn.Module,
+        rt: runtime.DTensorRuntime,
+        entry: Boundary,
+        args: list[Any],
+        kwargs: dict[str, Any],
+    ) -> list[Any]:
+        """The inputs, then the keyword inputs, as ``entry`` (the contract's input layouts)
+        states them: each floating-point one read whole, its gradient a partial sum that the
+        region sums (the whole ones together, in one all-reduce, as ``entry.coalesced``
+        says). A floating-point input the contract does not state (passed through
+        ``*args`` or ``**kwargs``) is refused: nothing would sum its gradient."""
+        values = [*args, *kwargs.values()]
+        stated = [entry.args[i] if i < len(entry.args) else None for i in range(len(args))]
+        stated += [entry.kwargs.get(name) for name in kwargs]
+        floating = [
+            i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ]
+        unstated = [i for i in floating if stated[i] is None]
+        if unstated:
+            where = [
+                f"input {i}" if i < len(args) else repr(list(kwargs)[i - len(args)])
+                for i in unstated
+            ]
+            raise ValueError(
+                f"{style_at(self, module)}: the floating-point {', '.join(where)} is not an "
+                "input the contract states (the forward's named inputs: "
+                f"{', '.join(entry.kwargs) or 'none'}), and the region sums the gradients of "
+                "those only: pass it by one of them"
+            )
+        whole = [
+            i
+            for i in floating
+            if entry.coalesced
+            and isinstance(stated[i].to, Replicate)
+            and isinstance(stated[i].grad, Partial)
+        ]
+        if whole:
+            entered = rt.enter_replicated_many(tuple(values[i] for i in whole))
+            for i, value in zip(whole, entered, strict=True):
+                values[i] = value
+        for i in floating:
+            if i not in whole:
+                values[i] = rt.enter(values[i], stated[i])
+        return values
 
     def _leave(
         self, module: nn.Module, rt: runtime.DTensorRuntime, exit: Layout, output: Any
