@@ -550,6 +550,11 @@ Parameters (per rank: the largest shard, torch.chunk convention)
   output.weight                            1  Shard(0)     1001 x 64  501 x 64   125.2 KiB  250.2 KiB
   total per rank (50.1% of unsharded)     12                                     341.2 KiB  681.2 KiB
 
+Plan quality (sharded: of the parameters matrix products read, and of their FLOPs in one forward; one layer per block)
+  block                 linear parameters  matmul FLOPs
+  layers.*              100% of 46.08K     100% of 3.08 MFLOP
+  (outside the blocks)  100% of 64.06K     100% of 4.10 MFLOP
+
 Collectives per step (model forward and backward, batch 2 x 16; the loss is not included)
   pass      collective              count  bytes each  bytes total  from
   forward   reduce_scatter_tensor       1     8.0 KiB      8.0 KiB  tok_embeddings

@@ -151,7 +151,7 @@ def forward_check(
         if _takes_split_activations(contract, entry) or _own_forward(entry.module):
             return None
     try:
-        snapshot = shapes._meta_copy(module)
+        snapshot = shapes.meta_copy(module)
     except Exception:  # noqa: BLE001 - DTensors already, or a module deepcopy refuses
         return None
     styles = {e.path: type(e.style).__name__ for e in entries}

@@ -180,13 +180,13 @@ def _traced(
     """Both traces and their problems, each block in ``repeats`` replayed from its first
     sibling where its inputs are alike (``None``: the single-device forward failed; with
     ``raise_single``, :class:`ShapeCheckError` says why)."""
-    rank_model = _meta_copy(module)
+    rank_model = meta_copy(module)
     rank_entries = _entries(rank_model, plan)
     refuse_multi_dimensional(rank_entries, "check_shapes")
     _check_applies(rank_model, rank_entries, degree)
 
     single = _Tracer(degree, rank=False, repeats=repeats)
-    single_model = _meta_copy(module)
+    single_model = meta_copy(module)
     single_entries = _entries(single_model, plan)
     _stock_forwards(single_model, single_entries)
     error = single.run(single_model, single_entries, args, kwargs)
@@ -242,7 +242,7 @@ def _map(fn: Callable[[Any], Any], value: Any) -> Any:
     return fn(value)
 
 
-def _meta_copy(module: nn.Module) -> nn.Module:
+def meta_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose parameters and buffers are meta tensors (no memory)."""
     memo: dict[int, Any] = {}
     for tensor in [*module.parameters(), *module.buffers()]:

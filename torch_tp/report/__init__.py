@@ -9,15 +9,24 @@ model built on the meta device.
 * :mod:`torch_tp.report.adapters`: PEFT's LoRA layers a style hosts, traced as their base
   layer's style computes them (the adapters' parameters per rank, their partial sums in a
   row-parallel base's reduction, their partial gradients);
+* :mod:`torch_tp.report.quality`: what a plan splits per block (linear parameters, matmul
+  FLOPs) and the modules it computes whole;
 * :mod:`torch_tp.report.render`: the result (:class:`PlanReport`) and its printed table;
 * :mod:`torch_tp.report.pipeline`: :func:`pipeline_report`, per pipeline stage.
 """
 
 from torch_tp.report.pipeline import PipelineReport, StageRow, pipeline_report
 from torch_tp.report.plan import plan_report
-from torch_tp.report.render import Collective, ParameterGroup, PlanReport, Problem
+from torch_tp.report.render import (
+    BlockQuality,
+    Collective,
+    ParameterGroup,
+    PlanReport,
+    Problem,
+)
 
 __all__ = [
+    "BlockQuality",
     "Collective",
     "ParameterGroup",
     "PipelineReport",

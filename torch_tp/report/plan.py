@@ -65,6 +65,7 @@ from torch_tp.plan_checks import (
     unsummed_gradients,
 )
 from torch_tp.report.adapters import adapter_layouts
+from torch_tp.report.quality import Quality
 from torch_tp.report.render import (
     SEVERITIES,
     ParameterGroup,
@@ -193,6 +194,7 @@ def plan_report(
     inputs = _inputs(example_inputs, batch_size, local_seq_len)
     trace = Trace(valid, n, cpu=device_type == "cpu", mesh_shape=mesh_shape)
     trace.watch_unplanned(model)
+    trace.quality = Quality(model, _parameter_styles(valid), trace.is_shard)
     with torch.enable_grad(), planning(model, styled):
         refused_entries = [e for e in entries if id(e.module) in invalid]
         _train_step(model, trace, inputs, input_layout, refused_entries)
@@ -225,6 +227,7 @@ def plan_report(
         parameters=parameters,
         collectives=group_collectives(trace.events),
         problems=problems,
+        quality=trace.quality.result(),
         mesh_shape=mesh_shape,
         tokens_per_rank=local_seq_len if split else None,
         attention_activations=(
@@ -578,6 +581,21 @@ def _placements(entry: PlanEntry) -> dict[str, Placement]:
         for name, _ in entry.module.named_parameters(recurse=False)
         if name in placements
     }
+
+
+def _parameter_styles(entries: list[PlanEntry]) -> dict[int, tuple[str, Placement, str]]:
+    """By ``id``, each parameter the plan's styles lay out: its path, its placement, and
+    the style (its short form)."""
+    found = {}
+    for entry in entries:
+        for name, placement in planned_placements(entry).items():
+            try:  # a dotted name: a parameter of a submodule the style computes with
+                param = entry.module.get_parameter(name)
+            except AttributeError:
+                continue
+            path = generalize_path(_join(entry.path, name))
+            found[id(param)] = (path, placement, _names.describe(entry.style))
+    return found
 
 
 def _largest_shard(shape: tuple[int, ...], placement: Any, n: int | tuple[int, ...]):

@@ -9,12 +9,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Collective", "ParameterGroup", "PlanEntryRow", "PlanReport", "Problem"]
+__all__ = [
+    "BlockQuality",
+    "Collective",
+    "ParameterGroup",
+    "PlanEntryRow",
+    "PlanReport",
+    "Problem",
+]
 
 FORWARD, BACKWARD = "forward", "backward"
 # where the end-of-backward reduction of partial parameter gradients is reported
 REPLICATED_PARAMETERS = "(replicated parameters)"
 SEVERITIES = ("error", "warning", "note")
+# the block of what is not in any repeated layers (the embedding, the head)
+OUTSIDE = "(outside the blocks)"
 
 
 # ------------------------------------------------------------------------------------------
@@ -102,6 +111,41 @@ class Problem:
     message: str
 
 
+@dataclass
+class BlockQuality:
+    """What a plan splits in one block (the repeated layers, as ``layers.*``, count as one).
+
+    Attributes:
+        block: the block's module path with layer numbers as ``*`` (``"model.layers.*"``), or
+            ``"(outside the blocks)"``: the embedding, the head and anything else.
+        linear_parameters: elements of the parameters that matrix products read (one
+            layer's, for a repeated block).
+        sharded_parameters: of those, the elements of the ones the plan shards.
+        flops: the FLOPs of the block's matrix products in one forward, at the report's batch
+            and sequence length, on one device (one layer's).
+        sharded_flops: of those, the FLOPs the ranks split among them.
+        whole: each module computed whole on every rank (its matrix products split by no
+            rank), with why.
+    """
+
+    block: str
+    linear_parameters: int = 0
+    sharded_parameters: int = 0
+    flops: int = 0
+    sharded_flops: int = 0
+    whole: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def parameter_fraction(self) -> float:
+        """The fraction of the block's linear parameters the plan shards."""
+        return self.sharded_parameters / self.linear_parameters if self.linear_parameters else 1.0
+
+    @property
+    def flop_fraction(self) -> float:
+        """The fraction of the block's matmul FLOPs the ranks split."""
+        return self.sharded_flops / self.flops if self.flops else 1.0
+
+
 @dataclass(frozen=True)
 class PlanEntryRow:
     """One key of the plan: its style (name or short form) and how many modules it matched."""
@@ -126,6 +170,8 @@ class PlanReport:
         parameters: the parameters, grouped.
         collectives: the collectives of one step, grouped.
         problems: the problems found, errors first.
+        quality: what the plan splits, per block: the fractions of its linear parameters
+            and of its matmul FLOPs sharded, and the modules computed whole, with why.
         mesh_shape: the mesh's dimensions and sizes, for a report given them (``{"ep": 2,
             "tp": 2}``); ``None`` for a report given a TP degree.
         tokens_per_rank: under context parallelism (a style that splits the sequence over
@@ -148,6 +194,7 @@ class PlanReport:
     parameters: list[ParameterGroup]
     collectives: list[Collective]
     problems: list[Problem] = field(default_factory=list)
+    quality: list[BlockQuality] = field(default_factory=list)
     mesh_shape: dict[str, int] | None = None
     tokens_per_rank: int | None = None
     attention_activations: tuple[int, int] | None = None
@@ -199,6 +246,7 @@ class PlanReport:
                 self._header(),
                 *self._plan_section(),
                 *self._parameters_section(),
+                *self._quality_section(),
                 *self._attention_section(),
                 *self._collectives_section(),
                 *self._problems_section(),
@@ -281,6 +329,30 @@ class PlanReport:
                 ]
             )
         return rows
+
+    def _quality_section(self) -> list[str]:
+        """What the plan splits per block, and each module it computes whole."""
+        if not self.quality:
+            return []
+        rows = [
+            [
+                q.block,
+                f"{q.parameter_fraction:.0%} of {_count(q.linear_parameters)}",
+                f"{q.flop_fraction:.0%} of {_flops(q.flops)}",
+            ]
+            for q in self.quality
+        ]
+        lines = [
+            "",
+            "Plan quality (sharded: of the parameters matrix products read, and of their "
+            "FLOPs in one forward; one layer per block)",
+            *format_table(["block", "linear parameters", "matmul FLOPs"], rows, right=set()),
+        ]
+        whole = [(module, why) for q in self.quality for module, why in q.whole.items()]
+        if whole:
+            lines.append("  computed whole on every rank:")
+            lines += [f"    {module}: {why}" for module, why in whole]
+        return lines
 
     def _attention_section(self) -> list[str]:
         """The attention activations one rank saves for backward under context parallelism
@@ -434,3 +506,10 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{unit}"
     return str(n)
+
+
+def _flops(n: int) -> str:
+    for unit, scale in (("TFLOP", 10**12), ("GFLOP", 10**9), ("MFLOP", 10**6), ("KFLOP", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} FLOP"

@@ -235,6 +235,15 @@ class Trace:
         # the LoRA factors (lora_A, lora_B) a hosted PEFT layer computes with in the call of
         # its base layer running now (torch_tp.style.adapters): id(base) -> factors
         self.adapters: dict[int, list[tuple[nn.Module, nn.Module]]] = {}
+        # what the plan splits, per block (torch_tp.report.quality), fed every op
+        self.quality: Any = None
+
+    def is_shard(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is, in the parallel model, this rank's shard of a larger tensor."""
+        state = self.states.get(id(t))
+        if isinstance(state, _Local):
+            return isinstance(state.layout, (Shard, StridedShard))
+        return isinstance(state, DTensorNode) and isinstance(state.placement, Shard)
 
     def watch_unplanned(self, model: nn.Module) -> None:
         """Watch the parameters no entry's style places: one that computes on a sharded
@@ -826,6 +835,9 @@ class _LayoutMode(TorchFunctionMode):
         if any(t.is_meta for t in leaves) and not all(t.is_meta for t in leaves):
             args, kwargs = on_meta((args, kwargs))
         out = func(*args, **kwargs)
+        if self.trace.quality is not None:
+            scope = self.trace.scope
+            self.trace.quality.on_op(func, args, kwargs, out, scope[-1] if scope else "")
         if self.trace.local_depth == 0:
             if func is F.scaled_dot_product_attention and self.trace.attention:
                 self.trace.on_attention(args, kwargs, out)

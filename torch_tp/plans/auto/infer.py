@@ -132,11 +132,20 @@ def auto(
             )
         whole.update(more)
     if reasons:
+        quality = _quality(model, plan, degree, example_inputs, example_kwargs)
+        split = "".join(
+            f"; {q.block}: {q.parameter_fraction:.0%} of its linear parameters and "
+            f"{q.flop_fraction:.0%} of its matmul FLOPs sharded"
+            for q in quality
+        )
         warnings.warn(
             ReplicatedModulesWarning(
                 "auto() leaves modules whole on every rank (correct, but their work is not "
-                "split): " + "; ".join(f"{key!r}: {reason}" for key, reason in reasons.items()),
+                "split): "
+                + "; ".join(f"{key!r}: {reason}" for key, reason in reasons.items())
+                + split,
                 list(reasons),
+                quality,
             ),
             stacklevel=2,
         )
@@ -253,6 +262,33 @@ def _shape_problems(
         return []
 
 
+def _quality(
+    model: nn.Module, plan: dict, degree: int, example_inputs: Any, example_kwargs: Any
+) -> list:
+    """What ``plan`` splits in each block of ``model`` (the dry-run report's
+    :attr:`~torch_tp.report.PlanReport.quality`, traced on a meta copy); empty where the
+    report cannot trace the model with these inputs."""
+    from torch_tp.report import plan_report
+    from torch_tp.shapes import meta_copy, on_meta
+
+    if example_kwargs:
+        if example_inputs is not None:
+            return []  # positional and keyword inputs together: the report takes one kind
+        example_inputs = dict(example_kwargs)
+    try:
+        report = plan_report(
+            meta_copy(model),
+            plan,
+            degree,
+            batch_size=2,
+            seq_len=8,  # the shape check's default inputs: token ids of shape (2, 8)
+            example_inputs=on_meta(example_inputs),
+        )
+    except Exception:  # the report's own limits (a forward it cannot trace): no fractions
+        return []
+    return report.quality
+
+
 def _fallbacks(model: nn.Module, problems: list, groups: dict[str, str]) -> dict[str, str] | None:
     """The planned groups (plan keys of their parents) that the shape check's problems lie in,
     each with the first problem as the reason; ``None`` if a problem lies in no such group.
@@ -278,11 +314,14 @@ class ReplicatedModulesWarning(UserWarning):
     """:func:`auto` left these modules (plan-key paths, in :attr:`modules`) whole: every rank
     computes them whole (mixers it cannot split are kept whole too; an attention whose heads
     cannot be made per-rank has its projections' weights sharded and gathered). The message
-    gives each module's reason."""
+    gives each module's reason, and what the plan still splits per block: :attr:`quality`,
+    the dry-run report's (:class:`torch_tp.report.BlockQuality`; empty where the report
+    cannot trace the model)."""
 
-    def __init__(self, message: str, modules: list[str]) -> None:
+    def __init__(self, message: str, modules: list[str], quality: list | None = None) -> None:
         super().__init__(message)
         self.modules = tuple(modules)
+        self.quality = tuple(quality or ())
 
 
 # ------------------------------------------------------------------------------------------
