@@ -221,7 +221,7 @@ Parameters (per rank: the largest shard, torch.chunk convention)
   total per rank (51.3% of unsharded)                       16                                    27.9 KiB   54.4 KiB
   of which LoRA adapters (hosted)                            4                                     1.5 KiB    2.0 KiB
 
-Plan quality (sharded: of the parameters matrix products read, and of their FLOPs in one forward; one layer per block)
+Plan quality (sharded: of the parameters matrix products read, and of their FLOPs in one forward; a block: all its layers)
   block                 linear parameters  matmul FLOPs
   model.layers.*        100% of 9.22K      100% of 311.30 KFLOP
   (outside the blocks)  100% of 2.05K      100% of 65.54 KFLOP

@@ -550,7 +550,7 @@ Parameters (per rank: the largest shard, torch.chunk convention)
   output.weight                            1  Shard(0)     1001 x 64  501 x 64   125.2 KiB  250.2 KiB
   total per rank (50.1% of unsharded)     12                                     341.2 KiB  681.2 KiB
 
-Plan quality (sharded: of the parameters matrix products read, and of their FLOPs in one forward; one layer per block)
+Plan quality (sharded: of the parameters matrix products read, and of their FLOPs in one forward; a block: all its layers)
   block                 linear parameters  matmul FLOPs
   layers.*              100% of 46.08K     100% of 3.08 MFLOP
   (outside the blocks)  100% of 64.06K     100% of 4.10 MFLOP

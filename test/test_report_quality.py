@@ -52,12 +52,11 @@ def test_the_reference_plan_shards_every_block_whole():
         assert quality.parameter_fraction == 1.0 and quality.flop_fraction == 1.0
         assert quality.whole == {}
     model = _llama()
-    layer = model.layers[0]
-    linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
-    # one layer's, counted once for the repeated blocks
+    linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+    # every layer of the block
     assert blocks["layers.*"].linear_parameters == sum(m.weight.numel() for m in linears)
-    expected = sum(_linear_flops(m) for m in linears) + _attention_flops(model)
-    assert blocks["layers.*"].flops == expected
+    attention = len(model.layers) * _attention_flops(model)
+    assert blocks["layers.*"].flops == sum(map(_linear_flops, linears)) + attention
     assert "Plan quality" in str(report) and "computed whole" not in str(report)
 
 
@@ -66,16 +65,17 @@ def test_an_attention_left_out_is_counted_and_named():
     report = plan_report(_llama(), plan, 2, batch_size=BATCH, seq_len=SEQ)
     quality = _blocks(report)["layers.*"]
     model = _llama()
-    attention = model.layers[0].attention
-    feed_forward = model.layers[0].feed_forward
-    mlp = [m for m in feed_forward.modules() if isinstance(m, nn.Linear)]
-    attn = [attention.wq, attention.wk, attention.wv, attention.wo]
+    layers = list(model.layers)
+    mlp = [m for layer in layers for m in layer.feed_forward.modules() if isinstance(m, nn.Linear)]
+    attn = [m for layer in layers for m in layer.attention.modules() if isinstance(m, nn.Linear)]
+    assert len(attn) == 4 * len(layers)  # wq, wk, wv, wo
     params = [m.weight.numel() for m in attn + mlp]
     assert quality.linear_parameters == sum(params)
     assert quality.sharded_parameters == sum(m.weight.numel() for m in mlp)
     sharded = sum(_linear_flops(m) for m in mlp)
     assert quality.sharded_flops == sharded
-    assert quality.flops == sharded + sum(map(_linear_flops, attn)) + _attention_flops(model)
+    whole = sum(map(_linear_flops, attn)) + len(layers) * _attention_flops(model)
+    assert quality.flops == sharded + whole
     assert 0 < quality.flop_fraction < 1 and 0 < quality.parameter_fraction < 1
     assert quality.whole["layers.*.attention.wq"] == (
         "no style shards layers.*.attention.wq.weight: every rank holds and computes all of it"
@@ -126,7 +126,7 @@ def test_linear_layers_of_any_kind_and_replicated_ones():
     report = plan_report(model, plan, 2, batch_size=BATCH, seq_len=SEQ, example_inputs=inputs)
     blocks = _blocks(report)
     layer = blocks["layers.*"]
-    own, planned = 8 * 8, 8 * 32 + 32 * 8  # one layer's weights
+    own, planned = 3 * 8 * 8, 3 * (8 * 32 + 32 * 8)  # the three layers' weights
     assert (layer.linear_parameters, layer.sharded_parameters) == (own + planned, planned)
     # every product reads the same tokens: the FLOPs split as the weights do
     assert layer.flop_fraction == planned / (own + planned)

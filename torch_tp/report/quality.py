@@ -152,9 +152,8 @@ class Quality:
         # id of a view of a parameter -> the parameter's id; the tensors kept alive meanwhile
         self.views: dict[int, int] = {}
         self.alive: list[torch.Tensor] = []
-        self.counted: set[int] = set()  # parameters already counted (once: tied or repeated)
+        self.counted: set[int] = set()  # parameters already counted (a tied one once)
         self.blocks: dict[str, BlockQuality] = {}
-        self.layers: dict[str, set[str]] = {}  # block -> the layer paths seen, to count one
 
     def on_op(self, func: Callable, args: tuple, kwargs: dict, out: Any, path: str) -> None:
         """Account one op of the trace, run inside the module at ``path``."""
@@ -177,10 +176,6 @@ class Quality:
         params = [self._parameter(t) for t in inputs]
         block = block_of(path)
         quality = self.blocks.setdefault(block, BlockQuality(block))
-        # a repeated block counts one layer's: the first one's
-        layers = self.layers.setdefault(block, set())
-        layers.add(_layer(path))
-        first = block == OUTSIDE or _layer(path) == min(layers, key=_numbers)
         sharded = False
         for pid in {p for p in params if p is not None}:
             name, placement, style = self.placements.get(pid, (self.names.get(pid, "?"), None, ""))
@@ -189,17 +184,16 @@ class Quality:
                 and any(isinstance(p, (Shard, StridedShard)) for p in placement)
             )
             sharded = sharded or shards
-            if pid not in self.counted and first:
+            if pid not in self.counted:
                 self.counted.add(pid)
                 numel = self.sizes.get(pid, 0)
                 quality.linear_parameters += numel
                 quality.sharded_parameters += numel if shards else 0
         if not sharded:
             sharded = any(self.is_shard(t) for t in inputs)
-        if first:
-            flops = count(args, kwargs, out)
-            quality.flops += flops
-            quality.sharded_flops += flops if sharded else 0
+        flops = count(args, kwargs, out)
+        quality.flops += flops
+        quality.sharded_flops += flops if sharded else 0
         if not sharded:
             quality.whole.setdefault(_general(path) or "(the model)", self._why(params))
 
@@ -235,16 +229,3 @@ def _multiplied(func: Callable, args: tuple, kwargs: dict) -> list[torch.Tensor]
     else:
         found = list(tree_leaves((args, kwargs)))
     return [t for t in found if isinstance(t, torch.Tensor)]
-
-
-def _layer(path: str) -> str:
-    """The layer a module path is in: up to its first layer number (``layers.3``)."""
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return path
-
-
-def _numbers(path: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in path.split(".") if p.isdigit())

@@ -113,16 +113,15 @@ class Problem:
 
 @dataclass
 class BlockQuality:
-    """What a plan splits in one block (the repeated layers, as ``layers.*``, count as one).
+    """What a plan splits in one block (the repeated layers, ``layers.*``, all of them).
 
     Attributes:
         block: the block's module path with layer numbers as ``*`` (``"model.layers.*"``), or
             ``"(outside the blocks)"``: the embedding, the head and anything else.
-        linear_parameters: elements of the parameters that matrix products read (one
-            layer's, for a repeated block).
+        linear_parameters: elements of the parameters that matrix products read.
         sharded_parameters: of those, the elements of the ones the plan shards.
         flops: the FLOPs of the block's matrix products in one forward, at the report's batch
-            and sequence length, on one device (one layer's).
+            and sequence length, on one device.
         sharded_flops: of those, the FLOPs the ranks split among them.
         whole: each module computed whole on every rank (its matrix products split by no
             rank), with why.
@@ -345,7 +344,7 @@ class PlanReport:
         lines = [
             "",
             "Plan quality (sharded: of the parameters matrix products read, and of their "
-            "FLOPs in one forward; one layer per block)",
+            "FLOPs in one forward; a block: all its layers)",
             *format_table(["block", "linear parameters", "matmul FLOPs"], rows, right=set()),
         ]
         whole = [(module, why) for q in self.quality for module, why in q.whole.items()]
