@@ -178,7 +178,7 @@ class Quality:
         quality = self.blocks.setdefault(block, BlockQuality(block))
         sharded = False
         for pid in {p for p in params if p is not None}:
-            name, placement, style = self.placements.get(pid, (self.names.get(pid, "?"), None, ""))
+            placement = self.placements.get(pid, ("", None, ""))[1]
             shards = isinstance(placement, (Shard, StridedShard)) or (
                 isinstance(placement, tuple)
                 and any(isinstance(p, (Shard, StridedShard)) for p in placement)
