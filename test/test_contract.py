@@ -266,8 +266,8 @@ class _ExtraInputs(nn.Module):
         super().__init__()
         self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8, bias=False)
 
-    def forward(self, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
-        return self.down(self.up(sum(extra, x)))
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor, **named: torch.Tensor):
+        return self.down(self.up(sum(named.values(), sum(extra, x))))
 
 
 def _region_forwards_follow_contracts() -> None:
@@ -294,11 +294,16 @@ def _region_forwards_follow_contracts() -> None:
 
     # an input its contract does not state is refused: nothing would sum its gradient
     parts = {"0.up": LocalLinearParallel("colwise"), "0.down": LocalLinearParallel("rowwise")}
-    for style, call in ((_ContractStatesNoInput(), (x,)), (PartialSumParallel(), (x, x))):
+    cases = (
+        (_ContractStatesNoInput(), (x,), {}, "input 0"),
+        (PartialSumParallel(), (x, x), {}, "input 1"),
+        (PartialSumParallel(), (x,), {"shift": x}, "'shift'"),
+    )
+    for style, args, kwargs, where in cases:
         model = nn.Sequential(_ExtraInputs())
         parallelize_module(model, mesh, {"0": style, **parts})
-        with pytest.raises(ValueError, match=r"the floating-point input (0|1) is not an input"):
-            model[0](*call)
+        with pytest.raises(ValueError, match=f"the floating-point {where} is not an input"):
+            model[0](*args, **kwargs)
 
 
 def test_sequence_parallel_and_partial_sums_compute_the_layouts_their_contract_states():

@@ -116,6 +116,14 @@ class ParallelStyle(ABC):
         contract = type(self).contract
         return contract.inputs(self, module).args[0], contract.outputs(self, module).args[0]
 
+    def _entry_and_exit(self, module: nn.Module) -> tuple[Any, Layout]:
+        """The contract's input boundary of ``module`` (a ``Boundary``, or ``None``: its
+        inputs are used as they come) and the layout of its first output, for a style whose
+        forward enters several inputs: bound into the forward at ``_apply``, as
+        :meth:`_boundaries` is."""
+        contract = type(self).contract
+        return contract.inputs(self, module), contract.outputs(self, module).args[0]
+
     def _check_kind(self, module: nn.Module) -> None:
         """Raise ``NotImplementedError`` unless the contract accepts ``module``'s kind."""
         contract = self.contract

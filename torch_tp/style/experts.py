@@ -205,7 +205,7 @@ class TensorParallelExperts(ParallelStyle):
             module,
             device_mesh,
             self.contract.parameters(self, module),
-            _layouts(self, module),
+            self._entry_and_exit(module),
         )
         # hosts PEFT's LoRA on the weights, now or when PEFT wraps the experts later
         _adapters.remember(module, self, runtime.for_mesh(device_mesh))
@@ -408,7 +408,7 @@ class ExpertParallel(ParallelStyle):
         n_experts = next(module.parameters()).shape[0]
         placements = self.contract.parameters(self, module)
         return distribute_and_wrap(
-            self, module, device_mesh, placements, _layouts(self, module), n_experts
+            self, module, device_mesh, placements, self._entry_and_exit(module), n_experts
         )
 
     def _forward(
@@ -567,14 +567,6 @@ def _refuse_dtensor_tokens(style: ParallelStyle, module: nn.Module, inputs: tupl
             f"{style_at(style, module)}: expected this rank's tokens as local tensors, found a "
             "DTensor (give the module local tensors, e.g. with use_local_output=True)"
         )
-
-
-def _layouts(style: ParallelStyle, module: nn.Module) -> tuple[Boundary | None, Layout]:
-    """The experts' input boundary (``None``: their inputs are used as they come) and the
-    layout of their output, as the style's contract states them: bound into the forward at
-    ``_apply``, which computes with them."""
-    contract = type(style).contract
-    return contract.inputs(style, module), contract.outputs(style, module).args[0]
 
 
 def _enter_tokens(
@@ -787,7 +779,7 @@ class ExpertTensorParallel(ParallelStyle):
         n_experts = (module.up_proj if ungated else module.gate_up_proj).shape[0]
         ep, tp = device_mesh[names[0]], runtime.for_mesh(device_mesh[names[1]])
         placements = self.contract.parameters(self, module)
-        layouts = _layouts(self, module)
+        layouts = self._entry_and_exit(module)
         return distribute_and_wrap(
             self, module, device_mesh, placements, layouts, ep, tp, n_experts
         )

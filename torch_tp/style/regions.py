@@ -245,10 +245,7 @@ class PartialSumParallel(ParallelStyle):
         placements = self._parameter_placements(module)
         # its own replicated parameters: partial gradients, like those of the inner modules
         replicated = frozenset(n for n, p in placements.items() if isinstance(p, Replicate))
-        # the layouts the contract states for the inputs and the first output, which the
-        # forward computes with
-        contract = type(self).contract
-        layouts = (contract.inputs(self, module), contract.outputs(self, module).args[0])
+        layouts = self._entry_and_exit(module)  # the contract's, which the forward computes
         return distribute_whole(self, module, device_mesh, placements, replicated, layouts)
 
     def _forward(
